@@ -1,0 +1,220 @@
+"""Run configuration: dataclasses merged from YAML files and dotted CLI overrides.
+
+The schema is a tree of dataclasses; OmegaConf validates types and rejects unknown keys, so a
+typo in a YAML file or in ``--set a.b=c`` fails with an error naming the key. ``load_config``
+returns a read-only OmegaConf object whose attribute access mirrors the dataclasses below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the file and key."""
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of a freshly initialised demo model (used when ``model.path`` is empty)."""
+
+    family: str = "qwen3"
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 512
+
+
+@dataclass
+class ModelSection:
+    """Policy model: a HF checkpoint directory, or a tiny model initialised from ``tiny``."""
+
+    path: str = ""  # directory with config.json + *.safetensors (+ tokenizer.json); "" = tiny demo model
+    tokenizer_path: str = ""  # tokenizer.json; "" = <path>/tokenizer.json or the demo tokenizer
+    dtype: str = "float32"  # compute/param dtype: float32 | bfloat16
+    prompt_template: str = "{question}\n"  # formats a problem into the prompt text
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class DataSection:
+    """Training / evaluation problems."""
+
+    source: str = "synthetic"  # synthetic | gsm8k
+    train_path: str = ""  # gsm8k: path to train.jsonl
+    test_path: str = ""  # gsm8k: path to test.jsonl
+    seed: int = 0
+    num_train: int = 20000  # synthetic: problems in the train split
+    num_eval: int = 300  # held-out problems evaluated before/after RL
+    min_steps: int = 2  # synthetic: arithmetic steps per problem
+    max_steps: int = 4
+    max_number: int = 20  # synthetic: operands drawn from [1, max_number]
+    tokenizer_vocab_size: int = 256  # demo tokenizer (trained on the task corpus)
+
+
+@dataclass
+class RolloutSection:
+    """Rollout engine: paged KV pool, continuous batching and sampling."""
+
+    max_slots: int = 64  # concurrent sequences (continuous-batching slots)
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # KV pages in the pool; 0 = enough for max_slots full-length sequences
+    max_prompt_len: int = 128  # tokens
+    max_new_tokens: int = 96
+    prefill_chunk: int = 0  # reserved for chunked prefill; 0 = whole prompts
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    on_overlong_prompt: str = "error"  # error | skip
+    attention_impl: str = "reference"  # attention op implementation
+
+
+@dataclass
+class SFTSection:
+    """Supervised warm start on worked solutions."""
+
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+
+
+@dataclass
+class GRPOSection:
+    """GRPO family objective (ARCHITECTURE.md section 7)."""
+
+    steps: int = 40
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8  # group size n
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
+    scale_by_std: bool = True  # False = Dr.GRPO advantages (r - mean)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
+    minibatches: int = 1
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_consecutive_nonfinite: int = 3
+
+
+@dataclass
+class RunSection:
+    """Where and how a run writes its outputs."""
+
+    name: str = "demo"
+    runs_dir: str = "runs"
+    seed: int = 0
+    checkpoint_every: int = 10  # steps
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # steps; 0 = only before and after
+    progress: bool = True
+    init_from: str = ""  # checkpoint directory (e.g. an SFT run's) to start GRPO from
+
+
+@dataclass
+class SpecSection:
+    """HistoSpec switches (ARCHITECTURE.md section 5)."""
+
+    enabled: bool = False
+
+
+@dataclass
+class RunConfig:
+    """Top-level run configuration (configs/*.yaml)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    run: RunSection = field(default_factory=RunSection)
+    spec: SpecSection = field(default_factory=SpecSection)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Any:
+    """Build the run configuration from defaults, a YAML file and dotted overrides.
+
+    Args:
+      path: YAML file whose keys follow ``RunConfig``; a top-level ``defaults: [other.yaml]``
+        list loads those files first (paths relative to this file).
+      overrides: ``["grpo.steps=10", "run.name=x"]`` style strings, applied last.
+
+    Returns:
+      A read-only OmegaConf ``DictConfig`` typed by ``RunConfig``.
+
+    Raises:
+      ConfigError: the file is missing or not valid YAML, a key is unknown, or a value has the
+        wrong type; the message names the file (or ``--set``) and the key.
+    """
+    cfg = OmegaConf.structured(RunConfig)
+    if path is not None:
+        cfg = _merge_file(cfg, Path(path), seen=())
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. grpo.steps=10")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"--set {item!r}: {_first_line(exc)}") from None
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _merge_file(cfg: DictConfig, path: Path, seen: tuple) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: circular 'defaults' include")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends carry line numbers in their text
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    includes = raw.pop("defaults", [])
+    for inc in includes:
+        cfg = _merge_file(cfg, path.parent / str(inc), seen + (path.resolve(),))
+    try:
+        return OmegaConf.merge(cfg, raw)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return " ".join(line.strip() for line in text[:3]) if text else type(exc).__name__
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict of a config (for saving next to a run)."""
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def schema_fields() -> list[str]:
+    """Dotted names of every configurable field (for docs and error hints)."""
+    out = []
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                walk(type(default), prefix + f.name + ".")
+            else:
+                out.append(prefix + f.name)
+
+    walk(RunConfig, "")
+    return out
