@@ -1,0 +1,188 @@
+"""Reference (oracle) ragged paged attention in plain ``jax.numpy``; runs on any backend.
+
+Semantics follow the layout JAX's ``ragged_paged_attention`` (jax/experimental/pallas/ops/tpu),
+tpu-inference and Levanter converged on (ARCHITECTURE.md section 4):
+
+* ``q [T_total, H, hd]`` packs the new tokens of ``S`` sequences back to back; sequence ``s``
+  owns rows ``cu_q_lens[s] : cu_q_lens[s + 1]``.
+* ``k_pages, v_pages [KVH, num_pages, page_size, hd]`` hold one layer's KV pool; sequence ``s``
+  reads its cache through ``page_indices[s]`` (token ``j`` lives in page
+  ``page_indices[s, j // page_size]`` at offset ``j % page_size``).
+* ``kv_lens[s]`` counts the cached tokens *including* the new ones, so query ``i`` of sequence
+  ``s`` sits at position ``kv_lens[s] - q_len[s] + i`` and attends to keys ``k_pos <= q_pos``
+  (and ``q_pos - k_pos < sliding_window`` when a window is set).
+* Sequences ``s >= num_seqs[0]`` and rows past ``cu_q_lens[num_seqs[0]]`` produce zeros.
+* GQA: query head ``h`` uses KV head ``h // (H // KVH)``.
+
+The implementation is vectorised (no Python loop over sequences): each sequence's query rows
+are gathered into ``[S, max_q_len, H, hd]``, its pages into ``[S, pages_per_seq * page_size,
+KVH, hd]``, a masked softmax runs in float32, and the result is scattered back to packed rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+class RaggedAttentionInputError(ValueError):
+    """Inconsistent shapes/dtypes passed to ragged paged attention (message names the argument)."""
+
+
+def _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len):
+    where = "pallas_kernels/ragged_paged_attention/reference.py"
+    if q.ndim != 3:
+        raise RaggedAttentionInputError(f"{where}: q must be [T_total, H, hd], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise RaggedAttentionInputError(
+            f"{where}: k_pages/v_pages must both be [KVH, num_pages, page_size, hd], "
+            f"got {k_pages.shape} and {v_pages.shape}")
+    _, h, hd = q.shape
+    kvh, _, _, khd = k_pages.shape
+    if khd != hd:
+        raise RaggedAttentionInputError(f"{where}: head_dim of q ({hd}) != head_dim of k_pages ({khd})")
+    if h % kvh:
+        raise RaggedAttentionInputError(
+            f"{where}: num_heads ({h}) must be a multiple of num_kv_heads ({kvh})")
+    if page_indices.ndim != 2:
+        raise RaggedAttentionInputError(
+            f"{where}: page_indices must be [S, pages_per_seq], got {page_indices.shape}")
+    s = page_indices.shape[0]
+    if kv_lens.shape != (s,):
+        raise RaggedAttentionInputError(f"{where}: kv_lens must be [S]={s}, got {kv_lens.shape}")
+    if cu_q_lens.shape != (s + 1,):
+        raise RaggedAttentionInputError(f"{where}: cu_q_lens must be [S+1]={s + 1}, got {cu_q_lens.shape}")
+    if num_seqs.shape != (1,):
+        raise RaggedAttentionInputError(f"{where}: num_seqs must be [1], got {num_seqs.shape}")
+    if max_q_len < 1:
+        raise RaggedAttentionInputError(f"{where}: max_q_len must be >= 1, got {max_q_len}")
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T H hd"],
+    k_pages: Float[Array, "KVH P ps hd"],
+    v_pages: Float[Array, "KVH P ps hd"],
+    kv_lens: Int[Array, "S"],
+    page_indices: Int[Array, "S pps"],
+    cu_q_lens: Int[Array, "S+1"],
+    num_seqs: Int[Array, "1"],
+    *,
+    sm_scale: float,
+    max_q_len: int,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> Float[Array, "T H hd"]:
+    """Attention of packed ragged queries over a paged KV cache (one layer).
+
+    Args:
+      q: ``[T_total, H, hd]`` queries of the new tokens (f32 or bf16).
+      k_pages, v_pages: ``[KVH, num_pages, page_size, hd]`` KV pool of this layer (new tokens
+        already written, see ``write_kv``).
+      kv_lens: ``i32[S]`` cached tokens per sequence including the new ones.
+      page_indices: ``i32[S, pages_per_seq]`` page table; entries past a sequence's length are
+        ignored (must still be valid page ids, e.g. 0).
+      cu_q_lens: ``i32[S+1]`` cumulative query lengths (``cu_q_lens[0] == 0``).
+      num_seqs: ``i32[1]`` number of live sequences; the rest produce zeros.
+      sm_scale: score scale (usually ``head_dim ** -0.5``).
+      max_q_len: static upper bound on every ``q_len`` (rows beyond it are silently dropped).
+      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)`` (after scaling).
+      sliding_window: if set, a query only sees keys with ``q_pos - k_pos < sliding_window``.
+
+    Returns:
+      ``[T_total, H, hd]`` in ``q.dtype``; rows not owned by a live sequence are zero.
+
+    Raises:
+      RaggedAttentionInputError: inconsistent ranks/shapes.
+    """
+    _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
+    t_total, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_s, pages_per_seq = page_indices.shape
+    group = num_heads // num_kv_heads
+    kv_cap = pages_per_seq * page_size
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    live = jnp.arange(num_s) < num_seqs[0]
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+
+    # Gather each sequence's query rows: [S, Q, H, hd].
+    qi = jnp.arange(max_q_len, dtype=jnp.int32)
+    rows = cu_q_lens[:-1, None] + qi[None, :]  # [S, Q]
+    row_ok = qi[None, :] < q_lens[:, None]  # [S, Q]
+    q_seq = q[jnp.clip(rows, 0, t_total - 1)]  # [S, Q, H, hd]
+    q_seq = q_seq.reshape(num_s, max_q_len, num_kv_heads, group, head_dim)
+
+    # Gather each sequence's pages: [S, KVH, L, hd].
+    pages = jnp.clip(page_indices, 0, k_pages.shape[1] - 1)
+    k_seq = k_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim).transpose(1, 0, 2, 3)
+    v_seq = v_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim).transpose(1, 0, 2, 3)
+
+    scores = jnp.einsum("sqkgd,skld->skgql", q_seq.astype(jnp.float32), k_seq.astype(jnp.float32))
+    scores = scores * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+
+    q_pos = kv_lens[:, None] - q_lens[:, None] + qi[None, :]  # [S, Q]
+    k_pos = jnp.arange(kv_cap, dtype=jnp.int32)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    if sliding_window is not None:
+        mask = mask & (q_pos[:, :, None] - k_pos[None, None, :] < sliding_window)
+    mask = mask & row_ok[:, :, None]  # [S, Q, L]
+    mask = mask[:, None, None]  # [S, 1, 1, Q, L]
+
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("skgql,skld->sqkgd", p, v_seq.astype(jnp.float32))
+    out = out.reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
+
+    # Scatter back to packed rows; rows of dead sequences / padding go out of bounds and drop.
+    dest = jnp.where(row_ok, rows, t_total)
+    packed = jnp.zeros_like(q)
+    return packed.at[dest.reshape(-1)].set(out.reshape(-1, num_heads, head_dim), mode="drop")
+
+
+def write_kv(
+    k_pages: Float[Array, "KVH P ps hd"],
+    v_pages: Float[Array, "KVH P ps hd"],
+    k_new: Float[Array, "T KVH hd"],
+    v_new: Float[Array, "T KVH hd"],
+    slot_mapping: Int[Array, "T"],
+) -> tuple[Float[Array, "KVH P ps hd"], Float[Array, "KVH P ps hd"]]:
+    """Write new keys/values into their flat slots of one layer's KV pool.
+
+    Args:
+      k_pages, v_pages: ``[KVH, num_pages, page_size, hd]`` pool (donate it under jit to update
+        in place).
+      k_new, v_new: ``[T, KVH, hd]`` new keys/values (cast to the pool dtype).
+      slot_mapping: ``i32[T]`` flat slot ``page * page_size + offset`` per token; padding tokens
+        point into the reserved scratch page 0 (their writes may collide; that page is never read
+        by a live sequence).
+
+    Returns:
+      The updated ``(k_pages, v_pages)``.
+
+    Raises:
+      RaggedAttentionInputError: shapes disagree.
+    """
+    kvh, num_pages, page_size, hd = k_pages.shape
+    if k_new.shape != v_new.shape or k_new.ndim != 3 or k_new.shape[1:] != (kvh, hd):
+        raise RaggedAttentionInputError(
+            "pallas_kernels/ragged_paged_attention/reference.py: write_kv k_new/v_new must be "
+            f"[T, {kvh}, {hd}], got {k_new.shape} and {v_new.shape}")
+    if slot_mapping.shape != (k_new.shape[0],):
+        raise RaggedAttentionInputError(
+            "pallas_kernels/ragged_paged_attention/reference.py: write_kv slot_mapping must be "
+            f"[T]={k_new.shape[0]}, got {slot_mapping.shape}")
+    flat = (kvh, num_pages * page_size, hd)
+    k = k_pages.reshape(flat).at[:, slot_mapping].set(k_new.transpose(1, 0, 2).astype(k_pages.dtype))
+    v = v_pages.reshape(flat).at[:, slot_mapping].set(v_new.transpose(1, 0, 2).astype(v_pages.dtype))
+    return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
+
+
+__all__ = ["RaggedAttentionInputError", "ragged_paged_attention", "write_kv"]
