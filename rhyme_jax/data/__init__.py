@@ -1,1 +1,54 @@
+"""Datasets (GSM8K jsonl, the embedded synthetic arithmetic task) and verifiable rewards."""
 
+from __future__ import annotations
+
+from typing import Any
+
+from rhyme_jax.data.gsm8k import load_gsm8k
+from rhyme_jax.data.problems import DataError, Problem
+from rhyme_jax.data.rewards import answers_match, extract_answer, reward
+from rhyme_jax.data.synthetic import corpus, make_problems
+
+SOURCES = ("synthetic", "gsm8k")
+
+__all__ = [
+    "DataError", "Problem", "SOURCES", "answers_match", "corpus", "extract_answer", "load_gsm8k",
+    "load_problems", "make_problems", "reward",
+]
+
+
+def load_problems(data_cfg: Any) -> tuple[list[Problem], list[Problem]]:
+    """Train and held-out eval problems for a run's ``data`` config section.
+
+    Args:
+      data_cfg: a ``DataSection`` (or the OmegaConf node ``cfg.data``). ``source == "synthetic"``
+        uses ``seed, num_train, num_eval, min_steps, max_steps, max_number``; ``"gsm8k"`` reads
+        ``train_path`` and ``test_path`` (the test split serves as eval).
+
+    Returns:
+      ``(train, eval)``; the eval list has at most ``data_cfg.num_eval`` problems (a prefix, so
+      ids stay stable). ``num_eval <= 0`` gives an empty eval list.
+
+    Raises:
+      DataError: unknown ``data.source``, a missing ``data.train_path``/``data.test_path`` for
+        gsm8k, ``data.num_train`` < 0, or any loader error (which names file:line).
+    """
+    source = data_cfg.source
+    num_eval = max(int(data_cfg.num_eval), 0)
+    if source == "synthetic":
+        if int(data_cfg.num_train) < 0:
+            raise DataError(f"data.num_train must be >= 0, got {data_cfg.num_train}")
+        kw = dict(min_steps=int(data_cfg.min_steps), max_steps=int(data_cfg.max_steps),
+                  max_number=int(data_cfg.max_number))
+        seed = int(data_cfg.seed)
+        train = make_problems(seed, "train", int(data_cfg.num_train), **kw)
+        evals = make_problems(seed, "eval", num_eval, **kw)
+        return train, evals
+    if source == "gsm8k":
+        for key in ("train_path", "test_path"):
+            if not str(getattr(data_cfg, key) or ""):
+                raise DataError(f"data.{key} must be set when data.source is 'gsm8k'")
+        train = load_gsm8k(data_cfg.train_path)
+        evals = load_gsm8k(data_cfg.test_path)[:num_eval]
+        return train, evals
+    raise DataError(f"data.source must be one of {SOURCES}, got {source!r}")

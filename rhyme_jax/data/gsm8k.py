@@ -1,0 +1,64 @@
+"""GSM8K loader (Cobbe et al. 2021, https://github.com/openai/grade-school-math).
+
+Each line of the jsonl files is ``{"question": str, "answer": "<reasoning>\\n#### <final>"}``.
+The reasoning contains calculator annotations ``<<48/2=24>>`` which are kept verbatim in
+``Problem.solution``; the canonical answer is the text after the last ``####`` with thousands
+commas removed (``"1,000"`` -> ``"1000"``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rhyme_jax.data.problems import DataError, Problem
+
+
+def canonical_gsm8k_answer(final: str) -> str:
+    """Canonical form of a GSM8K final answer: stripped, thousands commas and a ``$`` removed."""
+    return final.strip().replace(",", "").lstrip("$").strip()
+
+
+def load_gsm8k(path: str | Path) -> list[Problem]:
+    """Load a GSM8K jsonl split.
+
+    Args:
+      path: a ``.jsonl`` file, one JSON object per line with string fields ``"question"`` and
+        ``"answer"`` (``"<reasoning> #### <final>"``). Blank lines are skipped.
+
+    Returns:
+      Problems in file order; ``Problem.id`` is the 0-based index among the loaded problems.
+
+    Raises:
+      DataError: the file is missing, a line is not valid JSON or not an object, a field is
+        missing or not a string, or the answer has no ``####`` / an empty final answer. The
+        message starts with ``"<path>:<line>:"`` (1-based line) and names the field.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: GSM8K file not found")
+    problems: list[Problem] = []
+    with path.open("r", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            for key in ("question", "answer"):
+                if key not in obj:
+                    raise DataError(f"{where}: missing field {key!r}")
+                if not isinstance(obj[key], str):
+                    raise DataError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+            solution = obj["answer"]
+            if "####" not in solution:
+                raise DataError(f"{where}: field 'answer' has no '#### <final answer>' marker")
+            final = canonical_gsm8k_answer(solution.rsplit("####", 1)[1])
+            if not final:
+                raise DataError(f"{where}: field 'answer' has an empty final answer after '####'")
+            problems.append(Problem(id=len(problems), question=obj["question"], solution=solution, answer=final))
+    return problems

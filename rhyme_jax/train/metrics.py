@@ -1,0 +1,158 @@
+"""Per-step run metrics: ``<run_dir>/metrics.jsonl`` plus TensorBoard events in ``<run_dir>/tb``.
+
+Each jsonl line is one JSON object ``{"step": int, "phase": str, <name>: float, ...}``. The file
+is append-only during a run; on resume ``MetricsWriter(truncate_from=step)`` atomically rewrites
+it without rows of ``step >= truncate_from`` (and without a half-written last line from a killed
+run) and purges TensorBoard events from that step on, so a resumed run has no duplicate steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+class MetricsError(ValueError):
+    """Bad metrics input or a corrupt metrics file (the message names file:line or the key)."""
+
+
+def _parse_lines(path: Path) -> tuple[list[dict], bool]:
+    """Rows of a metrics file and whether it needs repair (a truncated or corrupt last line)."""
+    rows: list[dict] = []
+    lines = path.read_text(encoding="utf-8").split("\n")
+    # The text after the final "\n" is "" for a complete file, or a partial line from a killed run.
+    dirty = lines[-1] != ""
+    numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
+    for k, (lineno, line) in enumerate(numbered):
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict) or "step" not in obj:
+                raise ValueError("not a metrics object with a 'step'")
+        except ValueError as exc:
+            if k == len(numbered) - 1:  # truncated last line: the run died mid-write
+                return rows, True
+            raise MetricsError(f"{path}:{lineno}: corrupt metrics line ({exc})") from None
+        rows.append(obj)
+    return rows, dirty
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """All metric rows of a run in file order (``[]`` if there is no metrics file yet).
+
+    A truncated or unparsable *last* line (run killed mid-write) is skipped.
+
+    Raises:
+      MetricsError: a line other than the last is not a JSON object with a ``"step"`` key
+        (message names file:line).
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return _parse_lines(path)[0]
+
+
+def _atomic_write_rows(path: Path, rows: list[dict]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, (bool, numbers.Number)) or hasattr(value, "__float__"):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise MetricsError(f"metric {key!r}: expected a number, got {type(value).__name__}")
+
+
+class MetricsWriter:
+    """Writes per-step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (tensorboardX).
+
+    Args:
+      run_dir: run output directory (created if missing).
+      tensorboard: also write TensorBoard event files under ``<run_dir>/tb``.
+      truncate_from: on resume, the first step the resumed run will log; rows with
+        ``step >= truncate_from`` are dropped (atomic rewrite) and TensorBoard events from that
+        step on are purged. ``None`` keeps all rows (a truncated last line is still repaired).
+
+    Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, truncate_from: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if self.path.is_file():
+            rows, dirty = _parse_lines(self.path)
+            if truncate_from is not None:
+                kept = [r for r in rows if int(r["step"]) < truncate_from]
+                dirty = dirty or len(kept) != len(rows)
+                rows = kept
+            if dirty:
+                _atomic_write_rows(self.path, rows)
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            # A unique, time-ordered suffix: a writer reopened within the same second would
+            # otherwise reuse (and truncate) the previous event file's name.
+            self._tb = SummaryWriter(logdir=str(self.run_dir / TB_DIR), purge_step=truncate_from,
+                                     filename_suffix=f".{time.time_ns():020d}")
+
+    def log(self, step: int, metrics: dict[str, float], phase: str = "train") -> None:
+        """Append one row ``{"step", "phase", **metrics}`` and the matching TensorBoard scalars.
+
+        Values may be Python, NumPy or JAX scalars (converted with ``float``); non-finite values
+        are written as JSON ``NaN``/``Infinity``. TensorBoard tags are the key itself when it
+        contains ``"/"`` (e.g. ``"eval/accuracy"``), else ``"<phase>/<key>"``.
+
+        Raises:
+          MetricsError: a key is ``"step"``/``"phase"`` or a value is not a number.
+        """
+        row: dict[str, Any] = {"step": int(step), "phase": str(phase)}
+        for key, value in metrics.items():
+            if key in ("step", "phase"):
+                raise MetricsError(f"metric name {key!r} is reserved")
+            row[str(key)] = _to_float(key, value)
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key in ("step", "phase") or not math.isfinite(value):
+                    continue
+                tag = key if "/" in key else f"{phase}/{key}"
+                self._tb.add_scalar(tag, value, global_step=int(step))
+
+    def close(self) -> None:
+        """Flush and close the jsonl file and the TensorBoard writer (idempotent)."""
+        if not self._fh.closed:
+            self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
