@@ -1,0 +1,176 @@
+"""HF safetensors checkpoints <-> ``Decoder``.
+
+``load_hf_checkpoint`` reads ``config.json`` and every ``*.safetensors`` file of a directory
+(mmap via ``safetensors.safe_open``; bf16 arrives as ``ml_dtypes.bfloat16`` numpy arrays), maps HF
+names to our parameters with one table per family, checks names and shapes, casts to the param
+dtype and fills an abstract (``nnx.eval_shape``) model, so a large model is never randomly
+initialised. ``save_hf_checkpoint`` writes the same layout back (HF transformers can load it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rhyme_jax.model.config import ModelConfig
+from rhyme_jax.model.transformer import Decoder
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint's tensors do not match its config: names the files and the missing,
+    unexpected or mis-shaped keys."""
+
+
+class _Entry(NamedTuple):
+    hf_suffix: str  # name after "model.layers.{i}." (or the full name for global entries)
+    path: tuple  # our parameter path after ("layers", i) (or the full path)
+    transpose: bool  # HF Linear weight [out, in] vs nnx kernel [in, out]
+    when: Callable[[ModelConfig], bool]
+
+
+def _always(cfg: ModelConfig) -> bool:
+    return True
+
+
+def _bias(cfg: ModelConfig) -> bool:
+    return cfg.attention_bias
+
+
+def _o_bias(cfg: ModelConfig) -> bool:
+    return cfg.o_bias
+
+
+_COMMON_LAYER = [
+    _Entry("input_layernorm.weight", ("input_norm", "weight"), False, _always),
+    _Entry("post_attention_layernorm.weight", ("post_attn_norm", "weight"), False, _always),
+    *[_Entry(f"self_attn.{p}_proj.weight", ("attn", f"{p}_proj", "kernel"), True, _always) for p in "qkvo"],
+    *[_Entry(f"mlp.{p}_proj.weight", ("mlp", f"{p}_proj", "kernel"), True, _always)
+      for p in ("gate", "up", "down")],
+]
+_QKV_BIAS = [_Entry(f"self_attn.{p}_proj.bias", ("attn", f"{p}_proj", "bias"), False, _bias) for p in "qkv"]
+_O_BIAS = [_Entry("self_attn.o_proj.bias", ("attn", "o_proj", "bias"), False, _o_bias)]
+_QK_NORM = [_Entry(f"self_attn.{p}_norm.weight", ("attn", f"{p}_norm", "weight"), False, _always) for p in "qk"]
+
+# One table per family: HF layer-local names -> our layer-local parameter paths.
+LAYER_TABLES: dict[str, list[_Entry]] = {
+    "llama": _COMMON_LAYER + _QKV_BIAS + _O_BIAS,  # biases only when attention_bias (rare)
+    "qwen2": _COMMON_LAYER + _QKV_BIAS,  # q/k/v biases always, no o bias
+    "qwen3": _COMMON_LAYER + _QK_NORM + _QKV_BIAS + _O_BIAS,
+}
+GLOBAL_TABLE: list[_Entry] = [
+    _Entry("model.embed_tokens.weight", ("embed", "embedding"), False, _always),
+    _Entry("model.norm.weight", ("final_norm", "weight"), False, _always),
+    _Entry("lm_head.weight", ("lm_head", "kernel"), True, lambda c: not c.tie_word_embeddings),
+]
+# Present in some checkpoints, never parameters of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def key_map(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
+    """``{hf_name: (our_param_path, transpose)}`` for every tensor a checkpoint of ``cfg`` holds."""
+    out = {e.hf_suffix: (e.path, e.transpose) for e in GLOBAL_TABLE if e.when(cfg)}
+    for i in range(cfg.num_layers):
+        for e in LAYER_TABLES[cfg.family]:
+            if e.when(cfg):
+                out[f"model.layers.{i}.{e.hf_suffix}"] = (("layers", i) + e.path, e.transpose)
+    return out
+
+
+def _abstract_model(cfg: ModelConfig, dtype, param_dtype) -> Decoder:
+    return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+
+
+def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None) -> tuple[ModelConfig, Decoder]:
+    """Load a HF checkpoint directory (``config.json`` + ``*.safetensors``, sharded or not).
+
+    Args:
+      path: checkpoint directory.
+      dtype: compute dtype of the returned model.
+      param_dtype: parameter dtype the tensors are cast to; None = ``dtype``.
+
+    Returns:
+      ``(cfg, model)`` with ``model`` a concrete ``Decoder``.
+
+    Raises:
+      ModelConfigError: ``config.json`` is missing or invalid (names the field).
+      CheckpointFormatError: no safetensors files, a tensor name in two files, missing tensors,
+        unexpected tensors or shape mismatches (all listed, with the files).
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_hf_dir(path)
+    dtype = jnp.dtype(dtype)
+    param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointFormatError(f"{path}: no *.safetensors files")
+
+    abstract = _abstract_model(cfg, dtype, param_dtype)
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    table = key_map(cfg)
+    where: dict[str, Path] = {}
+    problems: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for key in f.keys():
+                if key in where:
+                    problems.append(f"duplicate key {key!r} in {where[key].name} and {file.name}")
+                    continue
+                where[key] = file
+                if key not in table:
+                    ignorable = key.endswith(_IGNORED_SUFFIXES) or (
+                        key == "lm_head.weight" and cfg.tie_word_embeddings)
+                    if not ignorable:
+                        problems.append(f"unexpected key {key!r} in {file.name}")
+                    continue
+                our_path, transpose = table[key]
+                want = tuple(flat[our_path].get_value().shape)
+                want = want[::-1] if transpose else want
+                got = tuple(f.get_slice(key).get_shape())
+                if got != want:
+                    problems.append(f"shape mismatch for {key!r} in {file.name}: got {list(got)}, "
+                                    f"config expects {list(want)}")
+    missing = [k for k in table if k not in where]
+    problems += [f"missing key {k!r}" for k in missing]
+    if problems:
+        names = ", ".join(f.name for f in files)
+        raise CheckpointFormatError(f"{path} ({names}): " + "; ".join(problems))
+
+    np_dtype = np.dtype(param_dtype)
+    by_file: dict[Path, list[str]] = {}
+    for key in table:
+        by_file.setdefault(where[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="numpy") as f:
+            for key in keys:
+                our_path, transpose = table[key]
+                arr = f.get_tensor(key)
+                arr = arr.T if transpose else arr
+                flat[our_path].set_value(jnp.asarray(np.ascontiguousarray(arr.astype(np_dtype))))
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save_hf_checkpoint(model: Decoder, path) -> None:
+    """Write ``config.json`` + ``model.safetensors`` with HF tensor names (params' dtype kept).
+
+    Tied models omit ``lm_head.weight`` (as transformers does). Creates ``path`` if needed.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {}
+    for key, (our_path, transpose) in key_map(cfg).items():
+        arr = np.asarray(flat[our_path].get_value())
+        tensors[key] = np.ascontiguousarray(arr.T if transpose else arr)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["dtype"] = str(np.dtype(jnp.dtype(model.embed.embedding[...].dtype)))
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

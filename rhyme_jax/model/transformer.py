@@ -1,0 +1,129 @@
+"""Decoder-only transformer (Qwen2 / Qwen3 / Llama) in Flax NNX, dense causal attention.
+
+The forward is composed from public parts so the rollout engine's paged forward is the same
+computation with a different attention op::
+
+    h = model.embed_tokens(tokens)
+    for layer in model.layers:
+        x = layer.input_norm(h)
+        q, k, v = layer.attn.project_qkv(x, positions)
+        o = attention(q, k, v)                       # scale head_dim ** -0.5, causal, GQA
+        h = h + layer.attn.project_out(o)
+        h = h + layer.mlp(layer.post_attn_norm(h))
+    logits = model.unembed(h)                        # final_norm + lm_head (or tied), float32
+
+Reference: HF ``modeling_llama.py`` / ``modeling_qwen2.py`` / ``modeling_qwen3.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from rhyme_jax.model.config import ModelConfig
+from rhyme_jax.model.layers import INIT_STD, MLP, Attention, RMSNorm, linear
+
+NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+def dense_attention(q: Float[Array, "B T H hd"], k: Float[Array, "B S KVH hd"], v: Float[Array, "B S KVH hd"],
+                    allowed: Bool[Array, "B T S"]) -> Float[Array, "B T H hd"]:
+    """Softmax attention with GQA (query head ``h`` reads KV head ``h // (H // KVH)``).
+
+    Scores ``q.k * hd**-0.5`` and the softmax are float32; probabilities are cast to ``v.dtype``
+    for the value product (HF eager attention). Disallowed keys get the float32 minimum, so a
+    query with no allowed key yields a finite (uniform) average instead of NaN.
+    """
+    b, t, h, hd = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, hd)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``h + attn(input_norm(h))`` then ``h + mlp(post_attn_norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, h: Float[Array, "B T D"], positions: Int[Array, "B T"],
+                 allowed: Bool[Array, "B T T"]) -> Float[Array, "B T D"]:
+        """One block with dense attention restricted to ``allowed[b, query, key]``."""
+        q, k, v = self.attn.project_qkv(self.input_norm(h), positions)
+        h = h + self.attn.project_out(dense_attention(q, k, v, allowed))
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class Decoder(nnx.Module):
+    """Causal LM: embedding, ``num_layers`` ``DecoderLayer``s, final RMSNorm, output head.
+
+    Args:
+      cfg: architecture.
+      dtype: compute dtype (``jnp.float32`` / ``jnp.bfloat16`` or their names).
+      param_dtype: storage dtype of the parameters.
+      rngs: initialisation randomness; weights ~ N(0, 0.02^2), biases 0, norms 1.
+
+    ``lm_head`` is ``None`` when ``cfg.tie_word_embeddings`` (logits = h @ embed.embedding.T).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                               embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def embed_tokens(self, tokens: Int[Array, "..."]) -> Float[Array, "... D"]:
+        """Embedding rows of ``tokens`` in the compute dtype."""
+        return self.embed(tokens).astype(self.dtype)
+
+    def unembed(self, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
+        """``final_norm`` then the output head; the matmul accumulates and returns float32."""
+        x = self.final_norm(h).astype(self.dtype)
+        if self.lm_head is None:
+            w = self.embed.embedding[...].astype(self.dtype).T
+        else:
+            w = self.lm_head.kernel[...].astype(self.dtype)
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 mask: Bool[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
+        """Logits ``f32[B, T, V]`` of a (right-padded) batch with dense causal attention.
+
+        Args:
+          tokens: token ids.
+          positions: RoPE positions (normally ``arange(T)`` per row).
+          mask: True at valid tokens; padded keys are never attended. Logits at padded positions
+            are finite but meaningless. None = all valid.
+
+        Raises:
+          ValueError: tokens / positions / mask shapes differ or are not 2-D.
+        """
+        if tokens.ndim != 2 or positions.shape != tokens.shape or (mask is not None and mask.shape != tokens.shape):
+            raise ValueError(
+                f"Decoder.__call__: tokens {tokens.shape}, positions {positions.shape}, "
+                f"mask {None if mask is None else mask.shape} must all be the same [B, T]")
+        t = tokens.shape[1]
+        allowed = jnp.tril(jnp.ones((t, t), bool))[None]
+        if mask is not None:
+            allowed = allowed & mask[:, None, :].astype(bool)
+        else:
+            allowed = jnp.broadcast_to(allowed, (tokens.shape[0], t, t))
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h, positions, allowed)
+        return self.unembed(h)
