@@ -1,0 +1,297 @@
+"""GRPO-family objective: group advantages, token log-probs, the clipped surrogate, batching.
+
+ARCHITECTURE.md section 7. Everything here except ``sequence_batch`` is pure ``jnp`` and safe
+under ``jax.jit`` (shape checks use static shapes only).
+
+References:
+  * GRPO: Shao et al., "DeepSeekMath", arXiv 2402.03300 (group-normalised advantages, k3 KL).
+  * DAPO: Yu et al., arXiv 2503.14476 (clip-higher ``eps_high``, token-level loss mean).
+  * Dr.GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783 (no std scaling).
+  * k3 KL estimator: J. Schulman, "Approximating KL Divergence" (2020).
+
+Alignment convention (used by ``sequence_batch``, ``sft.sft_loss`` and the trainer): the model's
+``logits[:, t]`` predict ``tokens[:, t + 1]``. Per-token quantities therefore live on the
+``T - 1`` grid ``targets = tokens[:, 1:]`` / ``mask = loss_mask[:, :-1]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+SEQ_LEN_MULTIPLE = 16
+
+
+class LossInputError(ValueError):
+    """Inputs to a loss function have inconsistent shapes or invalid settings."""
+
+
+def group_advantages(
+    rewards: Float[Array, "G n"], *, scale_by_std: bool = True, eps: float = 1e-6
+) -> Float[Array, "G n"]:
+    """Group-relative advantages (GRPO; Dr.GRPO when ``scale_by_std=False``).
+
+    Args:
+      rewards: f32[G, n], reward of sample j of prompt group g.
+      scale_by_std: divide by the group's population std (GRPO). False: ``r - mean_g`` (Dr.GRPO).
+      eps: added to the std (a group with equal rewards gets advantage 0, not NaN).
+
+    Returns:
+      f32[G, n]: ``(r - mean_g) / (std_g + eps)`` or ``r - mean_g``.
+
+    Raises:
+      LossInputError: ``rewards`` is not 2-D.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 2:
+        raise LossInputError(f"losses.group_advantages: rewards must be [G, n], got shape {rewards.shape}")
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    if not scale_by_std:
+        return centred
+    return centred / (rewards.std(axis=1, keepdims=True) + eps)
+
+
+def token_logprobs(
+    logits: Float[Array, "B T V"], targets: Int[Array, "B T"], temperature: float = 1.0
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """Log-probability of each target token and the entropy, under ``softmax(logits / temperature)``.
+
+    The caller aligns inputs: pass ``logits[:, :-1]`` with ``tokens[:, 1:]`` (module docstring).
+    Computed in float32 whatever the logits dtype.
+
+    Args:
+      logits: f32/bf16[B, T, V] unnormalised scores.
+      targets: i32[B, T] token ids in [0, V).
+      temperature: sampling temperature the rollout used (> 0); logits are divided by it so the
+        log-probs match the behaviour policy.
+
+    Returns:
+      (logprobs f32[B, T] in nats, entropy f32[B, T] in nats).
+
+    Raises:
+      LossInputError: shapes disagree or ``temperature <= 0``.
+    """
+    if logits.ndim != 3 or targets.shape != logits.shape[:2]:
+        raise LossInputError(
+            f"losses.token_logprobs: logits [B, T, V] and targets [B, T] expected, got "
+            f"{logits.shape} and {targets.shape}"
+        )
+    if isinstance(temperature, (int, float)) and temperature <= 0:
+        raise LossInputError(f"losses.token_logprobs: temperature must be > 0, got {temperature}")
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def masked_mean(x: Float[Array, "..."], mask: Float[Array, "..."]) -> Float[Array, ""]:
+    """Mean of ``x`` over entries where ``mask`` is 1 (0.0 when the mask is empty)."""
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def aggregate(per_token: Float[Array, "B T"], mask: Float[Array, "B T"], loss_agg: str) -> Float[Array, ""]:
+    """Reduce a per-token loss to a scalar.
+
+    ``token_mean`` (DAPO): sum over all valid tokens / number of valid tokens in the batch.
+    ``seq_mean_token_mean``: each sequence's token mean, then the mean over sequences that have
+    at least one valid token (all-padding rows do not dilute the loss).
+
+    Raises:
+      LossInputError: unknown ``loss_agg``.
+    """
+    mask = mask.astype(jnp.float32)
+    if loss_agg == "token_mean":
+        return masked_mean(per_token, mask)
+    if loss_agg == "seq_mean_token_mean":
+        count = jnp.sum(mask, axis=1)
+        seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(count, 1.0)
+        has = (count > 0).astype(jnp.float32)
+        return jnp.sum(seq * has) / jnp.maximum(jnp.sum(has), 1.0)
+    raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+
+
+def grpo_loss(
+    logprobs: Float[Array, "B T"],
+    old_logprobs: Float[Array, "B T"],
+    advantages: Float[Array, "B"],
+    mask: Float[Array, "B T"],
+    *,
+    eps_low: float,
+    eps_high: float,
+    ref_logprobs: Float[Array, "B T"] | None = None,
+    kl_coef: float = 0.0,
+    loss_agg: str = "token_mean",
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Clipped GRPO surrogate with DAPO clip-higher and an optional k3 KL penalty.
+
+    Per token: ``ratio = exp(lp - old)``;
+    ``pg = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``;
+    with a reference, ``kl = exp(ref - lp) - (ref - lp) - 1`` (k3, >= 0) and the per-token loss is
+    ``pg + kl_coef * kl``. Aggregated with ``aggregate(., mask, loss_agg)``.
+
+    Args:
+      logprobs: f32[B, T] log-probs of the sampled tokens under the current policy (differentiable).
+      old_logprobs: f32[B, T] behaviour-policy log-probs (treated as constants).
+      advantages: f32[B] one advantage per sequence (broadcast over its tokens).
+      mask: f32/bool[B, T], 1 on response tokens that count.
+      eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` (>= 0).
+      ref_logprobs: f32[B, T] frozen reference log-probs, or None (no KL term).
+      kl_coef: weight of the k3 KL term (used only with ``ref_logprobs``).
+      loss_agg: ``token_mean`` | ``seq_mean_token_mean``.
+
+    Returns:
+      (loss f32[], metrics) with masked-mean metrics (gradient-stopped): ``pg_loss``,
+      ``clip_fraction`` (share of tokens where the clipped term is the active one),
+      ``ratio_mean``, ``approx_kl`` (k3 estimate of KL(old || new): ``r - 1 - log r``),
+      ``kl`` (k3 to the reference; 0 without one).
+
+    Raises:
+      LossInputError: shapes disagree, negative eps, or unknown ``loss_agg``.
+    """
+    if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise LossInputError(
+            f"losses.grpo_loss: logprobs, old_logprobs and mask must share shape [B, T], got "
+            f"{logprobs.shape}, {old_logprobs.shape}, {mask.shape}"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise LossInputError(
+            f"losses.grpo_loss: advantages must be [B]={logprobs.shape[:1]}, got {advantages.shape}"
+        )
+    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
+        raise LossInputError(
+            f"losses.grpo_loss: ref_logprobs must be {logprobs.shape}, got {ref_logprobs.shape}"
+        )
+    if eps_low < 0 or eps_high < 0:
+        raise LossInputError(f"losses.grpo_loss: eps_low/eps_high must be >= 0, got {eps_low}, {eps_high}")
+    if loss_agg not in LOSS_AGGS:
+        raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+
+    mask = mask.astype(jnp.float32)
+    lp = logprobs.astype(jnp.float32)
+    old = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    log_ratio = lp - old
+    ratio = jnp.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    pg = -jnp.minimum(unclipped, clipped)
+    per_token = pg
+    if ref_logprobs is not None:
+        d = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32)) - lp
+        kl = jnp.exp(d) - d - 1.0
+        per_token = pg + kl_coef * kl
+    else:
+        kl = jnp.zeros_like(pg)
+    loss = aggregate(per_token, mask, loss_agg)
+
+    sg = jax.lax.stop_gradient
+    metrics = {
+        "pg_loss": sg(aggregate(pg, mask, loss_agg)),
+        "clip_fraction": sg(masked_mean((clipped < unclipped).astype(jnp.float32), mask)),
+        "ratio_mean": sg(masked_mean(ratio, mask)),
+        "approx_kl": sg(masked_mean(ratio - 1.0 - log_ratio, mask)),
+        "kl": sg(masked_mean(kl, mask)),
+    }
+    return loss, metrics
+
+
+class SequenceBatchError(ValueError):
+    """``sequence_batch`` got inconsistent or over-long sequences."""
+
+
+def sequence_batch(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, max_len: int | None = None
+) -> dict[str, np.ndarray]:
+    """Right-padded training batch of prompt + response sequences.
+
+    Alignment: ``loss_mask[b, t] = 1`` exactly when ``tokens[b, t + 1]`` is a response token, so
+    ``logits[:, t]`` (which predicts ``tokens[:, t + 1]``) is scored there. Consumers use
+    ``targets = tokens[:, 1:]`` with ``loss_mask[:, :-1]`` (the last column is always 0).
+
+    Args:
+      prompts: B lists of prompt token ids (each non-empty).
+      responses: B lists of response token ids (may be empty: the row then has no loss).
+      pad_id: id written into padding positions.
+      max_len: if given, every sequence must fit in it and ``T = ceil(max_len / 16) * 16`` (one
+        fixed shape, one compile); otherwise ``T`` is the longest sequence rounded up to 16.
+
+    Returns:
+      dict of numpy arrays: ``tokens`` i32[B, T], ``positions`` i32[B, T] (0..T-1),
+      ``attn_mask`` bool[B, T] (True on real tokens), ``loss_mask`` f32[B, T] (see above),
+      plus ``prompt_lens`` i32[B] and ``lengths`` i32[B] (prompt + response).
+
+    Raises:
+      SequenceBatchError: counts differ, a prompt is empty, or a sequence exceeds ``max_len``.
+    """
+    if len(prompts) != len(responses):
+        raise SequenceBatchError(
+            f"losses.sequence_batch: {len(prompts)} prompts but {len(responses)} responses"
+        )
+    if not prompts:
+        raise SequenceBatchError("losses.sequence_batch: empty batch")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise SequenceBatchError(f"losses.sequence_batch: prompt {i} is empty (need >= 1 token)")
+    longest = max(lengths)
+    if max_len is not None:
+        if longest > max_len:
+            i = int(np.argmax(lengths))
+            raise SequenceBatchError(
+                f"losses.sequence_batch: sequence {i} has {longest} tokens > max_len={max_len}"
+            )
+        longest = max_len
+    T = max(SEQ_LEN_MULTIPLE, -(-longest // SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE)
+    B = len(prompts)
+    tokens = np.full((B, T), pad_id, np.int32)
+    attn = np.zeros((B, T), bool)
+    loss_mask = np.zeros((B, T), np.float32)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        n = len(p) + len(r)
+        tokens[b, : len(p)] = p
+        tokens[b, len(p) : n] = r
+        attn[b, :n] = True
+        loss_mask[b, len(p) - 1 : n - 1] = 1.0
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
+    return {
+        "tokens": tokens,
+        "positions": positions,
+        "attn_mask": attn,
+        "loss_mask": loss_mask,
+        "prompt_lens": np.array([len(p) for p in prompts], np.int32),
+        "lengths": np.array(lengths, np.int32),
+    }
+
+
+def response_grid(
+    values: list[list[float]], prompt_lens: Int[np.ndarray, "B"], seq_len: int, fill: float = 0.0
+) -> Float[np.ndarray, "B Tm1"]:
+    """Place per-response-token values (e.g. behaviour log-probs) on the ``T - 1`` target grid.
+
+    ``values[b][i]`` belongs to response token i of row b, i.e. target column
+    ``prompt_lens[b] - 1 + i`` of ``tokens[:, 1:]``; other entries get ``fill``.
+
+    Args:
+      values: B lists, one value per response token.
+      prompt_lens: i32[B] from ``sequence_batch``.
+      seq_len: ``T`` of the batch.
+
+    Returns:
+      f32[B, T - 1].
+
+    Raises:
+      SequenceBatchError: a row does not fit in ``T``.
+    """
+    out = np.full((len(values), seq_len - 1), fill, np.float32)
+    for b, v in enumerate(values):
+        start = int(prompt_lens[b]) - 1
+        if start + len(v) > seq_len - 1:
+            raise SequenceBatchError(
+                f"losses.response_grid: row {b} needs {start + len(v) + 1} tokens > T={seq_len}"
+            )
+        out[b, start : start + len(v)] = v
+    return out

@@ -1,0 +1,261 @@
+"""GRPO math vs independent numpy implementations; batching alignment; optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rhyme_jax.train.losses import (
+    LossInputError,
+    SequenceBatchError,
+    grpo_loss,
+    group_advantages,
+    response_grid,
+    sequence_batch,
+    token_logprobs,
+)
+from rhyme_jax.train.optim import OptimizerConfigError, make_optimizer, make_schedule
+
+
+# ---------------------------------------------------------------- numpy references
+def np_advantages(r, scale, eps=1e-6):
+    out = np.zeros_like(r)
+    for g in range(r.shape[0]):
+        m = sum(r[g]) / len(r[g])
+        var = sum((x - m) ** 2 for x in r[g]) / len(r[g])
+        out[g] = [(x - m) / (np.sqrt(var) + eps) if scale else x - m for x in r[g]]
+    return out
+
+
+def np_grpo(lp, old, adv, mask, eps_low, eps_high, ref=None, kl_coef=0.0, agg="token_mean"):
+    B, T = lp.shape
+    per = np.zeros((B, T))
+    clipfrac_num = 0.0
+    for b in range(B):
+        for t in range(T):
+            r = np.exp(lp[b, t] - old[b, t])
+            a = adv[b]
+            rc = min(max(r, 1 - eps_low), 1 + eps_high)
+            obj = min(r * a, rc * a)
+            per[b, t] = -obj
+            if ref is not None:
+                d = ref[b, t] - lp[b, t]
+                per[b, t] += kl_coef * (np.exp(d) - d - 1)
+            if mask[b, t] and rc * a < r * a:
+                clipfrac_num += 1
+    if agg == "token_mean":
+        loss = (per * mask).sum() / mask.sum()
+    else:
+        seqs = [(per[b] * mask[b]).sum() / mask[b].sum() for b in range(B) if mask[b].sum() > 0]
+        loss = sum(seqs) / len(seqs)
+    return loss, clipfrac_num / mask.sum()
+
+
+@pytest.fixture
+def grpo_inputs():
+    rng = np.random.default_rng(0)
+    B, T = 6, 9
+    lp = rng.normal(-1.5, 0.5, (B, T))
+    # ratios spread widely so both clip sides are hit for both advantage signs
+    old = lp + rng.normal(0.0, 0.4, (B, T))
+    adv = np.array([1.3, -0.7, 0.5, -2.0, 0.9, 0.0])
+    mask = (rng.random((B, T)) < 0.7).astype(np.float64)
+    mask[5] = 0.0  # an all-padding row
+    mask[0, :3] = 1.0
+    ref = lp + rng.normal(0.0, 0.3, (B, T))
+    return lp, old, adv, mask, ref
+
+
+# ---------------------------------------------------------------- advantages
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_matches_numpy(scale):
+    r = np.random.default_rng(1).random((4, 8)).round(1)
+    r[2] = 1.0  # constant group -> zero advantage, not NaN
+    got = np.asarray(group_advantages(jnp.asarray(r), scale_by_std=scale))
+    np.testing.assert_allclose(got, np_advantages(r, scale), rtol=1e-5, atol=1e-5)
+    assert np.all(got[2] == 0.0)
+
+
+def test_group_advantages_rejects_1d():
+    with pytest.raises(LossInputError, match="rewards must be"):
+        group_advantages(jnp.ones(4))
+
+
+# ---------------------------------------------------------------- token logprobs
+def test_token_logprobs_vs_log_softmax_gather():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 2, (2, 5, 11)).astype(np.float32)
+    tgt = rng.integers(0, 11, (2, 5))
+    for temp in (1.0, 0.7):
+        lp, ent = token_logprobs(jnp.asarray(logits), jnp.asarray(tgt), temperature=temp)
+        z = logits / temp
+        z = z - z.max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        want_lp = np.take_along_axis(logp, tgt[..., None], -1)[..., 0]
+        want_ent = -(np.exp(logp) * logp).sum(-1)
+        np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ent), want_ent, rtol=1e-5, atol=1e-5)
+
+
+def test_token_logprobs_bad_shapes():
+    with pytest.raises(LossInputError):
+        token_logprobs(jnp.zeros((2, 5, 7)), jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(LossInputError, match="temperature"):
+        token_logprobs(jnp.zeros((2, 5, 7)), jnp.zeros((2, 5), jnp.int32), temperature=0.0)
+
+
+# ---------------------------------------------------------------- grpo loss
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_grpo_loss_matches_numpy(grpo_inputs, agg, with_ref):
+    lp, old, adv, mask, ref = grpo_inputs
+    eps_low, eps_high, kl_coef = 0.2, 0.28, 0.1
+    want, want_cf = np_grpo(lp, old, adv, mask, eps_low, eps_high, ref if with_ref else None, kl_coef, agg)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    loss, m = grpo_loss(
+        f32(lp), f32(old), f32(adv), f32(mask), eps_low=eps_low, eps_high=eps_high,
+        ref_logprobs=f32(ref) if with_ref else None, kl_coef=kl_coef, loss_agg=agg,
+    )
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(m["clip_fraction"]), want_cf, rtol=1e-6)
+    assert 0.0 < want_cf < 1.0  # the fixture exercises clipping
+    ratio = np.exp(lp - old)
+    np.testing.assert_allclose(float(m["ratio_mean"]), (ratio * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(m["approx_kl"]), ((ratio - 1 - np.log(ratio)) * mask).sum() / mask.sum(), rtol=1e-4
+    )
+    if with_ref:
+        d = ref - lp
+        np.testing.assert_allclose(float(m["kl"]), ((np.exp(d) - d - 1) * mask).sum() / mask.sum(), rtol=1e-4)
+    else:
+        assert float(m["kl"]) == 0.0
+
+
+def test_grpo_clipping_both_sides_and_gradient_sign():
+    # one token per sequence; ratios chosen inside / above / below the clip range
+    old = jnp.zeros((6, 1))
+    lp = jnp.log(jnp.array([[1.0], [1.5], [0.5], [1.0], [1.5], [0.5]]))
+    adv = jnp.array([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
+    mask = jnp.ones((6, 1))
+
+    def per_seq_grad(i):
+        m = mask * (jnp.arange(6) == i)[:, None]
+        g = jax.grad(lambda x: grpo_loss(x, old, adv, m, eps_low=0.2, eps_high=0.28)[0])(lp)
+        return float(g[i, 0])
+
+    grads = [per_seq_grad(i) for i in range(6)]
+    # A>0: in range -> descend raises lp (negative grad); ratio 1.5 > 1.28 clipped -> 0;
+    #       ratio 0.5 < 0.8: min picks unclipped -> still pushes up.
+    assert grads[0] < 0 and grads[1] == 0.0 and grads[2] < 0
+    # A<0: in range -> pushes lp down (positive grad); ratio 1.5: unclipped active -> pushes down;
+    #       ratio 0.5 < 0.8 clipped -> 0.
+    assert grads[3] > 0 and grads[4] > 0 and grads[5] == 0.0
+    # exact values: d/dlp of -(r*A) = -r*A
+    np.testing.assert_allclose(grads[0], -1.0, rtol=1e-6)
+    np.testing.assert_allclose(grads[4], 1.5, rtol=1e-6)
+    _, m = grpo_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    np.testing.assert_allclose(float(m["clip_fraction"]), 2 / 6, rtol=1e-6)
+
+
+def test_grpo_kl_gradient_pulls_towards_reference():
+    lp = jnp.array([[-1.0, -2.0]])
+    ref = jnp.array([[-1.5, -1.0]])
+    g = jax.grad(
+        lambda x: grpo_loss(x, x, jnp.zeros(1), jnp.ones((1, 2)), eps_low=0.2, eps_high=0.2,
+                            ref_logprobs=ref, kl_coef=1.0)[0]
+    )(lp)
+    # d/dlp [exp(ref-lp) - (ref-lp) - 1] / 2 = (1 - exp(ref-lp)) / 2
+    np.testing.assert_allclose(np.asarray(g), (1 - np.exp(ref - lp)) / 2, rtol=1e-6)
+    assert g[0, 0] > 0 and g[0, 1] < 0
+
+
+def test_grpo_loss_bad_inputs():
+    x = jnp.zeros((2, 3))
+    with pytest.raises(LossInputError, match="advantages"):
+        grpo_loss(x, x, jnp.zeros(3), x, eps_low=0.2, eps_high=0.2)
+    with pytest.raises(LossInputError, match="loss_agg"):
+        grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, loss_agg="sum")
+    with pytest.raises(LossInputError, match="share shape"):
+        grpo_loss(x, jnp.zeros((2, 4)), jnp.zeros(2), x, eps_low=0.2, eps_high=0.2)
+
+
+# ---------------------------------------------------------------- sequence_batch
+def test_sequence_batch_alignment():
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    responses = [[11, 12], [13, 14, 15, 16], []]
+    b = sequence_batch(prompts, responses, pad_id=0)
+    T = b["tokens"].shape[1]
+    assert T == 16 and b["tokens"].dtype == np.int32 and b["loss_mask"].dtype == np.float32
+    assert b["attn_mask"].dtype == bool and b["positions"].dtype == np.int32
+    targets, mask = b["tokens"][:, 1:], b["loss_mask"][:, :-1]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        assert list(targets[i][mask[i] == 1]) == r  # exactly the response tokens are targets
+        assert b["attn_mask"][i].sum() == len(p) + len(r)
+        assert list(b["tokens"][i, : len(p) + len(r)]) == p + r
+        assert np.all(b["tokens"][i, len(p) + len(r):] == 0)
+    assert np.all(b["loss_mask"][:, -1] == 0)
+    np.testing.assert_array_equal(b["positions"][1], np.arange(16))
+    np.testing.assert_array_equal(b["prompt_lens"], [3, 1, 2])
+
+    # behaviour log-probs placed on the same grid line up with the mask
+    grid = response_grid([[0.1, 0.2], [1, 2, 3, 4], []], b["prompt_lens"], T)
+    np.testing.assert_array_equal(grid != 0, mask == 1)
+
+
+def test_sequence_batch_length_bucketing_and_errors():
+    assert sequence_batch([[1] * 10], [[2] * 7], 0)["tokens"].shape == (1, 32)
+    assert sequence_batch([[1]], [[2]], 0, max_len=40)["tokens"].shape == (1, 48)
+    with pytest.raises(SequenceBatchError, match="max_len"):
+        sequence_batch([[1] * 10], [[2] * 7], 0, max_len=16)
+    with pytest.raises(SequenceBatchError, match="empty"):
+        sequence_batch([[]], [[2]], 0)
+    with pytest.raises(SequenceBatchError, match="responses"):
+        sequence_batch([[1]], [], 0)
+
+
+# ---------------------------------------------------------------- optimizer
+def test_optimizer_reduces_quadratic():
+    target = jnp.array([[1.0, -2.0], [3.0, 0.5]])
+    params = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}
+    loss = lambda p: jnp.sum((p["w"] - target) ** 2) + jnp.sum((p["b"] - 1.0) ** 2)  # noqa: E731
+    tx = make_optimizer(0.1, total_steps=60, warmup_steps=5, weight_decay=0.0, max_grad_norm=1.0)
+    st = tx.init(params)
+    start = float(loss(params))
+    for _ in range(60):
+        g = jax.grad(loss)(params)
+        u, st = tx.update(g, st, params)
+        params = optax.apply_updates(params, u)
+    assert float(loss(params)) < 0.05 * start
+
+
+def test_schedule_values():
+    s = make_schedule(1e-3, total_steps=100, warmup_steps=10)
+    np.testing.assert_allclose(float(s(0)), 0.0, atol=1e-12)
+    np.testing.assert_allclose(float(s(5)), 5e-4, rtol=1e-6)
+    np.testing.assert_allclose(float(s(10)), 1e-3, rtol=1e-6)  # peak exactly at the warmup boundary
+    np.testing.assert_allclose(float(s(55)), 0.5e-3, rtol=1e-5)  # cosine half-way
+    np.testing.assert_allclose(float(s(100)), 0.0, atol=1e-9)
+    c = make_schedule(1e-3, total_steps=100, warmup_steps=10, schedule="constant")
+    np.testing.assert_allclose([float(c(i)) for i in (0, 5, 10, 99)], [0, 5e-4, 1e-3, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(float(make_schedule(1e-3, 10, 0, schedule="constant")(3)), 1e-3)
+    np.testing.assert_allclose(float(make_schedule(1e-3, 10, 0)(0)), 1e-3)
+    with pytest.raises(OptimizerConfigError, match="warmup_steps"):
+        make_schedule(1e-3, 10, 20)
+
+
+def test_weight_decay_and_clipping():
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    zero = jax.tree.map(jnp.zeros_like, params)
+    tx = make_optimizer(0.1, 10, 0, weight_decay=0.5, max_grad_norm=1.0, schedule="constant")
+    u, _ = tx.update(zero, tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(u["w"]), -0.05 * np.ones((2, 2)), rtol=1e-6)  # -lr*wd*w
+    np.testing.assert_allclose(np.asarray(u["b"]), 0.0)  # biases are not decayed
+    # clipping: Adam's first moment after one step is (1 - b1) * clipped gradient (global norm 1)
+    g = {"w": jnp.full((2, 2), 100.0), "b": jnp.zeros(2)}
+    for max_norm, want_norm in ((1.0, 1.0), (0.0, 200.0)):
+        tx = make_optimizer(0.1, 10, 0, 0.0, max_grad_norm=max_norm, b1=0.9)
+        _, st = tx.update(g, tx.init(params), params)
+        adam = [x for x in jax.tree.leaves(st, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                if isinstance(x, optax.ScaleByAdamState)][0]
+        np.testing.assert_allclose(float(optax.tree.norm(adam.mu)), 0.1 * want_norm, rtol=1e-5)
