@@ -1,0 +1,139 @@
+"""``rhyme-jax`` command line: sft | train | eval | demo.
+
+Every command takes ``--config configs/X.yaml`` and any number of ``--set a.b=c`` overrides.
+Outputs go to ``<run.runs_dir>/<run.name>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rhyme_jax.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rhyme-jax", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: %(default)s)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set grpo.steps=10 (repeatable)")
+        return sp
+
+    add("sft", "supervised warm start on worked solutions")
+    tr = add("train", "GRPO training (starts from <run_dir>/sft/params when present)")
+    tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    ev = add("eval", "greedy held-out accuracy of a run's newest checkpoint")
+    ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest)")
+    dm = add("demo", "warm start (SFT) + GRPO + summary: the CPU demo")
+    dm.add_argument("--resume", action="store_true", help="continue an interrupted demo")
+    return p
+
+
+def _banner(cfg, command: str) -> None:
+    import jax
+
+    print(f"rhyme-jax {command}: run '{cfg.run.name}' on {jax.device_count()} "
+          f"{jax.default_backend()} device(s); model: {cfg.model.path or 'tiny demo model'}; "
+          f"data: {cfg.data.source}", flush=True)
+
+
+def cmd_sft(cfg) -> int:
+    from rhyme_jax.train.trainer import run_dir_of
+    from rhyme_jax.train.warm_start import run_warm_start
+
+    res = run_warm_start(cfg, run_dir_of(cfg))
+    print(f"SFT done: held-out accuracy {res['eval/accuracy']:.3f} ± {res['eval/stderr']:.3f} "
+          f"(n={int(res['eval/n'])})")
+    return 0
+
+
+def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
+    from rhyme_jax.compile_count import CompileCounter
+    from rhyme_jax.train.plots import plot_run
+    from rhyme_jax.train.summary import build_summary, write_summary
+    from rhyme_jax.train.trainer import GRPOTrainer, run_dir_of
+    from rhyme_jax.train.warm_start import run_warm_start, sft_params_dir
+
+    t0 = time.perf_counter()
+    counter = CompileCounter().start()
+    run_dir = run_dir_of(cfg)
+    if warm_start and not cfg.run.init_from and not sft_params_dir(run_dir).exists():
+        res = run_warm_start(cfg, run_dir)
+        print(f"warm start done: held-out accuracy {res['eval/accuracy']:.3f} "
+              f"± {res['eval/stderr']:.3f}", flush=True)
+    trainer = GRPOTrainer(cfg, resume=resume)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    plot = plot_run(run_dir)
+    summary = build_summary(run_dir, result, wall_seconds=time.perf_counter() - t0,
+                            compiles=counter.count)
+    counter.stop()
+    write_summary(run_dir, summary)
+    print(f"outputs: {run_dir} (metrics.jsonl, tb/, checkpoints/, rollouts/, {plot.name}, summary.md)")
+    return 0
+
+
+def cmd_eval(cfg, checkpoint: str) -> int:
+    from flax import nnx
+
+    from rhyme_jax.data import load_problems
+    from rhyme_jax.train import checkpoint as ckpt
+    from rhyme_jax.train.evaluate import evaluate
+    from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
+    from rhyme_jax.train.trainer import make_engine, run_dir_of
+
+    run_dir = run_dir_of(cfg)
+    train, held_out = load_problems(cfg.data)
+    tokenizer = build_tokenizer(cfg, run_dir, train)
+    model = build_model(cfg, tokenizer, cfg.run.seed)
+    graphdef, state = nnx.split(model)
+    if checkpoint:
+        state = ckpt.load_params(Path(checkpoint), state)
+        source = checkpoint
+    else:
+        c = ckpt.Checkpointer(run_dir / "checkpoints")
+        step = c.latest_step()
+        if step is None:
+            c.close()
+            raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}; pass --checkpoint")
+        optimizer_free_state, _, _ = c.restore(step, params_like=state, opt_state_like=None)
+        c.close()
+        state, source = optimizer_free_state, f"{run_dir / 'checkpoints'} step {step}"
+    engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
+    res = evaluate(engine, state, tokenizer, held_out, template=cfg.model.prompt_template,
+                   max_new_tokens=cfg.rollout.max_new_tokens)
+    print(f"{source}: held-out accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n}), "
+          f"mean response length {res.mean_length:.1f} tokens")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rhyme-jax`` console script; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
+        return 2
+    _banner(cfg, args.command)
+    if args.command == "sft":
+        return cmd_sft(cfg)
+    if args.command == "train":
+        return cmd_train(cfg, args.resume)
+    if args.command == "eval":
+        return cmd_eval(cfg, args.checkpoint)
+    return cmd_train(cfg, args.resume, warm_start=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

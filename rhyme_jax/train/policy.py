@@ -1,0 +1,104 @@
+"""Build the policy (model + tokenizer) a run trains: a HF checkpoint or the tiny demo model.
+
+One code path serves the CPU demo and real checkpoints: both end as a ``Decoder`` plus a
+``Tokenizer`` read from a ``tokenizer.json``. The demo's tokenizer is trained with the
+``tokenizers`` library on the task corpus and saved in the run directory, so a resumed run or an
+evaluation reads the very same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+from flax import nnx
+
+from rhyme_jax.data import Problem
+from rhyme_jax.data.synthetic import corpus
+from rhyme_jax.model.config import ModelConfig
+from rhyme_jax.model.loader import load_hf_checkpoint
+from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
+from rhyme_jax.model.transformer import Decoder
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class PolicyConfigError(ValueError):
+    """The model section of the config cannot be satisfied (names the field)."""
+
+
+def compute_dtype(name: str):
+    """Map ``model.dtype`` to a jnp dtype.
+
+    Raises:
+      PolicyConfigError: unknown dtype name.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise PolicyConfigError(f"model.dtype={name!r}: expected one of {sorted(_DTYPES)}") from None
+
+
+def tokenizer_file(cfg: Any, run_dir: Path) -> Path:
+    """Where this run's tokenizer.json lives (config override, checkpoint dir, or run dir)."""
+    if cfg.model.tokenizer_path:
+        return Path(cfg.model.tokenizer_path)
+    if cfg.model.path:
+        return Path(cfg.model.path) / "tokenizer.json"
+    return run_dir / "tokenizer.json"
+
+
+def build_tokenizer(cfg: Any, run_dir: Path, train_problems: Sequence[Problem]) -> Tokenizer:
+    """Load the run's tokenizer, training the demo tokenizer on first use.
+
+    For the tiny demo model (``model.path == ""``) the tokenizer is trained on the train split's
+    questions and solutions and written to ``run_dir/tokenizer.json`` (or ``model.tokenizer_path``).
+
+    Raises:
+      PolicyConfigError: a real checkpoint directory has no tokenizer.json.
+    """
+    path = tokenizer_file(cfg, run_dir)
+    if path.is_file():
+        return Tokenizer.from_file(path)
+    if cfg.model.path or cfg.model.tokenizer_path:
+        raise PolicyConfigError(f"model.tokenizer_path: no tokenizer file at {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return train_demo_tokenizer(corpus(train_problems), cfg.data.tokenizer_vocab_size, path)
+
+
+def tiny_model_config(cfg: Any, tokenizer: Tokenizer) -> ModelConfig:
+    """ModelConfig of the demo model: shape from ``model.tiny``, vocabulary from the tokenizer."""
+    t = cfg.model.tiny
+    return ModelConfig(
+        family=t.family,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        rope_theta=t.rope_theta,
+        tie_word_embeddings=t.tie_word_embeddings,
+        qk_norm=t.family == "qwen3",
+        attention_bias=t.family == "qwen2",
+        max_position_embeddings=t.max_position_embeddings,
+        eos_token_ids=(tokenizer.eos_id,),
+    )
+
+
+def build_model(cfg: Any, tokenizer: Tokenizer, seed: int) -> Decoder:
+    """The policy: loaded from ``model.path`` or freshly initialised from ``model.tiny``."""
+    dtype = compute_dtype(cfg.model.dtype)
+    if cfg.model.path:
+        _, model = load_hf_checkpoint(cfg.model.path, dtype=dtype)
+        return model
+    return Decoder(tiny_model_config(cfg, tokenizer), dtype=dtype, param_dtype=jnp.float32,
+                   rngs=nnx.Rngs(seed))
+
+
+def eos_ids(model: Decoder, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Token ids that end a response: the tokenizer's EOS plus the checkpoint's own."""
+    ids = {int(tokenizer.eos_id)} | {int(i) for i in model.cfg.eos_token_ids}
+    return tuple(sorted(ids))

@@ -1,0 +1,74 @@
+"""End-of-run summary: a table on the terminal, summary.json and summary.md in the run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from rhyme_jax.train.metrics import read_metrics
+
+
+def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles: int) -> dict:
+    """Collect the headline figures of a GRPO run from its metrics file and ``fit()`` result.
+
+    Returns a JSON-serialisable dict: accuracy before/after (with n and binomial standard error),
+    the gain and its standard error (independent-samples approximation), reward per step, rollout
+    vs train seconds, mean rollout tokens/s, wall seconds, backend compilations.
+    """
+    rows = [r for r in read_metrics(run_dir) if r.get("phase") == "train"]
+    rows = sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+    before, after = result["eval_before"], result["eval_after"]
+    gain = after["eval/accuracy"] - before["eval/accuracy"]
+    gain_se = math.sqrt(after["eval/stderr"] ** 2 + before["eval/stderr"] ** 2)
+    t_roll = float(sum(r.get("time/rollout_s", 0.0) for r in rows))
+    t_train = float(sum(r.get("time/train_s", 0.0) for r in rows))
+    return {
+        "run_dir": str(run_dir),
+        "steps": result["steps"],
+        "accuracy_before": before["eval/accuracy"], "stderr_before": before["eval/stderr"],
+        "accuracy_after": after["eval/accuracy"], "stderr_after": after["eval/stderr"],
+        "n_eval": int(after["eval/n"]),
+        "gain": gain, "gain_stderr": gain_se,
+        "reward_per_step": [round(float(r.get("reward/mean", float("nan"))), 4) for r in rows],
+        "rollout_seconds": t_roll, "train_seconds": t_train,
+        "rollout_share": t_roll / max(t_roll + t_train, 1e-9),
+        "rollout_tokens_per_s": float(np.mean([r.get("rollout/tokens_per_s", 0.0) for r in rows]))
+        if rows else 0.0,
+        "nonfinite_skipped": result.get("nonfinite_skipped", 0),
+        "wall_seconds": wall_seconds,
+        "compilations": compiles,
+    }
+
+
+def write_summary(run_dir: Path, summary: dict, *, console: Console | None = None) -> None:
+    """Print the summary table and write summary.json / summary.md next to the run."""
+    table = Table(title=f"rhyme-jax run summary: {run_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    n = summary["n_eval"]
+    table.add_row(f"held-out accuracy before RL (n={n})",
+                  f"{summary['accuracy_before']:.3f} ± {summary['stderr_before']:.3f}")
+    table.add_row(f"held-out accuracy after RL (n={n})",
+                  f"{summary['accuracy_after']:.3f} ± {summary['stderr_after']:.3f}")
+    table.add_row("gain (± its standard error)", f"{summary['gain']:+.3f} ± {summary['gain_stderr']:.3f}")
+    rewards = summary["reward_per_step"]
+    shown = ", ".join(f"{r:.2f}" for r in rewards) if len(rewards) <= 12 else (
+        ", ".join(f"{r:.2f}" for r in rewards[:6]) + ", ..., " + ", ".join(f"{r:.2f}" for r in rewards[-6:]))
+    table.add_row("train reward per step", shown)
+    table.add_row("rollout / train seconds",
+                  f"{summary['rollout_seconds']:.1f} / {summary['train_seconds']:.1f} "
+                  f"({100 * summary['rollout_share']:.0f}% rollout)")
+    table.add_row("rollout tokens/s (mean over steps)", f"{summary['rollout_tokens_per_s']:.0f}")
+    table.add_row("non-finite steps skipped", str(summary["nonfinite_skipped"]))
+    table.add_row("backend compilations", str(summary["compilations"]))
+    table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
+    (console or Console()).print(table)
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    md = ["| metric | value |", "|---|---|"]
+    md += [f"| {k} | {v} |" for k, v in summary.items()]
+    (Path(run_dir) / "summary.md").write_text("\n".join(md) + "\n")

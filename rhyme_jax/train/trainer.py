@@ -1,0 +1,251 @@
+"""The GRPO trainer: rollout -> reward -> advantages -> clipped update, with exact resumption.
+
+One step (ARCHITECTURE.md section 3): ``prompts_per_step`` prompts, each sampled
+``samples_per_prompt`` times by the paged rollout engine; rewards from the task verifier; group
+advantages; ``minibatches`` clipped-surrogate updates; metrics, the step's rollouts and (every
+``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state, step and RNG.
+
+Determinism: the prompts of step s and its sampling key are functions of (seed, s) only, so a run
+resumed from step k replays steps k+1.. exactly as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from rhyme_jax.config import to_dict
+from rhyme_jax.data import Problem, load_problems
+from rhyme_jax.data.rewards import reward as task_reward
+from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.train import checkpoint as ckpt
+from rhyme_jax.train.evaluate import EvalResult, encode_prompts, evaluate
+from rhyme_jax.train.grpo_step import make_grpo_step, make_logprob_fn
+from rhyme_jax.train.losses import group_advantages, response_grid, sequence_batch
+from rhyme_jax.train.metrics import MetricsWriter
+from rhyme_jax.train.optim import make_optimizer
+from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
+from rhyme_jax.train.rollout_log import save_rollouts
+
+SEQ_BUCKET = 64  # training sequence lengths are padded to a multiple of this (bounded recompiles)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive GRPO steps had a non-finite loss; the last good checkpoint is kept."""
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """``<run.runs_dir>/<run.name>``."""
+    return Path(cfg.run.runs_dir) / cfg.run.name
+
+
+def make_engine(graphdef: nnx.GraphDef, model_cfg, cfg: Any, eos: tuple[int, ...]) -> RolloutEngine:
+    """The rollout engine of a run, sized by the ``rollout`` config section."""
+    r = cfg.rollout
+    return RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size,
+                         num_pages=r.num_pages, max_prompt_len=r.max_prompt_len,
+                         max_new_tokens=r.max_new_tokens, eos_ids=eos,
+                         on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl)
+
+
+def prompt_schedule(seed: int, num_problems: int, step: int, per_step: int) -> np.ndarray:
+    """Indices of the train problems used at GRPO ``step`` (1-based): consecutive slices of
+    per-epoch permutations seeded by (seed, epoch). Pure function of its arguments."""
+    start = (step - 1) * per_step
+    out = []
+    while len(out) < per_step:
+        epoch, offset = divmod(start + len(out), num_problems)
+        perm = np.random.default_rng([seed, epoch]).permutation(num_problems)
+        take = min(per_step - len(out), num_problems - offset)
+        out.extend(perm[offset:offset + take].tolist())
+    return np.asarray(out, dtype=np.int64)
+
+
+class GRPOTrainer:
+    """GRPO over the paged rollout engine (``rhyme-jax train``).
+
+    Args:
+      cfg: run config (``rhyme_jax.config.load_config``).
+      resume: continue from the newest checkpoint in ``<run_dir>/checkpoints``.
+      reward_fn: ``(response_text, problem) -> float`` (the verifier; tests may inject faults).
+
+    Raises:
+      NonFiniteLossError: ``grpo.max_consecutive_nonfinite`` consecutive non-finite steps.
+    """
+
+    def __init__(self, cfg: Any, *, resume: bool = False,
+                 reward_fn: Callable[[str, Problem], float] = task_reward):
+        self.cfg, self.reward_fn = cfg, reward_fn
+        self.run_dir = run_dir_of(cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+        self.train_problems, self.eval_problems = load_problems(cfg.data)
+        self.tokenizer = build_tokenizer(cfg, self.run_dir, self.train_problems)
+        model = build_model(cfg, self.tokenizer, cfg.run.seed)
+        self.model_cfg = model.cfg
+        self.graphdef, state = nnx.split(model)
+        warm = self._warm_start_dir()
+        if warm is not None:
+            state = ckpt.load_params(warm, state)
+        g = cfg.grpo
+        self.optimizer = make_optimizer(g.learning_rate, g.steps, g.warmup_steps, g.weight_decay,
+                                        g.max_grad_norm)
+        opt_state = self.optimizer.init(state)
+        # The frozen KL reference is the starting policy (warm start or init), rebuilt on resume.
+        self.ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
+        self.engine = make_engine(self.graphdef, self.model_cfg, cfg, eos_ids(model, self.tokenizer))
+        self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
+                                      eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
+                                      temperature=cfg.rollout.temperature)
+        self.ref_logprob_fn = make_logprob_fn(self.graphdef, cfg.rollout.temperature)
+        self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+        self.step, self.nonfinite_total, self.nonfinite_run = 0, 0, 0
+        self.eval_before: Optional[dict] = None
+        if resume and self.checkpointer.latest_step() is not None:
+            state, opt_state, meta = self.checkpointer.restore(None, params_like=state,
+                                                               opt_state_like=opt_state)
+            self.step = int(meta["step"])
+            self.nonfinite_total = int(meta.get("nonfinite_total", 0))
+            self.nonfinite_run = int(meta.get("nonfinite_run", 0))
+            self.eval_before = meta.get("eval_before")
+        self.state, self.opt_state = state, opt_state
+        self.metrics = MetricsWriter(self.run_dir, truncate_from=self.step + 1 if resume else None)
+        self._prompt_cache: dict[int, list[int]] = {}
+
+    def _warm_start_dir(self) -> Optional[Path]:
+        if self.cfg.run.init_from:
+            path = Path(self.cfg.run.init_from)
+            if not path.exists():
+                raise FileNotFoundError(f"run.init_from: no checkpoint at {path}")
+            return path
+        own = self.run_dir / "sft" / "params"
+        return own if own.exists() else None
+
+    # ------------------------------------------------------------------ one step
+    def _prompt_ids(self, idx: int) -> list[int]:
+        if idx not in self._prompt_cache:
+            p = self.train_problems[idx]
+            self._prompt_cache[idx] = self.tokenizer.encode(
+                self.tokenizer.format_prompt(self.cfg.model.prompt_template, p.question))
+        return self._prompt_cache[idx]
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Run GRPO step ``step`` (1-based) and return its metrics."""
+        cfg, g = self.cfg, self.cfg.grpo
+        n = g.samples_per_prompt
+        idx = prompt_schedule(cfg.run.seed, len(self.train_problems), step, g.prompts_per_step)
+        prompts = [self._prompt_ids(int(i)) for i in idx for _ in range(n)]
+        key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+        t0 = time.perf_counter()
+        r = cfg.rollout
+        out = self.engine.generate(self.state, prompts, SamplingParams(
+            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens), key)
+        t_rollout = time.perf_counter() - t0
+        problems = [self.train_problems[int(i)] for i in idx for _ in range(n)]
+        texts = [self.tokenizer.decode(t) for t in out.tokens]
+        rewards = np.array([self.reward_fn(s, p) for s, p in zip(texts, problems)], np.float32)
+        save_rollouts(self.run_dir, step, np.repeat(idx, n), out.tokens, rewards, out.logprobs)
+
+        t1 = time.perf_counter()
+        adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, n)),
+                                          scale_by_std=g.scale_by_std)).reshape(-1)
+        longest = max(len(p) + len(t) for p, t in zip(prompts, out.tokens))
+        T = int(math.ceil(longest / SEQ_BUCKET) * SEQ_BUCKET)
+        batch = sequence_batch(prompts, [t.tolist() for t in out.tokens], self.tokenizer.pad_id,
+                               max_len=T)
+        batch["old_logprobs"] = response_grid(out.logprobs, batch.pop("prompt_lens"), T)
+        batch.pop("lengths")
+        batch["advantages"] = adv.astype(np.float32)
+        if self.ref_state is not None:
+            batch["ref_logprobs"] = np.asarray(self.ref_logprob_fn(self.ref_state, batch))
+        mb_metrics = []
+        for mb in np.array_split(np.arange(len(prompts)), g.minibatches):
+            sub = {k: jnp.asarray(v[mb]) for k, v in batch.items()}
+            self.state, self.opt_state, m = self.step_fn(self.state, self.opt_state, sub)
+            mb_metrics.append(jax.device_get(m))
+        t_train = time.perf_counter() - t1
+
+        finite = all(m["finite"] > 0 for m in mb_metrics)
+        self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
+        self.nonfinite_total += 0 if finite else 1
+        lengths = np.array([len(t) for t in out.tokens])
+        metrics = {k: float(np.mean([m[k] for m in mb_metrics])) for k in mb_metrics[0]}
+        metrics.update({
+            "reward/mean": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else float("nan"),
+            "reward/accuracy": float(np.mean(rewards == 1.0)),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "time/rollout_s": t_rollout, "time/train_s": t_train,
+            "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
+            "rollout/forward_passes": float(out.stats["decode_steps"]),
+            "rollout/preemptions": float(out.stats.get("preemptions", 0)),
+            "nonfinite/skipped_total": float(self.nonfinite_total),
+        })
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+    def evaluate(self, problems=None) -> EvalResult:
+        """Greedy held-out accuracy of the current policy."""
+        return evaluate(self.engine, self.state, self.tokenizer, problems or self.eval_problems,
+                        template=self.cfg.model.prompt_template,
+                        max_new_tokens=self.cfg.rollout.max_new_tokens)
+
+    def save(self) -> None:
+        """Checkpoint params, optimizer state and counters for exact resumption."""
+        meta = {"step": self.step, "seed": int(self.cfg.run.seed),
+                "data_position": self.step * int(self.cfg.grpo.prompts_per_step),
+                "rng": [int(x) for x in jax.random.key_data(jax.random.key(self.cfg.run.seed))],
+                "nonfinite_total": self.nonfinite_total, "nonfinite_run": self.nonfinite_run,
+                "eval_before": self.eval_before}
+        self.checkpointer.save(self.step, params=self.state, opt_state=self.opt_state, meta=meta)
+
+    def fit(self) -> dict:
+        """Run (or finish) all ``grpo.steps`` steps; returns the run summary dict."""
+        cfg = self.cfg
+        total = cfg.grpo.steps
+        if self.eval_before is None:
+            res = self.evaluate()
+            self.eval_before = res.as_metrics()
+            self.metrics.log(0, self.eval_before, phase="eval")
+        bar = tqdm(total=total, initial=self.step, desc="GRPO", unit="step",
+                   disable=not cfg.run.progress, dynamic_ncols=True)
+        history = []
+        while self.step < total:
+            step = self.step + 1
+            m = self.train_step(step)
+            self.step = step
+            self.metrics.log(step, m, phase="train")
+            history.append(m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward/mean']:.3f}", len=f"{m['response_length/mean']:.0f}",
+                            tok_s=f"{m['rollout/tokens_per_s']:.0f}")
+            if self.nonfinite_run >= cfg.grpo.max_consecutive_nonfinite:
+                bar.close()
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_run} consecutive GRPO steps (last: step {step}) had a "
+                    f"non-finite loss or gradient; stopped. Last good checkpoint: step "
+                    f"{self.checkpointer.latest_step()} in {self.run_dir / 'checkpoints'}")
+            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
+                self.metrics.log(step, self.evaluate().as_metrics(), phase="eval")
+            if step % cfg.run.checkpoint_every == 0 or step == total:
+                self.save()
+        bar.close()
+        after = self.evaluate()
+        self.metrics.log(total, after.as_metrics(), phase="eval")
+        self.metrics.close()
+        return {"eval_before": self.eval_before, "eval_after": after.as_metrics(),
+                "steps": total, "nonfinite_skipped": self.nonfinite_total}
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
