@@ -114,12 +114,12 @@ def ragged_paged_attention(
     q_seq = q[jnp.clip(rows, 0, t_total - 1)]  # [S, Q, H, hd]
     q_seq = q_seq.reshape(num_s, max_q_len, num_kv_heads, group, head_dim)
 
-    # Gather each sequence's pages: [S, KVH, L, hd].
+    # Gather each sequence's pages: [KVH, S, L, hd].
     pages = jnp.clip(page_indices, 0, k_pages.shape[1] - 1)
-    k_seq = k_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim).transpose(1, 0, 2, 3)
-    v_seq = v_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim).transpose(1, 0, 2, 3)
+    k_seq = k_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim)
+    v_seq = v_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim)
 
-    scores = jnp.einsum("sqkgd,skld->skgql", q_seq.astype(jnp.float32), k_seq.astype(jnp.float32))
+    scores = jnp.einsum("sqkgd,ksld->skgql", q_seq.astype(jnp.float32), k_seq.astype(jnp.float32))
     scores = scores * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -138,7 +138,7 @@ def ragged_paged_attention(
     p = jnp.where(mask, jnp.exp(scores - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("skgql,skld->sqkgd", p, v_seq.astype(jnp.float32))
+    out = jnp.einsum("skgql,ksld->sqkgd", p, v_seq.astype(jnp.float32))
     out = out.reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
 
     # Scatter back to packed rows; rows of dead sequences / padding go out of bounds and drop.

@@ -1,0 +1,347 @@
+"""Continuous-batching rollout engine over a paged KV pool (ARCHITECTURE.md sections 3-4).
+
+``max_slots`` fixed decode slots. Each loop iteration admits waiting prompts into free slots with
+one packed prefill call (token count bucketed to a power of two, so compilations stay bounded),
+then runs one decode step in which every slot has ``q_len == 1`` (inactive slots read and write
+the scratch page 0). Sampling happens on device; one small device->host transfer per step
+brings back ``tokens, logprobs [slots]``. EOS or the length limit frees a sequence's pages and
+its slot is refilled. Pages are allocated lazily when a sequence crosses a page boundary; when
+the pool runs dry the most recently admitted running sequence is preempted (its pages freed, it
+is requeued and later re-prefilled with prompt + generated-so-far) -- other sequences' pages are
+never touched.
+
+The jitted step is a module-level pure function over ``(graphdef static, state, kv donated, ...)``;
+its only static arguments are shape-like (bucket sizes) or the sampling program ``mode``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels.ragged_paged_attention import api as attention_api
+from rhyme_jax.rollout import batching
+from rhyme_jax.rollout.batching import StepInputs, pow2
+from rhyme_jax.rollout.kv_cache import KVCache
+from rhyme_jax.rollout.page_allocator import PageAllocator
+from rhyme_jax.rollout.sampling import sampling_mode
+from rhyme_jax.rollout.step import StaticModel, step_fn
+
+_WHERE = "rhyme_jax/rollout/engine.py"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings (temperature 0 = greedy; top_k 0 / top_p 1.0 = off)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+class PromptTooLongError(ValueError):
+    """A prompt exceeds ``max_prompt_len`` (message names its index and length)."""
+
+
+class EngineConfigError(ValueError):
+    """Engine construction or call arguments are inconsistent (message names the field)."""
+
+
+@dataclass
+class RolloutResult:
+    """Responses of one ``generate`` call, in prompt order.
+
+    Attributes:
+      tokens: per prompt ``int32[n]`` response ids, EOS included when emitted.
+      logprobs: per prompt ``float32[n]`` behaviour logprobs of those tokens.
+      finish_reasons: ``"eos" | "length" | "skipped"``.
+      stats: prefill_tokens, generated_tokens, decode_steps (decode forward passes),
+        prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s.
+    """
+
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    finish_reasons: list[str]
+    stats: dict = field(default_factory=dict)
+
+
+class RolloutEngine:
+    """Paged, continuously batched generation for one policy (see the module docstring).
+
+    Args:
+      graphdef: ``nnx.split(Decoder)[0]``; the state is passed to each ``generate`` call.
+      model_cfg: the model's ``ModelConfig`` (num_layers, num_kv_heads, head_dim, vocab_size).
+      max_slots: concurrent sequences.
+      page_size: tokens per KV page.
+      num_pages: pool size in pages including scratch page 0; 0 = ``max_slots`` full-length
+        sequences + 1.
+      max_prompt_len, max_new_tokens: limits in tokens (they size the page table rows).
+      eos_ids: tokens that end a sequence (emitted and kept in the response).
+      on_overlong_prompt: ``"error"`` (raise PromptTooLongError) or ``"skip"``.
+      attention_impl: ragged paged attention implementation name.
+      max_prefill_tokens: token budget of one prefill call (rounded up to a power of two, at
+        least one full sequence); bounds the number of prefill shape buckets.
+
+    Raises:
+      EngineConfigError: a size is invalid, the pool cannot hold one full-length sequence, or
+        ``attention_impl`` / ``on_overlong_prompt`` is unknown.
+    """
+
+    def __init__(self, graphdef, model_cfg, *, max_slots: int, page_size: int, num_pages: int,
+                 max_prompt_len: int, max_new_tokens: int, eos_ids: Sequence[int],
+                 on_overlong_prompt: str = "error", attention_impl: str = "reference",
+                 max_prefill_tokens: int = 2048):
+        for name, val in dict(max_slots=max_slots, page_size=page_size, max_prompt_len=max_prompt_len,
+                              max_new_tokens=max_new_tokens).items():
+            if int(val) < 1:
+                raise EngineConfigError(f"{_WHERE}: RolloutEngine {name} must be >= 1, got {val}")
+        if num_pages < 0:
+            raise EngineConfigError(f"{_WHERE}: RolloutEngine num_pages must be >= 0, got {num_pages}")
+        if on_overlong_prompt not in ("error", "skip"):
+            raise EngineConfigError(
+                f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {on_overlong_prompt!r}")
+        try:
+            attention_api.resolve_implementation(attention_impl)
+        except ValueError as exc:
+            raise EngineConfigError(f"{_WHERE}: attention_impl: {exc}") from None
+        self.graphdef = graphdef
+        self.model_cfg = model_cfg
+        self.max_slots = int(max_slots)
+        self.page_size = int(page_size)
+        self.max_prompt_len = int(max_prompt_len)
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        bad = [e for e in self.eos_ids if not 0 <= e < model_cfg.vocab_size]
+        if bad:
+            raise EngineConfigError(f"{_WHERE}: eos_ids {bad} outside [0, vocab_size={model_cfg.vocab_size})")
+        self.on_overlong_prompt = on_overlong_prompt
+        self.attention_impl = attention_impl
+        self.max_seq_len = self.max_prompt_len + self.max_new_tokens
+        self.pages_per_seq = -(-self.max_seq_len // self.page_size)
+        self.num_pages = int(num_pages) or self.max_slots * self.pages_per_seq + 1
+        if self.num_pages - 1 < self.pages_per_seq:
+            raise EngineConfigError(
+                f"{_WHERE}: num_pages={self.num_pages} cannot hold one full-length sequence "
+                f"(max_prompt_len + max_new_tokens = {self.max_seq_len} tokens needs "
+                f"{self.pages_per_seq} pages of {self.page_size} plus scratch page 0)")
+        # Longest prefill: a preempted sequence re-prefills prompt + all but its last slot.
+        self.max_prefill_len = self.max_seq_len - 1
+        self.q_cap = pow2(self.max_prefill_len)
+        self.prefill_budget = max(pow2(max_prefill_tokens), pow2(self.max_prefill_len),
+                                  batching.MIN_PREFILL_BUCKET)
+        # Every shape the jitted step can see: prefill token buckets and decode page-table widths.
+        self.prefill_buckets = tuple(1 << i for i in range(batching.MIN_PREFILL_BUCKET.bit_length() - 1,
+                                                           self.prefill_budget.bit_length()))
+        self.decode_widths = tuple(sorted({batching.decode_width(n, self.pages_per_seq)
+                                           for n in range(1, self.pages_per_seq + 1)}))
+        self.allocator = PageAllocator(self.num_pages, self.page_size, self.max_slots, self.pages_per_seq)
+        self.kv: KVCache | None = None
+        self._static: StaticModel | None = None
+        self.check_invariants = False  # tests: run allocator.check() after every step
+
+    # ------------------------------------------------------------------ helpers
+    def _flat_state(self, state):
+        leaves, treedef = jax.tree.flatten(state)
+        if self._static is None or self._static.value[1] != treedef:
+            self._static = StaticModel(self.graphdef, treedef)
+        return leaves, self._static
+
+    def warmup(self, state: nnx.State, sampling: SamplingParams) -> int:
+        """Compile every prefill bucket and decode width for ``sampling``'s program.
+
+        Afterwards ``generate`` with the same state structure and sampling mode compiles nothing.
+        The dummy steps only touch scratch page 0. Returns the number of step shapes run.
+        """
+        self._ensure_pool(state)
+        flat_state = self._flat_state(state)
+        mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        key = jax.random.key(0)
+        inputs = [batching.dummy_prefill(t, self.max_slots, self.pages_per_seq, self.q_cap)
+                  for t in self.prefill_buckets]
+        inputs += [batching.dummy_decode(self.max_slots, w) for w in self.decode_widths]
+        for inp in inputs:
+            self._run(flat_state, inp, key, 0, sampling, mode)
+        return len(inputs)
+
+    def _ensure_pool(self, state) -> None:
+        probe = jax.eval_shape(
+            lambda st: nnx.merge(self.graphdef, st).embed_tokens(jnp.zeros((1,), jnp.int32)), state)
+        if self.kv is None or self.kv.dtype != probe.dtype:
+            cfg = self.model_cfg
+            self.kv = KVCache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                     num_pages=self.num_pages, page_size=self.page_size,
+                                     head_dim=cfg.head_dim, dtype=probe.dtype)
+
+    def _validate(self, prompts, sampling: SamplingParams) -> list[np.ndarray | None]:
+        if sampling.max_new_tokens < 1 or sampling.max_new_tokens > self.max_new_tokens:
+            raise EngineConfigError(
+                f"{_WHERE}: SamplingParams.max_new_tokens={sampling.max_new_tokens} must be in "
+                f"[1, engine max_new_tokens={self.max_new_tokens}]")
+        sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)  # validates
+        out = []
+        vocab = self.model_cfg.vocab_size
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p, dtype=np.int64).reshape(-1)
+            if arr.size == 0:
+                raise EngineConfigError(f"{_WHERE}: prompt {i} is empty")
+            if arr.min() < 0 or arr.max() >= vocab:
+                raise EngineConfigError(f"{_WHERE}: prompt {i} has token ids outside [0, {vocab})")
+            if arr.size > self.max_prompt_len:
+                if self.on_overlong_prompt == "error":
+                    raise PromptTooLongError(
+                        f"prompt {i} has {arr.size} tokens, more than max_prompt_len={self.max_prompt_len}")
+                out.append(None)
+                continue
+            out.append(arr.astype(np.int32))
+        return out
+
+    def _run(self, flat_state, inp: StepInputs, key, step, sp, mode):
+        leaves, static = flat_state
+        toks, lps, self.kv = step_fn(
+            static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows, key,
+            np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p),
+            max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl)
+        toks, lps = jax.device_get((toks, lps))
+        if self.check_invariants:
+            self.allocator.check()
+        return toks, lps
+
+    # ------------------------------------------------------------------ main loop
+    def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
+                 key: jax.Array) -> RolloutResult:
+        """Generate one response per prompt.
+
+        Args:
+          state: ``nnx.split(model)[1]`` matching the engine's graphdef.
+          prompts: token id lists (1 <= len <= max_prompt_len unless skipping overlong ones).
+          sampling: sampling settings; ``max_new_tokens`` <= the engine's.
+          key: PRNG key; forward pass ``i`` samples with ``jax.random.fold_in(key, i)``.
+
+        Returns:
+          RolloutResult in prompt order.
+
+        Raises:
+          PromptTooLongError: a prompt is longer than ``max_prompt_len`` in "error" mode.
+          EngineConfigError: empty prompt, token id outside the vocabulary, bad sampling params.
+        """
+        t0 = time.perf_counter()
+        ps, slots, alloc = self.page_size, self.max_slots, self.allocator
+        reqs = self._validate(prompts, sampling)
+        self._ensure_pool(state)
+        flat_state = self._flat_state(state)
+        mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        limit = sampling.max_new_tokens
+        n = len(reqs)
+        out_tok = np.zeros((n, limit), np.int32)
+        out_lp = np.zeros((n, limit), np.float32)
+        n_gen = np.zeros(n, np.int64)
+        finish = ["skipped" if r is None else "" for r in reqs]
+        eos = np.zeros(self.model_cfg.vocab_size, bool)
+        eos[list(self.eos_ids)] = True
+        waiting = deque(i for i, r in enumerate(reqs) if r is not None)
+        slot_req = np.full(slots, -1, np.int64)  # request in slot, -1 = free
+        slot_len = np.zeros(slots, np.int64)  # tokens in KV
+        slot_last = np.zeros(slots, np.int32)  # pending input token (last sampled)
+        slot_order = np.zeros(slots, np.int64)  # admission counter (preempt the newest)
+        admitted = 0
+        stats = dict(prefill_tokens=0, generated_tokens=0, decode_steps=0, prefill_steps=0,
+                     preemptions=0, skipped=int(sum(r is None for r in reqs)))
+        step = 0
+
+        def record(slot_ids, toks, lps):
+            """Append sampled tokens to their requests; finish and free where done."""
+            for s, t, lp in zip(slot_ids, toks, lps):
+                r = slot_req[s]
+                j = n_gen[r]
+                out_tok[r, j], out_lp[r, j] = t, lp
+                n_gen[r] = j + 1
+                slot_last[s] = t
+                if eos[t] or j + 1 >= limit:
+                    finish[r] = "eos" if eos[t] else "length"
+                    alloc.free(s)
+                    slot_req[s] = -1
+            stats["generated_tokens"] += len(slot_ids)
+
+        def preempt(s):
+            r = slot_req[s]
+            alloc.free(s)
+            slot_req[s] = -1
+            waiting.appendleft(int(r))
+            stats["preemptions"] += 1
+
+        while waiting or (slot_req >= 0).any():
+            # ---- admission: packed prefill calls until slots, pages or the queue run out
+            while waiting and (slot_req < 0).any():
+                batch, total = [], 0
+                free_slots = list(np.flatnonzero(slot_req < 0))
+                # Keep one page for every running slot about to cross a page boundary, so an
+                # admission does not immediately force a preemption (thrashing).
+                reserve = int(((slot_req >= 0) & (slot_len >= alloc.num_held * ps)).sum())
+                while waiting and free_slots:
+                    r = waiting[0]
+                    ctx = reqs[r] if n_gen[r] == 0 else np.concatenate([reqs[r], out_tok[r, : n_gen[r]]])
+                    if total + len(ctx) > self.prefill_budget:
+                        break
+                    if not alloc.can_alloc(alloc.pages_for(len(ctx) + 1) + reserve):
+                        break
+                    s = free_slots.pop(0)
+                    alloc.ensure(s, len(ctx))
+                    waiting.popleft()
+                    slot_req[s], slot_len[s], slot_order[s] = r, len(ctx), admitted
+                    admitted += 1
+                    batch.append((s, ctx))
+                    total += len(ctx)
+                if not batch:
+                    if not (slot_req >= 0).any():  # pragma: no cover - excluded by construction check
+                        raise EngineConfigError(f"{_WHERE}: KV pool cannot admit request {waiting[0]}")
+                    break
+                inp = batching.prefill_inputs(batch, alloc.page_table, ps, slots, self.q_cap)
+                toks, lps = self._run(flat_state, inp, key, step, sampling, mode)
+                step += 1
+                stats["prefill_steps"] += 1
+                stats["prefill_tokens"] += total
+                record([s for s, _ in batch], toks[: len(batch)], lps[: len(batch)])
+            active = slot_req >= 0
+            if not active.any():
+                continue
+            # ---- page growth for the token each active slot writes now (at position slot_len)
+            needy = np.flatnonzero(active & (slot_len >= alloc.num_held.astype(np.int64) * ps))
+            for s in sorted(needy, key=lambda x: slot_order[x]):
+                if slot_req[s] < 0:
+                    continue
+                while not alloc.can_alloc(1):
+                    running = np.flatnonzero(slot_req >= 0)
+                    victim = running[np.argmax(slot_order[running])]
+                    preempt(victim)
+                    if victim == s:
+                        break
+                if slot_req[s] >= 0:
+                    alloc.ensure(s, slot_len[s] + 1)
+            active = slot_req >= 0
+            if not active.any():
+                continue
+            # ---- one decode step over all slots
+            inp = batching.decode_inputs(active, slot_len, slot_last, alloc.page_table, alloc.num_held, ps)
+            toks, lps = self._run(flat_state, inp, key, step, sampling, mode)
+            step += 1
+            stats["decode_steps"] += 1
+            ids = np.flatnonzero(active)
+            slot_len[ids] += 1
+            record(ids, toks[ids], lps[ids])
+
+        seconds = time.perf_counter() - t0
+        stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]
+        stats["seconds"] = seconds
+        stats["tokens_per_s"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
+        return RolloutResult(
+            tokens=[out_tok[i, : n_gen[i]].copy() for i in range(n)],
+            logprobs=[out_lp[i, : n_gen[i]].copy() for i in range(n)],
+            finish_reasons=finish, stats=stats)

@@ -1,0 +1,101 @@
+"""Paged forward pass of the policy over a ragged batch of new tokens (prefill, decode, verify).
+
+Built from the model parts of ``rhyme_jax.model.transformer.Decoder`` (same composition as its
+dense ``__call__``)::
+
+    h = embed_tokens(t)
+    for layer: x = input_norm(h); q, k, v = attn.project_qkv(x, pos)
+               write k, v into the paged pool; o = ragged_paged_attention(q, pool)
+               h = h + attn.project_out(o); h = h + mlp(post_attn_norm(h))
+    logits = unembed(h[logits_rows])
+
+Pure function of ``(graphdef, state, kv, ...)``: call it inside ``jax.jit`` with ``graphdef``
+static and ``kv`` donated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.ragged_paged_attention import api as attention_api
+from rhyme_jax.rollout.kv_cache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RaggedMeta:
+    """Ragged batch metadata (ARCHITECTURE.md section 4), all int32.
+
+    Attributes:
+      kv_lens: ``[S]`` cached tokens per sequence including the new ones.
+      page_indices: ``[S, pages_per_seq]`` page table rows (unused entries 0).
+      cu_q_lens: ``[S+1]`` cumulative new-token counts.
+      num_seqs: ``[1]`` live sequences.
+      slot_mapping: ``[T]`` flat KV slot ``page * page_size + offset`` of each new token
+        (padding tokens: a slot in scratch page 0).
+    """
+
+    kv_lens: Int[Array, "S"]
+    page_indices: Int[Array, "S pps"]
+    cu_q_lens: Int[Array, "S+1"]
+    num_seqs: Int[Array, "1"]
+    slot_mapping: Int[Array, "T"]
+
+
+def _write_layer(pool: jax.Array, layer: int, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter ``new [T, KVH, hd]`` into ``pool [L, KVH, P, ps, hd]`` at layer ``layer``."""
+    n_layers, kvh, n_pages, ps, hd = pool.shape
+    flat = pool.reshape(n_layers, kvh, n_pages * ps, hd)
+    flat = flat.at[layer, :, slots].set(new.astype(pool.dtype))  # advanced idx dims lead: [T, KVH, hd]
+    return flat.reshape(pool.shape)
+
+
+def paged_forward(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kv: KVCache,
+    tokens: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    meta: RaggedMeta,
+    *,
+    max_q_len: int,
+    logits_rows: Int[Array, "S"],
+    attention_impl: str | Sequence[str] = "reference",
+) -> tuple[Float[Array, "S V"], KVCache]:
+    """Run the decoder on packed new tokens, reading and extending the paged KV pool.
+
+    Args:
+      graphdef, state: ``nnx.split`` of a ``Decoder``.
+      kv: the pool; the new tokens' K/V are written at ``meta.slot_mapping`` in every layer.
+      tokens, positions: ``i32[T]`` packed new tokens and their absolute positions.
+      meta: ragged metadata of the batch.
+      max_q_len: static bound on any sequence's number of new tokens.
+      logits_rows: ``i32[S']`` packed rows whose logits are returned (e.g. each sequence's last).
+      attention_impl: ``ragged_paged_attention`` implementation name (or ordered list).
+
+    Returns:
+      ``(logits f32[S', V], updated kv)``.
+    """
+    model = nnx.merge(graphdef, state)
+    head_dim = model.cfg.head_dim
+    h = model.embed_tokens(tokens)  # [T, D]
+    k_pool, v_pool = kv.k, kv.v
+    for li, layer in enumerate(model.layers):
+        x = layer.input_norm(h)
+        q, k, v = layer.attn.project_qkv(x, positions)  # [T,H,hd], [T,KVH,hd], [T,KVH,hd]
+        k_pool = _write_layer(k_pool, li, k, meta.slot_mapping)
+        v_pool = _write_layer(v_pool, li, v, meta.slot_mapping)
+        o = attention_api.ragged_paged_attention(
+            q, k_pool[li], v_pool[li], meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+            meta.num_seqs, sm_scale=head_dim ** -0.5, max_q_len=max_q_len,
+            implementation=attention_impl)
+        h = h + layer.attn.project_out(o.astype(h.dtype))
+        h = h + layer.mlp(layer.post_attn_norm(h))
+    logits = model.unembed(h[logits_rows]).astype(jnp.float32)
+    return logits, KVCache(k=k_pool, v=v_pool)

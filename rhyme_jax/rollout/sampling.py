@@ -1,0 +1,134 @@
+"""Token sampling with temperature, top-k and top-p (nucleus) filtering, plus behaviour logprobs.
+
+The processed distribution (also the target distribution of HistoSpec verification,
+ARCHITECTURE.md section 5) is built in this order, as in HF ``generate`` and vLLM:
+
+1. ``logits / temperature``;
+2. top-k (``top_k > 0``): keep the ``top_k`` largest tokens (stable order breaks ties);
+3. top-p (``top_p < 1``): over the renormalised result, keep the smallest set of most probable
+   tokens whose cumulative probability is ``>= top_p`` (a token is kept when the mass strictly
+   before it is ``< top_p``);
+4. softmax over the kept tokens.
+
+``temperature == 0`` is greedy: the token is the argmax of the raw logits and its logprob is taken
+under ``softmax(raw logits)`` (no filtering).
+
+``mode`` picks a specialised program: ``"greedy"``, ``"plain"`` (no filtering), ``"filtered"``
+or ``"dynamic"`` (temperature / top_k / top_p are traced values; greedy selected with ``where``).
+Pass it explicitly under ``jax.jit`` as a static argument; ``None`` derives it from Python values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+MODES = ("greedy", "plain", "filtered", "dynamic")
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters (message names the field)."""
+
+
+def sampling_mode(temperature, top_k, top_p) -> str:
+    """Static program choice for Python-number parameters; ``"dynamic"`` if any is an array.
+
+    Raises:
+      SamplingError: temperature < 0, top_k < 0 or top_p outside (0, 1].
+    """
+    if any(isinstance(x, jax.Array) for x in (temperature, top_k, top_p)):
+        return "dynamic"
+    if temperature < 0:
+        raise SamplingError(f"sampling: temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise SamplingError(f"sampling: top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise SamplingError(f"sampling: top_p must be in (0, 1], got {top_p}")
+    if temperature == 0:
+        return "greedy"
+    if top_k > 0 or top_p < 1.0:
+        return "filtered"
+    return "plain"
+
+
+def _filter_mask(x: Float[Array, "S V"], top_k, top_p) -> jax.Array:
+    """Bool ``[S, V]``: tokens kept by top-k then top-p on the (temperature-scaled) logits ``x``."""
+    vocab = x.shape[-1]
+    order = jnp.argsort(-x, axis=-1, stable=True)  # [S, V] descending
+    xs = jnp.take_along_axis(x, order, axis=-1)
+    rank = jnp.arange(vocab)
+    k_eff = jnp.where(jnp.asarray(top_k) > 0, jnp.minimum(jnp.asarray(top_k), vocab), vocab)
+    keep_sorted = rank[None, :] < k_eff
+    xs = jnp.where(keep_sorted, xs, -jnp.inf)
+    ps = jax.nn.softmax(xs, axis=-1)
+    before = jnp.cumsum(ps, axis=-1) - ps
+    keep_sorted = keep_sorted & ((before < top_p) | (jnp.asarray(top_p) >= 1.0))
+    keep_sorted = keep_sorted.at[:, 0].set(True)
+    rows = jnp.arange(x.shape[0])[:, None]
+    return jnp.zeros(x.shape, bool).at[rows, order].set(keep_sorted)
+
+
+def _processed(logits, temperature, top_k, top_p, mode):
+    logits = logits.astype(jnp.float32)
+    if mode == "greedy":
+        return jax.nn.log_softmax(logits, axis=-1)
+    t = jnp.asarray(temperature, jnp.float32)
+    x = logits / jnp.where(t > 0, t, 1.0)
+    if mode in ("filtered", "dynamic"):
+        x = jnp.where(_filter_mask(x, top_k, top_p), x, -jnp.inf)
+    lp = jax.nn.log_softmax(x, axis=-1)
+    if mode == "dynamic":
+        lp = jnp.where(t > 0, lp, jax.nn.log_softmax(logits, axis=-1))
+    return lp
+
+
+def processed_logprobs(
+    logits: Float[Array, "S V"], temperature, top_k=0, top_p=1.0, *, mode: str | None = None
+) -> Float[Array, "S V"]:
+    """Log-probabilities ``f32[S, V]`` of the sampling distribution (``-inf`` for filtered tokens).
+
+    For ``temperature == 0`` this is ``log_softmax(logits)`` (greedy reports logprobs there).
+
+    Raises:
+      SamplingError: invalid parameters or unknown ``mode``.
+    """
+    mode = sampling_mode(temperature, top_k, top_p) if mode is None else mode
+    if mode not in MODES:
+        raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
+    return _processed(logits, temperature, top_k, top_p, mode)
+
+
+def sample(
+    logits: Float[Array, "S V"], key: PRNGKeyArray, temperature, top_k=0, top_p=1.0, *,
+    mode: str | None = None,
+) -> tuple[Int[Array, "S"], Float[Array, "S"]]:
+    """Sample one token per row; returns ``(tokens i32[S], behaviour logprobs f32[S])``.
+
+    Args:
+      logits: ``[S, V]`` raw logits (any float dtype; computed in f32).
+      key: PRNG key (rows are sampled independently from it).
+      temperature: ``>= 0``; 0 = greedy argmax.
+      top_k: ``0`` = off.
+      top_p: ``1.0`` = off.
+      mode: see the module docstring; ``None`` derives it from Python parameter values.
+
+    Returns:
+      Sampled ids and their logprob under the processed distribution (under
+      ``softmax(raw logits)`` when greedy).
+
+    Raises:
+      SamplingError: invalid parameters or unknown ``mode``.
+    """
+    mode = sampling_mode(temperature, top_k, top_p) if mode is None else mode
+    if mode not in MODES:
+        raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
+    lp = _processed(logits, temperature, top_k, top_p, mode)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        tok = greedy_tok
+    else:
+        tok = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
+        if mode == "dynamic":
+            tok = jnp.where(jnp.asarray(temperature) > 0, tok, greedy_tok)
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]

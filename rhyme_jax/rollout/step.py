@@ -1,0 +1,55 @@
+"""The engine's jitted step: paged forward + on-device sampling, a pure function of its inputs.
+
+``step_fn`` is jitted once at module level with ``static`` (graphdef + state treedef) and the
+shape-like ``max_q_len`` / sampling ``mode`` / ``attention_impl`` static, and the KV pool
+donated. No ``nnx.jit`` graph traversal happens per call: the state travels as flat leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from rhyme_jax.rollout.forward import paged_forward
+from rhyme_jax.rollout.sampling import sample
+
+
+class StaticModel:
+    """Hashable ``(graphdef, state treedef)`` with a cached hash.
+
+    ``jax.jit`` hashes static arguments on every call and hashing a GraphDef walks the whole
+    module graph; caching it keeps per-step host overhead O(1).
+    """
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, graphdef, treedef):
+        self.value = (graphdef, treedef)
+        self._hash = hash(self.value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, StaticModel) and (self.value is other.value or self.value == other.value)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl"),
+                   donate_argnums=(2,))
+def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
+            logits_rows: Int[Array, "S"], key, step: Int[Array, ""], temperature: Float[Array, ""],
+            top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_q_len: int, mode: str,
+            attention_impl: str):
+    """One forward pass + sampling with key ``fold_in(key, step)``.
+
+    Returns:
+      ``(tokens i32[S], behaviour logprobs f32[S], updated kv)``.
+    """
+    graphdef, treedef = static.value
+    state = jax.tree.unflatten(treedef, leaves)
+    logits, kv = paged_forward(graphdef, state, kv, tokens, positions, meta, max_q_len=max_q_len,
+                               logits_rows=logits_rows, attention_impl=attention_impl)
+    toks, lps = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p, mode=mode)
+    return toks, lps, kv

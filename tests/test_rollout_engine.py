@@ -1,0 +1,296 @@
+"""Rollout engine: paged greedy == dense greedy, no recompilation, preemption, sampling."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rhyme_jax.model.config import ModelConfig
+from rhyme_jax.model.transformer import Decoder
+from rhyme_jax.rollout import sampling
+from rhyme_jax.rollout.engine import (EngineConfigError, PromptTooLongError, RolloutEngine,
+                                      SamplingParams)
+from rhyme_jax.rollout.page_allocator import PageAllocationError, PageAllocator
+
+CFG = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+MAX_PROMPT, MAX_NEW, PAGE = 16, 12, 4
+PROMPT_LENS = (3, 7, 11, 5, 9, 14)
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    # Larger init scale than the default 0.02 so greedy outputs vary across positions/prompts.
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, state)
+    return graphdef, state
+
+
+def _prompts(seed, lens=PROMPT_LENS):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, CFG.vocab_size, size=n).tolist() for n in lens]
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_fn():
+    graphdef, _ = _model()
+
+    @jax.jit
+    def full_logits(state, tokens, lens):
+        model = nnx.merge(graphdef, state)
+        t = tokens.shape[1]
+        pos = jnp.broadcast_to(jnp.arange(t), tokens.shape)
+        return model(tokens, pos, pos < lens[:, None])
+
+    return full_logits
+
+
+def _dense_greedy(prompts, max_new, eos=()):
+    """Greedy decode re-running the dense model on the whole sequence at every step."""
+    _, state = _model()
+    fn = _dense_fn()
+    width = MAX_PROMPT + MAX_NEW
+    outs, lps = [], []
+    for p in prompts:
+        seq, lp = list(p), []
+        for _ in range(max_new):
+            toks = np.zeros((1, width), np.int32)
+            toks[0, : len(seq)] = seq
+            logits = np.asarray(fn(state, toks, np.array([len(seq)])))[0, len(seq) - 1]
+            t = int(np.argmax(logits))
+            lp.append(float(jax.nn.log_softmax(logits)[t]))
+            seq.append(t)
+            if t in eos:
+                break
+        outs.append(np.array(seq[len(p):], np.int32))
+        lps.append(np.array(lp, np.float32))
+    return outs, lps
+
+
+def _engine(**kw):
+    graphdef, _ = _model()
+    args = dict(max_slots=3, page_size=PAGE, num_pages=0, max_prompt_len=MAX_PROMPT,
+                max_new_tokens=MAX_NEW, eos_ids=())
+    args.update(kw)
+    eng = RolloutEngine(graphdef, CFG, **args)
+    eng.check_invariants = True  # allocator.check() (no page owned twice) after every step
+    return eng
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_with_eos():
+    prompts = _prompts(0)
+    outs, _ = _dense_greedy(prompts, MAX_NEW)
+    # EOS = a token greedy emits mid-sequence for some prompts, so they stop early at different times.
+    counts = {}
+    for o in outs:
+        for t in set(o[2:-1].tolist()):
+            counts[t] = counts.get(t, 0) + 1
+    eos = min(counts, key=lambda t: (abs(counts[t] - len(outs) // 2), t))
+    outs, lps = _dense_greedy(prompts, MAX_NEW, eos=(eos,))
+    return prompts, eos, outs, lps
+
+
+def test_paged_greedy_matches_dense():
+    prompts, eos, want, want_lp = _reference_with_eos()
+    lens = [len(o) for o in want]
+    assert len(set(lens)) > 1 and min(lens) < MAX_NEW  # finishing at different times
+    eng = _engine(eos_ids=[eos])
+    res = eng.generate(_model()[1], prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),
+                       jax.random.key(0))
+    for got, exp, glp, elp in zip(res.tokens, want, res.logprobs, want_lp):
+        np.testing.assert_array_equal(got, exp)
+        np.testing.assert_allclose(glp, elp, atol=1e-4)
+    assert res.finish_reasons == ["eos" if o[-1] == eos else "length" for o in want]
+    assert res.stats["generated_tokens"] == sum(lens)
+    assert res.stats["prefill_tokens"] == sum(PROMPT_LENS)
+    assert res.stats["preemptions"] == 0
+    # one forward pass per generated token of the longest chain at least; slots are refilled
+    assert res.stats["decode_steps"] + res.stats["prefill_steps"] == res.stats["forward_passes"]
+
+
+def test_preemption_keeps_greedy_outputs():
+    prompts, eos, want, _ = _reference_with_eos()
+    # pages_per_seq = ceil(28 / 4) = 7: 8 usable pages cannot hold 3 growing sequences.
+    eng = _engine(eos_ids=[eos], num_pages=9)
+    ensure, calls = eng.allocator.ensure, []
+
+    def checked_ensure(slot, n):  # after every allocation: no page owned by two slots, no leak
+        ensure(slot, n)
+        eng.allocator.check()
+        calls.append(slot)
+
+    eng.allocator.ensure = checked_ensure
+    res = eng.generate(_model()[1], prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),
+                       jax.random.key(0))
+    assert res.stats["preemptions"] > 0
+    for got, exp in zip(res.tokens, want):
+        np.testing.assert_array_equal(got, exp)
+    eng.allocator.check()
+    assert eng.allocator.num_free == 8 and len(calls) > len(prompts)  # everything returned
+
+
+def test_pool_too_small_for_one_sequence():
+    with pytest.raises(EngineConfigError, match="cannot hold one full-length sequence"):
+        _engine(num_pages=7)
+
+
+def _count_compiles(fn):
+    events, active = [], [True]
+
+    def listener(name, secs, **kw):
+        if active[0] and "backend_compile" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = fn()
+    finally:
+        active[0] = False  # jax.monitoring has no public unregister
+    return len(events), out
+
+
+def test_no_recompilation_on_second_generate():
+    eng = _engine(max_prefill_tokens=32)  # prefill buckets 16, 32; decode width 7
+    assert eng.prefill_buckets == (16, 32) and eng.decode_widths == (7,)
+    state = _model()[1]
+    sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)  # shares programs
+    eng.generate(state, _prompts(1, (5, 9, 4, 12, 6)), sp, jax.random.key(1))
+    # different prompts, same buckets (prefill packs 5+9+4 / 12+6 then 8+3+10 / 9+9: all in 32)
+    n, res = _count_compiles(lambda: eng.generate(state, _prompts(2, (8, 3, 10, 9, 9)), sp,
+                                                  jax.random.key(2)))
+    assert n == 0
+    assert sum(len(t) for t in res.tokens) == res.stats["generated_tokens"] > 0
+
+
+def test_warmup_compiles_every_bucket():
+    eng = _engine(max_slots=2, max_prefill_tokens=16)
+    state = _model()[1]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+    assert eng.warmup(state, sp) == len(eng.prefill_buckets) + len(eng.decode_widths)
+    prompts = _prompts(6, (16, 1, 2, 9))
+    n, res = _count_compiles(lambda: eng.generate(state, prompts, sp, jax.random.key(0)))
+    assert n == 0
+    want, _ = _dense_greedy(prompts, MAX_NEW)  # warm-up writes touched only scratch page 0
+    for got, exp in zip(res.tokens, want):
+        np.testing.assert_array_equal(got, exp)
+
+
+def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():
+    eng = _engine()
+    state = _model()[1]
+    prompts = _prompts(3, (4, 10, 6))
+    sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)
+    res = eng.generate(state, prompts, sp, jax.random.key(5))
+    again = eng.generate(state, prompts, sp, jax.random.key(5))
+    for a, b in zip(res.tokens, again.tokens):
+        np.testing.assert_array_equal(a, b)
+    width = MAX_PROMPT + MAX_NEW
+    for p, toks, lps in zip(prompts, res.tokens, res.logprobs):
+        seq = np.zeros((1, width), np.int32)
+        full = list(p) + toks.tolist()
+        seq[0, : len(full)] = full
+        logits = _dense_fn()(state, seq, np.array([len(full)]))[0, len(p) - 1: len(full) - 1]
+        ref = np.asarray(sampling.processed_logprobs(logits, 0.7, 12, 0.85))
+        np.testing.assert_allclose(lps, ref[np.arange(len(toks)), toks], atol=1e-4)
+
+
+def test_overlong_prompt_error_and_skip():
+    prompts = _prompts(4, (5, MAX_PROMPT + 1, 6))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=3)
+    with pytest.raises(PromptTooLongError, match=r"prompt 1 has 17 tokens.*max_prompt_len=16"):
+        _engine().generate(_model()[1], prompts, sp, jax.random.key(0))
+    res = _engine(on_overlong_prompt="skip").generate(_model()[1], prompts, sp, jax.random.key(0))
+    assert res.finish_reasons == ["length", "skipped", "length"]
+    assert res.stats["skipped"] == 1 and len(res.tokens[1]) == 0 and len(res.logprobs[1]) == 0
+    want, _ = _dense_greedy([prompts[0], prompts[2]], 3)
+    np.testing.assert_array_equal(res.tokens[0], want[0])
+    np.testing.assert_array_equal(res.tokens[2], want[1])
+    with pytest.raises(EngineConfigError, match="prompt 0 is empty"):
+        _engine().generate(_model()[1], [[]], sp, jax.random.key(0))
+
+
+def test_page_allocator_free_list():
+    a = PageAllocator(num_pages=6, page_size=4, max_slots=3, pages_per_seq=3)
+    assert a.num_free == 5 and a.can_alloc(5) and not a.can_alloc(6)
+    a.ensure(0, 5)  # 2 pages
+    a.ensure(1, 12)  # 3 pages
+    assert a.num_free == 0 and list(a.num_held) == [2, 3, 0]
+    held = set(a.page_table[0, :2]) | set(a.page_table[1, :3])
+    assert held == {1, 2, 3, 4, 5}  # scratch page 0 never handed out, no page twice
+    with pytest.raises(PageAllocationError, match="only 0 free"):
+        a.ensure(2, 1)
+    with pytest.raises(PageAllocationError, match="page table row holds 3"):
+        a.ensure(0, 13)
+    assert a.free(1) == 3 and a.num_free == 3 and list(a.page_table[1]) == [0, 0, 0]
+    a.ensure(2, 9)
+    a.check()
+    assert not set(a.page_table[2]) & set(a.page_table[0, :2])
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _np_processed(logits, temperature, top_k, top_p):
+    x = logits.astype(np.float64) / temperature
+    out = np.full_like(x, -np.inf)
+    for r in range(x.shape[0]):
+        order = np.argsort(-x[r], kind="stable")
+        keep = order[:top_k] if top_k > 0 else order
+        p = np.exp(x[r, keep] - x[r, keep].max())
+        p /= p.sum()
+        cum = np.cumsum(p)
+        n = int(np.searchsorted(cum, top_p - 1e-12)) + 1 if top_p < 1 else len(keep)
+        kept = keep[:n]
+        z = x[r, kept] - x[r, kept].max()
+        out[r, kept] = z - np.log(np.exp(z).sum())
+    return out
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 5, 1.0), (0.7, 0, 0.8), (1.3, 10, 0.5), (1.0, 0, 1.0), (0.5, 3, 0.3)])
+def test_processed_logprobs_match_numpy(t, k, p):
+    logits = np.random.default_rng(7).standard_normal((6, 40)).astype(np.float32) * 3
+    got = np.asarray(sampling.processed_logprobs(jnp.asarray(logits), t, k, p))
+    want = _np_processed(logits, t, k, p)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], atol=1e-5)
+    # the dynamic program (traced parameters) selects the same distribution
+    dyn = np.asarray(sampling.processed_logprobs(jnp.asarray(logits), jnp.float32(t), jnp.int32(k),
+                                                 jnp.float32(p)))
+    np.testing.assert_allclose(dyn, got, atol=1e-6)
+
+
+def test_greedy_sampling():
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 30)), jnp.float32)
+    tok, lp = sampling.sample(logits, jax.random.key(0), 0.0, 5, 0.5)
+    np.testing.assert_array_equal(tok, np.argmax(logits, -1))
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[np.arange(4), tok], atol=1e-6)
+    tok2, _ = sampling.sample(logits, jax.random.key(0), jnp.float32(0.0), jnp.int32(5), jnp.float32(0.5))
+    np.testing.assert_array_equal(tok2, tok)
+    with pytest.raises(sampling.SamplingError, match="top_p"):
+        sampling.sample(logits, jax.random.key(0), 1.0, 0, 0.0)
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.8, 6, 0.9)])
+def test_sample_frequencies_chi_square(t, k, p):
+    row = np.random.default_rng(3).standard_normal(12).astype(np.float32) * 0.5
+    n = 20000
+    logits = jnp.asarray(np.tile(row, (n, 1)))
+    tok, lp = jax.jit(lambda l, key: sampling.sample(l, key, t, k, p))(logits, jax.random.key(11))
+    probs = np.exp(np.asarray(sampling.processed_logprobs(logits[:1], t, k, p))[0])
+    tok = np.asarray(tok)
+    assert np.all(probs[tok] > 0)  # never samples a filtered token
+    np.testing.assert_allclose(np.asarray(lp), np.log(probs[tok]), atol=1e-5)
+    support = probs > 0
+    counts = np.bincount(tok, minlength=len(row))[support]
+    expected = probs[support] * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square 0.999 quantile (z = 3.09).
+    crit = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < crit, (chi2, crit)
+    assert support.sum() < len(row) or k == 0  # filtering really removed tokens
