@@ -117,7 +117,10 @@ class GRPOTrainer:
             self.nonfinite_total = int(meta.get("nonfinite_total", 0))
             self.nonfinite_run = int(meta.get("nonfinite_run", 0))
             self.eval_before = meta.get("eval_before")
-        self.state, self.opt_state = state, opt_state
+        # Commit every array to the device: params restored by Orbax are committed while freshly
+        # initialised ones (and optax's counters) are not, and jit keys its compile cache on
+        # that, so a mixed first call would recompile the update (and the rollout) on step 2.
+        self.state, self.opt_state = jax.device_put((state, opt_state), jax.devices()[0])
         self.metrics = MetricsWriter(self.run_dir, truncate_from=self.step + 1 if resume else None)
         self._prompt_cache: dict[int, list[int]] = {}
 
@@ -153,7 +156,11 @@ class GRPOTrainer:
         t_rollout = time.perf_counter() - t0
         problems = [self.train_problems[int(i)] for i in idx for _ in range(n)]
         texts = [self.tokenizer.decode(t) for t in out.tokens]
-        rewards = np.array([self.reward_fn(s, p) for s, p in zip(texts, problems)], np.float32)
+        # Prompts over rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty
+        # response: reward 0 without asking the verifier, and no loss (their loss_mask is all 0).
+        skipped = np.array([f == "skipped" for f in out.finish_reasons])
+        rewards = np.array([0.0 if skip else self.reward_fn(s, p)
+                            for s, p, skip in zip(texts, problems, skipped)], np.float32)
         save_rollouts(self.run_dir, step, np.repeat(idx, n), out.tokens, rewards, out.logprobs)
 
         t1 = time.perf_counter()
@@ -189,6 +196,7 @@ class GRPOTrainer:
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
             "rollout/forward_passes": float(out.stats["decode_steps"]),
             "rollout/preemptions": float(out.stats.get("preemptions", 0)),
+            "rollout/skipped": float(skipped.sum()),
             "nonfinite/skipped_total": float(self.nonfinite_total),
         })
         return metrics
