@@ -119,7 +119,7 @@ class GRPOTrainer:
             self.eval_before = meta.get("eval_before")
         # Commit every array to the device: params restored by Orbax are committed while freshly
         # initialised ones (and optax's counters) are not, and jit keys its compile cache on
-        # that, so a mixed first call would recompile the update (and the rollout) on step 2.
+        # that, so a mixed first call would recompile the update on step 2.
         self.state, self.opt_state = jax.device_put((state, opt_state), jax.devices()[0])
         self.metrics = MetricsWriter(self.run_dir, truncate_from=self.step + 1 if resume else None)
         self._prompt_cache: dict[int, list[int]] = {}
