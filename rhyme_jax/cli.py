@@ -50,8 +50,7 @@ def cmd_sft(cfg) -> int:
     from rhyme_jax.train.warm_start import run_warm_start
 
     res = run_warm_start(cfg, run_dir_of(cfg))
-    print(f"SFT done: held-out accuracy {res['eval/accuracy']:.3f} ± {res['eval/stderr']:.3f} "
-          f"(n={int(res['eval/n'])})")
+    print(f"SFT done: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n})")
     return 0
 
 
@@ -65,11 +64,15 @@ def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
     t0 = time.perf_counter()
     counter = CompileCounter().start()
     run_dir = run_dir_of(cfg)
+    warm = None
     if warm_start and not cfg.run.init_from and not sft_params_dir(run_dir).exists():
-        res = run_warm_start(cfg, run_dir)
-        print(f"warm start done: held-out accuracy {res['eval/accuracy']:.3f} "
-              f"± {res['eval/stderr']:.3f}", flush=True)
+        warm = run_warm_start(cfg, run_dir)
+        print(f"warm start done: held-out greedy accuracy {warm.accuracy:.3f} "
+              f"± {warm.stderr:.3f}", flush=True)
     trainer = GRPOTrainer(cfg, resume=resume)
+    if warm is not None and trainer.step == 0 and trainer.eval_before is None:
+        # The GRPO run starts from exactly the params just evaluated (same seeds: same result).
+        trainer.record_eval(0, warm, before=True)
     try:
         result = trainer.fit()
     finally:
@@ -88,7 +91,7 @@ def cmd_eval(cfg, checkpoint: str) -> int:
 
     from rhyme_jax.data import load_problems
     from rhyme_jax.train import checkpoint as ckpt
-    from rhyme_jax.train.evaluate import evaluate
+    from rhyme_jax.train.evaluate import evaluate_run
     from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
     from rhyme_jax.train.trainer import make_engine, run_dir_of
 
@@ -110,10 +113,11 @@ def cmd_eval(cfg, checkpoint: str) -> int:
         c.close()
         state, source = optimizer_free_state, f"{run_dir / 'checkpoints'} step {step}"
     engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
-    res = evaluate(engine, state, tokenizer, held_out, template=cfg.model.prompt_template,
-                   max_new_tokens=cfg.rollout.max_new_tokens)
-    print(f"{source}: held-out accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n}), "
-          f"mean response length {res.mean_length:.1f} tokens")
+    res = evaluate_run(engine, state, tokenizer, held_out, cfg)
+    sampled = (f", mean@{res.samples} {res.sampled_accuracy:.3f} ± {res.sampled_stderr:.3f}"
+               if res.samples else "")
+    print(f"{source}: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n})"
+          f"{sampled}, mean response length {res.mean_length:.1f} tokens")
     return 0
 
 
@@ -126,13 +130,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
         return 2
     _banner(cfg, args.command)
-    if args.command == "sft":
-        return cmd_sft(cfg)
-    if args.command == "train":
-        return cmd_train(cfg, args.resume)
-    if args.command == "eval":
-        return cmd_eval(cfg, args.checkpoint)
-    return cmd_train(cfg, args.resume, warm_start=True)
+    try:
+        if args.command == "sft":
+            return cmd_sft(cfg)
+        if args.command == "train":
+            return cmd_train(cfg, args.resume)
+        if args.command == "eval":
+            return cmd_eval(cfg, args.checkpoint)
+        return cmd_train(cfg, args.resume, warm_start=True)
+    except _user_errors() as exc:
+        print(f"rhyme-jax {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1 if type(exc).__name__ == "NonFiniteLossError" else 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors caused by the user's input (config, data, checkpoint, prompts): reported in one
+    line instead of a traceback."""
+    from rhyme_jax.data import DataError
+    from rhyme_jax.model.config import ModelConfigError
+    from rhyme_jax.model.loader import CheckpointFormatError
+    from rhyme_jax.model.tokenizer import TokenizerError
+    from rhyme_jax.rollout.engine import EngineConfigError, PromptTooLongError
+    from rhyme_jax.train.checkpoint import CheckpointError
+    from rhyme_jax.train.policy import PolicyConfigError
+    from rhyme_jax.train.trainer import NonFiniteLossError
+
+    return (DataError, ModelConfigError, CheckpointFormatError, TokenizerError, EngineConfigError,
+            PromptTooLongError, CheckpointError, PolicyConfigError, NonFiniteLossError,
+            FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class SFTSection:
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 20
+    schedule: str = "constant"  # constant | cosine (after linear warmup)
     weight_decay: float = 0.0
 
 
@@ -106,6 +107,7 @@ class GRPOSection:
     minibatches: int = 1
     learning_rate: float = 1e-3
     warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine (after linear warmup)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     max_consecutive_nonfinite: int = 3
@@ -121,6 +123,7 @@ class RunSection:
     checkpoint_every: int = 10  # steps
     keep_checkpoints: int = 2
     eval_every: int = 0  # steps; 0 = only before and after
+    eval_samples: int = 0  # >0: also mean@k held-out accuracy with k samples at rollout.temperature
     progress: bool = True
     init_from: str = ""  # checkpoint directory (e.g. an SFT run's) to start GRPO from
 

@@ -85,7 +85,7 @@ def test_eval_after_demo_reports_the_final_accuracy(demo_run, capsys):
     out = capsys.readouterr().out
     summary = json.loads((run_dir / "summary.json").read_text())
     # Greedy decoding of the step-4 checkpoint = the run's final evaluation.
-    assert f"checkpoints step 4: held-out accuracy {summary['accuracy_after']:.3f}" in out
+    assert f"checkpoints step 4: held-out greedy accuracy {summary['accuracy_after']:.3f}" in out
     assert "(n=8)" in out
 
 

@@ -176,9 +176,12 @@ class RolloutEngine:
             lambda st: nnx.merge(self.graphdef, st).embed_tokens(jnp.zeros((1,), jnp.int32)), state)
         if self.kv is None or self.kv.dtype != probe.dtype:
             cfg = self.model_cfg
-            self.kv = KVCache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                     num_pages=self.num_pages, page_size=self.page_size,
-                                     head_dim=cfg.head_dim, dtype=probe.dtype)
+            # Committed to the device like the parameters, so the first and later calls hit
+            # the same compiled step.
+            self.kv = jax.device_put(KVCache.create(
+                num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, num_pages=self.num_pages,
+                page_size=self.page_size, head_dim=cfg.head_dim, dtype=probe.dtype),
+                jax.devices()[0])
 
     def _validate(self, prompts, sampling: SamplingParams) -> list[np.ndarray | None]:
         if sampling.max_new_tokens < 1 or sampling.max_new_tokens > self.max_new_tokens:

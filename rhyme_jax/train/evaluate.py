@@ -1,10 +1,18 @@
-"""Held-out evaluation: greedy rollouts through the paged engine, scored by the task reward."""
+"""Held-out evaluation through the paged engine, scored by the task reward.
+
+Two accuracies: greedy (temperature 0, one response per problem) and, optionally, sampled
+``mean@k`` (k responses per problem at the rollout temperature; the policy RL optimises). Both
+carry a standard error over problems: binomial for greedy, the standard error of per-problem
+means for mean@k (samples of one problem are correlated, so problems are the unit).
+"""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -17,10 +25,11 @@ from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Accuracy of greedy decoding on ``n`` held-out problems.
+    """Accuracy on ``n`` held-out problems.
 
-    ``accuracy`` in [0, 1]; ``stderr`` = sqrt(acc (1 - acc) / n) (binomial standard error);
-    ``mean_length`` in tokens; ``correct`` is a per-problem 0/1 vector (input order).
+    ``accuracy`` in [0, 1] (greedy); ``stderr`` = sqrt(acc (1 - acc) / n); ``mean_length`` in
+    tokens; ``correct`` is a per-problem 0/1 vector (input order). ``sampled_accuracy`` /
+    ``sampled_stderr``: mean@k at the sampling temperature (None when not measured).
     """
 
     accuracy: float
@@ -28,10 +37,28 @@ class EvalResult:
     n: int
     mean_length: float
     correct: np.ndarray
+    sampled_accuracy: Optional[float] = None
+    sampled_stderr: Optional[float] = None
+    samples: int = 0
+    sampled_per_problem: Optional[np.ndarray] = None  # f64[n]: share of the k samples correct
+
+    def save(self, path: Path) -> None:
+        """Per-problem results as ``.npz`` (``correct``, ``sampled``), written atomically."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, correct=self.correct,
+                 sampled=self.sampled_per_problem if self.sampled_per_problem is not None
+                 else np.zeros(0))
+        os.replace(tmp, path)
 
     def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
-        return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/stderr": self.stderr,
-                f"{prefix}/n": float(self.n), f"{prefix}/response_length": self.mean_length}
+        out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/stderr": self.stderr,
+               f"{prefix}/n": float(self.n), f"{prefix}/response_length": self.mean_length}
+        if self.sampled_accuracy is not None:
+            out.update({f"{prefix}/sampled_accuracy": self.sampled_accuracy,
+                        f"{prefix}/sampled_stderr": self.sampled_stderr,
+                        f"{prefix}/samples": float(self.samples)})
+        return out
 
 
 def encode_prompts(tokenizer: Tokenizer, problems: Sequence[Problem], template: str) -> list[list[int]]:
@@ -39,22 +66,72 @@ def encode_prompts(tokenizer: Tokenizer, problems: Sequence[Problem], template: 
     return [tokenizer.encode(tokenizer.format_prompt(template, p.question)) for p in problems]
 
 
+def _score(engine, state, tokenizer, problems, prompts, sampling, key, reward_fn, k):
+    out = engine.generate(state, [p for p in prompts for _ in range(k)], sampling, key)
+    rewards = np.array([reward_fn(tokenizer.decode(toks), p)
+                        for toks, p in zip(out.tokens, [q for q in problems for _ in range(k)])],
+                       dtype=np.float64).reshape(len(problems), k)
+    return rewards, float(np.mean([len(t) for t in out.tokens]))
+
+
 def evaluate(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: Sequence[Problem], *,
              template: str, max_new_tokens: int, key: jax.Array | None = None,
+             samples: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              reward_fn: Callable[[str, Problem], float] = reward) -> EvalResult:
-    """Greedy (temperature 0) accuracy of the policy ``state`` on ``problems``.
+    """Greedy accuracy of the policy ``state`` on ``problems`` and, when ``samples > 0``, its
+    mean@``samples`` accuracy at ``temperature`` / ``top_k`` / ``top_p``.
 
     Raises:
       ValueError: ``problems`` is empty.
     """
     if not problems:
         raise ValueError("evaluate: no problems (check data.num_eval)")
+    key = key if key is not None else jax.random.key(0)
     prompts = encode_prompts(tokenizer, problems, template)
-    out = engine.generate(state, prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
-                          key if key is not None else jax.random.key(0))
-    correct = np.array([reward_fn(tokenizer.decode(toks), p) for toks, p in zip(out.tokens, problems)],
-                       dtype=np.float64)
-    acc = float(correct.mean())
-    return EvalResult(accuracy=acc, stderr=math.sqrt(max(acc * (1 - acc), 0.0) / len(problems)),
-                      n=len(problems), mean_length=float(np.mean([len(t) for t in out.tokens])),
-                      correct=correct)
+    greedy, mean_len = _score(engine, state, tokenizer, problems, prompts,
+                              SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+                              key, reward_fn, 1)
+    correct = greedy[:, 0]
+    acc, n = float(correct.mean()), len(problems)
+    sampled_acc = sampled_se = None
+    if samples > 0:
+        per_problem, _ = _score(engine, state, tokenizer, problems, prompts,
+                                SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                               max_new_tokens=max_new_tokens),
+                                jax.random.fold_in(key, 1), reward_fn, samples)
+        means = per_problem.mean(axis=1)
+        sampled_acc = float(means.mean())
+        sampled_se = float(means.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+    return EvalResult(accuracy=acc, stderr=math.sqrt(max(acc * (1 - acc), 0.0) / n), n=n,
+                      mean_length=mean_len, correct=correct, sampled_accuracy=sampled_acc,
+                      sampled_stderr=sampled_se, samples=samples,
+                      sampled_per_problem=means if samples > 0 else None)
+
+
+def evaluate_run(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: Sequence[Problem],
+                 cfg, reward_fn: Callable[[str, Problem], float] = reward) -> EvalResult:
+    """``evaluate`` with the settings of a run config (``model.prompt_template``,
+    ``rollout.*`` sampling, ``run.eval_samples``, key from ``run.seed``)."""
+    r = cfg.rollout
+    return evaluate(engine, state, tokenizer, problems, template=cfg.model.prompt_template,
+                    max_new_tokens=r.max_new_tokens, key=jax.random.key(cfg.run.seed + 7919),
+                    samples=cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,
+                    top_p=r.top_p, reward_fn=reward_fn)
+
+
+def paired_gain(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
+    """Mean and standard error of the per-problem difference ``after - before``.
+
+    Both evaluations score the same problems, so the paired standard error
+    ``std(after_i - before_i, ddof=1) / sqrt(n)`` is the right yardstick for the gain (it removes
+    the between-problem variance that the unpaired sqrt(se_a^2 + se_b^2) keeps).
+
+    Raises:
+      ValueError: the vectors differ in length or are empty.
+    """
+    before, after = np.asarray(before, np.float64), np.asarray(after, np.float64)
+    if before.shape != after.shape or before.size == 0:
+        raise ValueError(f"paired_gain: shapes {before.shape} and {after.shape} must match and be non-empty")
+    d = after - before
+    se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else 0.0
+    return float(d.mean()), se

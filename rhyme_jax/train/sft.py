@@ -140,7 +140,8 @@ def run_sft(
     Problems are shuffled each epoch by ``np.random.default_rng(seed)`` and taken
     ``cfg_sft.batch_size`` at a time; every batch is padded to the longest encoded problem (one
     compile). Optimizer: ``make_optimizer(cfg_sft.learning_rate, cfg_sft.steps,
-    cfg_sft.warmup_steps, cfg_sft.weight_decay, max_grad_norm=1.0)`` (cosine decay).
+    cfg_sft.warmup_steps, cfg_sft.weight_decay, max_grad_norm=1.0, schedule=cfg_sft.schedule)``
+    (``constant`` or ``cosine`` after warmup; ``cosine`` when the section has no schedule field).
 
     Args:
       model: nnx module with the ``Decoder`` call signature; updated in place and returned.
@@ -170,7 +171,7 @@ def run_sft(
 
     optimizer = make_optimizer(
         cfg_sft.learning_rate, steps, min(int(cfg_sft.warmup_steps), steps), cfg_sft.weight_decay,
-        SFT_MAX_GRAD_NORM,
+        SFT_MAX_GRAD_NORM, schedule=getattr(cfg_sft, "schedule", "cosine"),
     )
     graphdef, state = nnx.split(model)
     opt_state = init_opt_state(optimizer, state)

@@ -16,7 +16,8 @@ from rhyme_jax.train.metrics import read_metrics
 def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles: int) -> dict:
     """Collect the headline figures of a GRPO run from its metrics file and ``fit()`` result.
 
-    Returns a JSON-serialisable dict: accuracy before/after (with n and binomial standard error),
+    Returns a JSON-serialisable dict: greedy accuracy before/after (with n and binomial standard
+    error), mean@k sampled accuracy before/after when the run measured it,
     the gain and its standard error (independent-samples approximation), reward per step, rollout
     vs train seconds, mean rollout tokens/s, wall seconds, backend compilations.
     """
@@ -34,6 +35,8 @@ def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles:
         "accuracy_after": after["eval/accuracy"], "stderr_after": after["eval/stderr"],
         "n_eval": int(after["eval/n"]),
         "gain": gain, "gain_stderr": gain_se,
+        **_sampled(before, after),
+        **_paired(run_dir, result["steps"]),
         "reward_per_step": [round(float(r.get("reward/mean", float("nan"))), 4) for r in rows],
         "rollout_seconds": t_roll, "train_seconds": t_train,
         "rollout_share": t_roll / max(t_roll + t_train, 1e-9),
@@ -45,17 +48,63 @@ def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles:
     }
 
 
+def _paired(run_dir: Path, steps: int) -> dict:
+    """Paired gains (same problems before and after) from the per-problem eval files."""
+    from rhyme_jax.train.evaluate import paired_gain
+    from rhyme_jax.train.trainer import eval_path
+
+    first, last = eval_path(run_dir, 0), eval_path(run_dir, steps)
+    if not (first.is_file() and last.is_file()):
+        return {}
+    a, b = np.load(first), np.load(last)
+    out = {}
+    if a["correct"].shape == b["correct"].shape:
+        out["gain_paired"], out["gain_paired_stderr"] = paired_gain(a["correct"], b["correct"])
+    if a["sampled"].size and a["sampled"].shape == b["sampled"].shape:
+        out["sampled_gain_paired"], out["sampled_gain_paired_stderr"] = paired_gain(
+            a["sampled"], b["sampled"])
+    return out
+
+
+def _sampled(before: dict, after: dict) -> dict:
+    """mean@k rows of the summary (empty when the run did not measure them)."""
+    if "eval/sampled_accuracy" not in after or "eval/sampled_accuracy" not in before:
+        return {}
+    gain = after["eval/sampled_accuracy"] - before["eval/sampled_accuracy"]
+    return {"samples": int(after["eval/samples"]),
+            "sampled_accuracy_before": before["eval/sampled_accuracy"],
+            "sampled_stderr_before": before["eval/sampled_stderr"],
+            "sampled_accuracy_after": after["eval/sampled_accuracy"],
+            "sampled_stderr_after": after["eval/sampled_stderr"],
+            "sampled_gain": gain,
+            "sampled_gain_stderr": math.sqrt(after["eval/sampled_stderr"] ** 2
+                                             + before["eval/sampled_stderr"] ** 2)}
+
+
 def write_summary(run_dir: Path, summary: dict, *, console: Console | None = None) -> None:
     """Print the summary table and write summary.json / summary.md next to the run."""
     table = Table(title=f"rhyme-jax run summary: {run_dir}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     n = summary["n_eval"]
-    table.add_row(f"held-out accuracy before RL (n={n})",
+    table.add_row(f"held-out greedy accuracy before RL (n={n})",
                   f"{summary['accuracy_before']:.3f} ± {summary['stderr_before']:.3f}")
-    table.add_row(f"held-out accuracy after RL (n={n})",
+    table.add_row(f"held-out greedy accuracy after RL (n={n})",
                   f"{summary['accuracy_after']:.3f} ± {summary['stderr_after']:.3f}")
-    table.add_row("gain (± its standard error)", f"{summary['gain']:+.3f} ± {summary['gain_stderr']:.3f}")
+    table.add_row("greedy gain (± its standard error)",
+                  f"{summary['gain']:+.3f} ± {summary['gain_stderr']:.3f}"
+                  + (f" (paired: ± {summary['gain_paired_stderr']:.3f})"
+                     if "gain_paired_stderr" in summary else ""))
+    if "samples" in summary:
+        k = summary["samples"]
+        table.add_row(f"held-out mean@{k} accuracy before RL",
+                      f"{summary['sampled_accuracy_before']:.3f} ± {summary['sampled_stderr_before']:.3f}")
+        table.add_row(f"held-out mean@{k} accuracy after RL",
+                      f"{summary['sampled_accuracy_after']:.3f} ± {summary['sampled_stderr_after']:.3f}")
+        table.add_row(f"mean@{k} gain (± its standard error)",
+                      f"{summary['sampled_gain']:+.3f} ± {summary['sampled_gain_stderr']:.3f}"
+                      + (f" (paired: ± {summary['sampled_gain_paired_stderr']:.3f})"
+                         if "sampled_gain_paired_stderr" in summary else ""))
     rewards = summary["reward_per_step"]
     shown = ", ".join(f"{r:.2f}" for r in rewards) if len(rewards) <= 12 else (
         ", ".join(f"{r:.2f}" for r in rewards[:6]) + ", ..., " + ", ".join(f"{r:.2f}" for r in rewards[-6:]))

@@ -28,7 +28,7 @@ from rhyme_jax.data import Problem, load_problems
 from rhyme_jax.data.rewards import reward as task_reward
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
 from rhyme_jax.train import checkpoint as ckpt
-from rhyme_jax.train.evaluate import EvalResult, encode_prompts, evaluate
+from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.grpo_step import make_grpo_step, make_logprob_fn
 from rhyme_jax.train.losses import group_advantages, response_grid, sequence_batch
 from rhyme_jax.train.metrics import MetricsWriter
@@ -55,6 +55,11 @@ def make_engine(graphdef: nnx.GraphDef, model_cfg, cfg: Any, eos: tuple[int, ...
                          num_pages=r.num_pages, max_prompt_len=r.max_prompt_len,
                          max_new_tokens=r.max_new_tokens, eos_ids=eos,
                          on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl)
+
+
+def eval_path(run_dir: Path, step: int) -> Path:
+    """Per-problem results of the held-out evaluation after ``step`` GRPO steps (0 = before)."""
+    return Path(run_dir) / "eval" / f"step_{step:06d}.npz"
 
 
 def prompt_schedule(seed: int, num_problems: int, step: int, per_step: int) -> np.ndarray:
@@ -98,7 +103,7 @@ class GRPOTrainer:
             state = ckpt.load_params(warm, state)
         g = cfg.grpo
         self.optimizer = make_optimizer(g.learning_rate, g.steps, g.warmup_steps, g.weight_decay,
-                                        g.max_grad_norm)
+                                        g.max_grad_norm, schedule=g.schedule)
         opt_state = self.optimizer.init(state)
         # The frozen KL reference is the starting policy (warm start or init), rebuilt on resume.
         self.ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
@@ -194,7 +199,7 @@ class GRPOTrainer:
             "response_length/max": float(lengths.max()),
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
-            "rollout/forward_passes": float(out.stats["decode_steps"]),
+            "rollout/forward_passes": float(out.stats["forward_passes"]),
             "rollout/preemptions": float(out.stats.get("preemptions", 0)),
             "rollout/skipped": float(skipped.sum()),
             "nonfinite/skipped_total": float(self.nonfinite_total),
@@ -203,10 +208,16 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ loop
     def evaluate(self, problems=None) -> EvalResult:
-        """Greedy held-out accuracy of the current policy."""
-        return evaluate(self.engine, self.state, self.tokenizer, problems or self.eval_problems,
-                        template=self.cfg.model.prompt_template,
-                        max_new_tokens=self.cfg.rollout.max_new_tokens)
+        """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
+        return evaluate_run(self.engine, self.state, self.tokenizer,
+                            problems or self.eval_problems, self.cfg)
+
+    def record_eval(self, step: int, res: EvalResult, *, before: bool = False) -> None:
+        """Log an evaluation's metrics and keep its per-problem results in ``eval/``."""
+        res.save(eval_path(self.run_dir, step))
+        if before:
+            self.eval_before = res.as_metrics()
+        self.metrics.log(step, res.as_metrics(), phase="eval")
 
     def save(self) -> None:
         """Checkpoint params, optimizer state and counters for exact resumption."""
@@ -222,9 +233,7 @@ class GRPOTrainer:
         cfg = self.cfg
         total = cfg.grpo.steps
         if self.eval_before is None:
-            res = self.evaluate()
-            self.eval_before = res.as_metrics()
-            self.metrics.log(0, self.eval_before, phase="eval")
+            self.record_eval(0, self.evaluate(), before=True)
         bar = tqdm(total=total, initial=self.step, desc="GRPO", unit="step",
                    disable=not cfg.run.progress, dynamic_ncols=True)
         history = []
@@ -244,12 +253,12 @@ class GRPOTrainer:
                     f"non-finite loss or gradient; stopped. Last good checkpoint: step "
                     f"{self.checkpointer.latest_step()} in {self.run_dir / 'checkpoints'}")
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
-                self.metrics.log(step, self.evaluate().as_metrics(), phase="eval")
+                self.record_eval(step, self.evaluate())
             if step % cfg.run.checkpoint_every == 0 or step == total:
                 self.save()
         bar.close()
         after = self.evaluate()
-        self.metrics.log(total, after.as_metrics(), phase="eval")
+        self.record_eval(total, after)
         self.metrics.close()
         return {"eval_before": self.eval_before, "eval_after": after.as_metrics(),
                 "steps": total, "nonfinite_skipped": self.nonfinite_total}

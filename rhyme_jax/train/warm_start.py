@@ -13,7 +13,7 @@ from flax import nnx
 
 from rhyme_jax.data import load_problems
 from rhyme_jax.train import checkpoint as ckpt
-from rhyme_jax.train.evaluate import evaluate
+from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.metrics import MetricsWriter
 from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
 from rhyme_jax.train.sft import run_sft
@@ -24,12 +24,12 @@ def sft_params_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "sft" / "params"
 
 
-def run_warm_start(cfg: Any, run_dir: Path) -> dict:
+def run_warm_start(cfg: Any, run_dir: Path) -> EvalResult:
     """Train the policy on ``prompt + solution + <eos>`` for ``sft.steps`` steps, save it, and
     report held-out greedy accuracy.
 
     Returns:
-      ``{"eval/accuracy", "eval/stderr", "eval/n", "eval/response_length"}`` after SFT.
+      The held-out ``EvalResult`` of the SFT policy.
     """
     # Imported here: the trainer module pulls in the engine, which the SFT path does not need
     # until evaluation.
@@ -46,8 +46,7 @@ def run_warm_start(cfg: Any, run_dir: Path) -> dict:
     graphdef, state = nnx.split(model)
     ckpt.save_params(sft_params_dir(run_dir), state)
     engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
-    res = evaluate(engine, state, tokenizer, held_out, template=cfg.model.prompt_template,
-                   max_new_tokens=cfg.rollout.max_new_tokens)
+    res = evaluate_run(engine, state, tokenizer, held_out, cfg)
     writer.log(cfg.sft.steps, res.as_metrics(), phase="eval")
     writer.close()
-    return res.as_metrics()
+    return res
