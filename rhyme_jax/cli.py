@@ -7,6 +7,7 @@ Outputs go to ``<run.runs_dir>/<run.name>/``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -49,21 +50,32 @@ def cmd_sft(cfg) -> int:
     from rhyme_jax.train.trainer import run_dir_of
     from rhyme_jax.train.warm_start import run_warm_start
 
-    res = run_warm_start(cfg, run_dir_of(cfg))
-    print(f"SFT done: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n})")
+    run_dir = run_dir_of(cfg)
+    res = run_warm_start(cfg, run_dir)
+    print(f"SFT done: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n}); "
+          f"params in {run_dir / 'sft' / 'params'} (rhyme-jax train with the same run.name starts "
+          f"from them)")
     return 0
 
 
 def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
     from rhyme_jax.compile_count import CompileCounter
     from rhyme_jax.train.plots import plot_run
-    from rhyme_jax.train.summary import build_summary, write_summary
-    from rhyme_jax.train.trainer import GRPOTrainer, run_dir_of
+    from rhyme_jax.train.summary import build_summary, print_summary, write_summary
+    from rhyme_jax.train.trainer import GRPOTrainer, RunExistsError, has_checkpoints, run_dir_of
     from rhyme_jax.train.warm_start import run_warm_start, sft_params_dir
 
     t0 = time.perf_counter()
-    counter = CompileCounter().start()
     run_dir = run_dir_of(cfg)
+    if not resume and has_checkpoints(run_dir):
+        raise RunExistsError(f"{run_dir} already has GRPO checkpoints: pass --resume to continue "
+                             f"it, or --set run.name=NEW for a fresh run")
+    done = run_dir / "summary.json"
+    if resume and done.is_file() and json.loads(done.read_text()).get("steps") == cfg.grpo.steps:
+        print(f"{run_dir} is already complete ({cfg.grpo.steps} GRPO steps); its summary:")
+        print_summary(json.loads(done.read_text()))
+        return 0
+    counter = CompileCounter().start()
     warm = None
     if warm_start and not cfg.run.init_from and not sft_params_dir(run_dir).exists():
         warm = run_warm_start(cfg, run_dir)
@@ -153,11 +165,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rhyme_jax.rollout.engine import EngineConfigError, PromptTooLongError
     from rhyme_jax.train.checkpoint import CheckpointError
     from rhyme_jax.train.policy import PolicyConfigError
-    from rhyme_jax.train.trainer import NonFiniteLossError
+    from rhyme_jax.train.trainer import NonFiniteLossError, RunExistsError
 
     return (DataError, ModelConfigError, CheckpointFormatError, TokenizerError, EngineConfigError,
             PromptTooLongError, CheckpointError, PolicyConfigError, NonFiniteLossError,
-            FileNotFoundError)
+            RunExistsError, FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class RunSection:
     eval_every: int = 0  # steps; 0 = only before and after
     eval_samples: int = 0  # >0: also mean@k held-out accuracy with k samples at rollout.temperature
     progress: bool = True
-    init_from: str = ""  # checkpoint directory (e.g. an SFT run's) to start GRPO from
+    init_from: str = ""  # params to start GRPO from: <run>/sft, <run>/checkpoints/<step> or a params dir
 
 
 @dataclass
@@ -173,8 +173,49 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"--set {item!r}: {_first_line(exc)}") from None
+    validate(cfg, str(path) if path is not None else "--set")
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "data.source": ("synthetic", "gsm8k"),
+    "rollout.on_overlong_prompt": ("error", "skip"),
+    "sft.schedule": ("constant", "cosine"),
+    "grpo.schedule": ("constant", "cosine"),
+    "grpo.loss_agg": ("token_mean", "seq_mean_token_mean"),
+}
+
+
+def validate(cfg: Any, source: str) -> None:
+    """Check enumerations and cross-field ranges that types alone cannot express.
+
+    Raises:
+      ConfigError: naming ``source`` (the file or ``--set``) and the offending field.
+    """
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{source}: {key}={value!r} must be one of {list(allowed)}")
+    positive = ["rollout.max_slots", "rollout.page_size", "rollout.max_prompt_len",
+                "rollout.max_new_tokens", "sft.batch_size", "grpo.prompts_per_step",
+                "grpo.samples_per_prompt", "grpo.minibatches", "run.checkpoint_every",
+                "run.keep_checkpoints", "data.num_eval"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{source}: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    for section in ("sft", "grpo"):
+        steps, warm = cfg[section].steps, cfg[section].warmup_steps
+        if warm < 0 or (steps > 0 and warm > steps):
+            raise ConfigError(f"{source}: {section}.warmup_steps={warm} must be in [0, {section}.steps={steps}]")
+    batch = cfg.grpo.prompts_per_step * cfg.grpo.samples_per_prompt
+    if cfg.grpo.minibatches > batch:
+        raise ConfigError(f"{source}: grpo.minibatches={cfg.grpo.minibatches} exceeds the rollout batch "
+                          f"grpo.prompts_per_step * grpo.samples_per_prompt = {batch}")
+    if cfg.rollout.temperature < 0 or not 0 < cfg.rollout.top_p <= 1 or cfg.rollout.top_k < 0:
+        raise ConfigError(f"{source}: rollout.temperature >= 0, 0 < rollout.top_p <= 1 and "
+                          f"rollout.top_k >= 0 are required")
 
 
 def _merge_file(cfg: DictConfig, path: Path, seen: tuple) -> DictConfig:
@@ -198,8 +239,12 @@ def _merge_file(cfg: DictConfig, path: Path, seen: tuple) -> DictConfig:
 
 
 def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return " ".join(line.strip() for line in text[:3]) if text else type(exc).__name__
+    """OmegaConf's message in one line: the problem and the full key, without type noise."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), "")
+    return lines[0] + (f" (key: {key})" if key else "")
 
 
 def to_dict(cfg: Any) -> dict:

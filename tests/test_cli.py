@@ -154,3 +154,35 @@ def test_load_config_rejects_invalid_yaml_and_non_mapping(tmp_path):
     lst.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(lst)
+
+
+def test_rerunning_a_finished_run_needs_resume_and_resume_is_a_no_op(demo_run, capsys):
+    rc, run_dir = demo_run
+    assert rc == 0
+    base = ["--config", CONFIG, "--set", f"run.runs_dir={run_dir.parent}"]
+    rows_before = read_metrics(run_dir)
+    summary_before = json.loads((run_dir / "summary.json").read_text())
+    capsys.readouterr()
+    assert main(["train", *base]) == 2
+    err = capsys.readouterr().err
+    assert "RunExistsError" in err and "--resume" in err and str(run_dir) in err
+    assert main(["demo", *base, "--resume"]) == 0
+    assert "already complete (4 GRPO steps)" in capsys.readouterr().out
+    # Nothing was rerun or rewritten.
+    assert read_metrics(run_dir) == rows_before
+    assert json.loads((run_dir / "summary.json").read_text()) == summary_before
+    md = (run_dir / "summary.md").read_text()
+    assert f"| held-out greedy accuracy after RL (n=8) | {summary_before['accuracy_after']:.3f}" in md
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("grpo.loss_agg=sum", "grpo.loss_agg='sum' must be one of"),
+    ("grpo.warmup_steps=99", "grpo.warmup_steps=99 must be in [0, grpo.steps=4]"),
+    ("sft.schedule=bogus", "sft.schedule='bogus' must be one of"),
+    ("grpo.minibatches=9", "grpo.minibatches=9 exceeds the rollout batch"),
+    ("rollout.top_p=0", "rollout.top_p"),
+])
+def test_invalid_values_fail_when_the_config_loads(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG, [override])
+    assert needle in str(info.value) and str(info.value).startswith(CONFIG)

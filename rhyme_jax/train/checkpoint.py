@@ -233,12 +233,18 @@ def save_params(path: str | Path, params: Any) -> None:
 def load_params(path: str | Path, params_like: Any) -> Any:
     """Read a ``save_params`` checkpoint into the structure of ``params_like``.
 
+    ``path`` may also be a directory holding a ``params/`` checkpoint (``<run>/sft`` or
+    ``<run>/checkpoints/<step>``).
+
     Raises:
       CheckpointError: ``path`` is missing or its contents do not match ``params_like``.
     """
     path = Path(path).absolute()
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: params checkpoint {path} does not exist")
+    if (path / "params").is_dir():
+        # A run's sft/ directory or a GRPO checkpoints/<step>/ directory: take its params.
+        path = path / "params"
     ckptr = ocp.StandardCheckpointer()
     try:
         nested = ckptr.restore(path, _restore_args(params_like))

@@ -40,7 +40,8 @@ def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles:
         "reward_per_step": [round(float(r.get("reward/mean", float("nan"))), 4) for r in rows],
         "rollout_seconds": t_roll, "train_seconds": t_train,
         "rollout_share": t_roll / max(t_roll + t_train, 1e-9),
-        "rollout_tokens_per_s": float(np.mean([r.get("rollout/tokens_per_s", 0.0) for r in rows]))
+        # Median: the first step's rollout includes compilation.
+        "rollout_tokens_per_s": float(np.median([r.get("rollout/tokens_per_s", 0.0) for r in rows]))
         if rows else 0.0,
         "nonfinite_skipped": result.get("nonfinite_skipped", 0),
         "wall_seconds": wall_seconds,
@@ -81,43 +82,59 @@ def _sampled(before: dict, after: dict) -> dict:
                                              + before["eval/sampled_stderr"] ** 2)}
 
 
-def write_summary(run_dir: Path, summary: dict, *, console: Console | None = None) -> None:
-    """Print the summary table and write summary.json / summary.md next to the run."""
-    table = Table(title=f"rhyme-jax run summary: {run_dir}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """(metric, formatted value) rows of the summary table."""
     n = summary["n_eval"]
-    table.add_row(f"held-out greedy accuracy before RL (n={n})",
-                  f"{summary['accuracy_before']:.3f} ± {summary['stderr_before']:.3f}")
-    table.add_row(f"held-out greedy accuracy after RL (n={n})",
-                  f"{summary['accuracy_after']:.3f} ± {summary['stderr_after']:.3f}")
-    table.add_row("greedy gain (± its standard error)",
-                  f"{summary['gain']:+.3f} ± {summary['gain_stderr']:.3f}"
-                  + (f" (paired: ± {summary['gain_paired_stderr']:.3f})"
-                     if "gain_paired_stderr" in summary else ""))
+    rows = [
+        (f"held-out greedy accuracy before RL (n={n})",
+         f"{summary['accuracy_before']:.3f} ± {summary['stderr_before']:.3f}"),
+        (f"held-out greedy accuracy after RL (n={n})",
+         f"{summary['accuracy_after']:.3f} ± {summary['stderr_after']:.3f}"),
+        ("greedy gain (± its standard error)",
+         f"{summary['gain']:+.3f} ± {summary['gain_stderr']:.3f}"
+         + (f" (paired: ± {summary['gain_paired_stderr']:.3f})" if "gain_paired_stderr" in summary else "")),
+    ]
     if "samples" in summary:
         k = summary["samples"]
-        table.add_row(f"held-out mean@{k} accuracy before RL",
-                      f"{summary['sampled_accuracy_before']:.3f} ± {summary['sampled_stderr_before']:.3f}")
-        table.add_row(f"held-out mean@{k} accuracy after RL",
-                      f"{summary['sampled_accuracy_after']:.3f} ± {summary['sampled_stderr_after']:.3f}")
-        table.add_row(f"mean@{k} gain (± its standard error)",
-                      f"{summary['sampled_gain']:+.3f} ± {summary['sampled_gain_stderr']:.3f}"
-                      + (f" (paired: ± {summary['sampled_gain_paired_stderr']:.3f})"
-                         if "sampled_gain_paired_stderr" in summary else ""))
+        rows += [
+            (f"held-out mean@{k} accuracy before RL",
+             f"{summary['sampled_accuracy_before']:.3f} ± {summary['sampled_stderr_before']:.3f}"),
+            (f"held-out mean@{k} accuracy after RL",
+             f"{summary['sampled_accuracy_after']:.3f} ± {summary['sampled_stderr_after']:.3f}"),
+            (f"mean@{k} gain (± its standard error)",
+             f"{summary['sampled_gain']:+.3f} ± {summary['sampled_gain_stderr']:.3f}"
+             + (f" (paired: ± {summary['sampled_gain_paired_stderr']:.3f})"
+                if "sampled_gain_paired_stderr" in summary else "")),
+        ]
     rewards = summary["reward_per_step"]
     shown = ", ".join(f"{r:.2f}" for r in rewards) if len(rewards) <= 12 else (
         ", ".join(f"{r:.2f}" for r in rewards[:6]) + ", ..., " + ", ".join(f"{r:.2f}" for r in rewards[-6:]))
-    table.add_row("train reward per step", shown)
-    table.add_row("rollout / train seconds",
-                  f"{summary['rollout_seconds']:.1f} / {summary['train_seconds']:.1f} "
-                  f"({100 * summary['rollout_share']:.0f}% rollout)")
-    table.add_row("rollout tokens/s (mean over steps)", f"{summary['rollout_tokens_per_s']:.0f}")
-    table.add_row("non-finite steps skipped", str(summary["nonfinite_skipped"]))
-    table.add_row("backend compilations", str(summary["compilations"]))
-    table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
+    rows += [
+        ("train reward per step", shown),
+        ("rollout / train seconds", f"{summary['rollout_seconds']:.1f} / {summary['train_seconds']:.1f} "
+                                    f"({100 * summary['rollout_share']:.0f}% rollout)"),
+        ("rollout tokens/s (median over steps)", f"{summary['rollout_tokens_per_s']:.0f}"),
+        ("non-finite steps skipped", str(summary["nonfinite_skipped"])),
+        ("backend compilations", str(summary["compilations"])),
+        ("wall time", f"{summary['wall_seconds']:.0f} s"),
+    ]
+    return rows
+
+
+def print_summary(summary: dict, *, console: Console | None = None) -> None:
+    """Print the summary table of a run."""
+    table = Table(title=f"rhyme-jax run summary: {summary['run_dir']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for metric, value in summary_rows(summary):
+        table.add_row(metric, value)
     (console or Console()).print(table)
+
+
+def write_summary(run_dir: Path, summary: dict, *, console: Console | None = None) -> None:
+    """Print the summary table and write summary.json (all figures) and summary.md (the table)."""
+    print_summary(summary, console=console)
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    md = ["| metric | value |", "|---|---|"]
-    md += [f"| {k} | {v} |" for k, v in summary.items()]
+    md = [f"# rhyme-jax run summary: {run_dir}", "", "| metric | value |", "|---|---|"]
+    md += [f"| {m} | {v} |" for m, v in summary_rows(summary)]
     (Path(run_dir) / "summary.md").write_text("\n".join(md) + "\n")

@@ -39,6 +39,16 @@ from rhyme_jax.train.rollout_log import save_rollouts
 SEQ_BUCKET = 64  # training sequence lengths are padded to a multiple of this (bounded recompiles)
 
 
+class RunExistsError(RuntimeError):
+    """A fresh (non ``--resume``) GRPO run would overwrite a run directory that has checkpoints."""
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether ``<run_dir>/checkpoints`` holds any step directory."""
+    ck = Path(run_dir) / "checkpoints"
+    return ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir())
+
+
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive GRPO steps had a non-finite loss; the last good checkpoint is kept."""
 
