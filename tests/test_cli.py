@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import pytest
 
 from rhyme_jax.cli import main
@@ -17,25 +16,6 @@ from rhyme_jax.train.rollout_log import list_rollout_steps, load_rollouts
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "tiny_test.yaml")
-
-_CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0.0,
-                  "jax_persistent_cache_min_entry_size_bytes": 0}
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """Persistent XLA cache shared with test_trainer.py (same session dir), restored afterwards."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = str(tmp_path_factory.getbasetemp() / "jax_compile_cache")
-    old = {k: getattr(jax.config, k) for k in _CACHE_OPTIONS}
-    for k, v in _CACHE_OPTIONS.items():
-        jax.config.update(k, path if v is None else v)
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="module")

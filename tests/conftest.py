@@ -1,0 +1,24 @@
+"""Shared fixtures."""
+
+import jax
+import pytest
+
+_CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0.0,
+                  "jax_persistent_cache_min_entry_size_bytes": 0}
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """Persistent XLA cache for one test module (restored afterwards), shared by the modules of a
+    session; yields the matching environment variables for child processes."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = str(tmp_path_factory.getbasetemp() / "jax_compile_cache")
+    old = {k: getattr(jax.config, k) for k in _CACHE_OPTIONS}
+    for k, v in _CACHE_OPTIONS.items():
+        jax.config.update(k, path if v is None else v)
+    cc.reset_cache()
+    yield {k.upper(): str(path if v is None else v) for k, v in _CACHE_OPTIONS.items()}
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
