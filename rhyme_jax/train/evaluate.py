@@ -9,7 +9,6 @@ means for mean@k (samples of one problem are correlated, so problems are the uni
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -21,6 +20,7 @@ from rhyme_jax.data import Problem
 from rhyme_jax.data.rewards import reward
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.train.atomic import atomic_write
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,10 @@ class EvalResult:
 
     def save(self, path: Path) -> None:
         """Per-problem results as ``.npz`` (``correct``, ``sampled``), written atomically."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, correct=self.correct,
-                 sampled=self.sampled_per_problem if self.sampled_per_problem is not None
-                 else np.zeros(0))
-        os.replace(tmp, path)
+        with atomic_write(path, "wb") as fh:
+            np.savez(fh, correct=self.correct,
+                     sampled=self.sampled_per_problem if self.sampled_per_problem is not None
+                     else np.zeros(0))
 
     def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
         out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/stderr": self.stderr,

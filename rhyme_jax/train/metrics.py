@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rhyme_jax.train.atomic import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -61,18 +61,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def _atomic_write_rows(path: Path, rows: list[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
 
 
 def _to_float(key: str, value: Any) -> float:

@@ -7,13 +7,13 @@ Optional behaviour-policy logprobs use the same offsets (``logprobs``, float32).
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from jaxtyping import Float, Int
+
+from rhyme_jax.train.atomic import atomic_write
 
 ROLLOUT_DIR = "rollouts"
 _STEP_FILE = re.compile(r"^step_(\d{6,})\.npz$")
@@ -87,18 +87,8 @@ def save_rollouts(
         arrays["logprobs"] = np.concatenate(lps) if n else np.zeros(0, np.float32)
 
     out = rollout_path(run_dir, step)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(out, "wb") as fh:
+        np.savez_compressed(fh, **arrays)
     return out
 
 
