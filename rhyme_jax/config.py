@@ -130,9 +130,16 @@ class RunSection:
 
 @dataclass
 class SpecSection:
-    """HistoSpec switches (ARCHITECTURE.md section 5)."""
+    """HistoSpec switches (ARCHITECTURE.md section 5; paper defaults, specRL variants as options)."""
 
-    enabled: bool = False
+    enabled: bool = False  # draft from the previous rollout of each prompt (epoch 2 on)
+    branch: str = "reward"  # branch choice in the suffix index: reward (paper) | count (specRL)
+    window: str = "aimd"  # draft window: aimd (2, +2, reset 2, cap 32) | mimd (2, x2, /2, cap 16) | fixed
+    fixed_window: int = 8  # draft length of window=fixed
+    min_token_prob: float = 0.1  # stop drafting when the branch probability falls below (0 = off)
+    pattern_max: int = 7  # longest suffix of the running sequence matched in the index
+    pattern_min: int = 3  # shortest match accepted (back-off floor)
+    history_depth: int = 1  # rollouts of each prompt kept in the history store
 
 
 @dataclass
@@ -185,6 +192,8 @@ _CHOICES = {
     "sft.schedule": ("constant", "cosine"),
     "grpo.schedule": ("constant", "cosine"),
     "grpo.loss_agg": ("token_mean", "seq_mean_token_mean"),
+    "spec.branch": ("reward", "count"),
+    "spec.window": ("aimd", "mimd", "fixed"),
 }
 
 
@@ -213,6 +222,14 @@ def validate(cfg: Any, source: str) -> None:
     if cfg.grpo.minibatches > batch:
         raise ConfigError(f"{source}: grpo.minibatches={cfg.grpo.minibatches} exceeds the rollout batch "
                           f"grpo.prompts_per_step * grpo.samples_per_prompt = {batch}")
+    sp = cfg.spec
+    if not 1 <= sp.pattern_min <= sp.pattern_max:
+        raise ConfigError(f"{source}: spec.pattern_min={sp.pattern_min} and spec.pattern_max={sp.pattern_max} "
+                          f"need 1 <= pattern_min <= pattern_max")
+    if not 0.0 <= sp.min_token_prob < 1.0:
+        raise ConfigError(f"{source}: spec.min_token_prob={sp.min_token_prob} must be in [0, 1)")
+    if sp.history_depth < 1 or not 1 <= sp.fixed_window <= 32:
+        raise ConfigError(f"{source}: spec.history_depth >= 1 and 1 <= spec.fixed_window <= 32 are required")
     if cfg.rollout.temperature < 0 or not 0 < cfg.rollout.top_p <= 1 or cfg.rollout.top_k < 0:
         raise ConfigError(f"{source}: rollout.temperature >= 0, 0 < rollout.top_p <= 1 and "
                           f"rollout.top_k >= 0 are required")
