@@ -4,8 +4,10 @@ Shapes are bucketed so the jitted step compiles a bounded number of times:
 
 * prefill: ``T`` (packed tokens) is a power of two ``>= 16``; ``S = min(max_slots, T)``
   sequence rows; ``max_q_len = min(T, q_cap)``; full page-table rows.
-* decode: ``T = S = max_slots`` (one token per slot, inactive slots write/read scratch page 0);
-  page-table width is a power of two ``>= 8`` capped at ``pages_per_seq``.
+* decode / verify: every slot feeds its pending token plus its draft (``K`` in ``K_BUCKETS``;
+  decode is ``K = 0``); ``T = max(max_slots, min(budget, max_slots * (K + 1)))``; inactive
+  slots write/read scratch page 0; page-table width is a power of two ``>= 8`` capped at
+  ``pages_per_seq``.
 """
 
 from __future__ import annotations
@@ -74,27 +76,113 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray]], page_table: np.ndarray, 
     return StepInputs(tokens, positions, meta, rows, min(t_b, q_cap))
 
 
+K_BUCKETS = (0, 2, 4, 8, 16, 32)
+
+
+def draft_bucket(max_len: int) -> int:
+    """Smallest draft bucket ``K`` in ``K_BUCKETS`` holding ``max_len`` draft tokens.
+
+    Raises:
+      ValueError: ``max_len`` exceeds the largest bucket (32).
+    """
+    for k in K_BUCKETS:
+        if max_len <= k:
+            return k
+    raise ValueError(f"draft length {max_len} exceeds the largest draft bucket {K_BUCKETS[-1]}")
+
+
+def verify_tokens(max_slots: int, k: int, budget: int) -> int:
+    """Packed token count ``T`` of a verify step with draft bucket ``k``: every slot's
+    ``1 + k`` rows, capped by the per-step token budget (at least one row per slot)."""
+    return max(max_slots, min(budget, max_slots * (k + 1)))
+
+
+def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
+    """Cut the longest drafts first until ``sum(1 + draft_lens) <= budget`` (water-filling).
+
+    Args:
+      draft_lens: ``int[B]`` requested draft lengths of the B active slots.
+      budget: packed tokens available to those slots (``>= B``).
+
+    Returns:
+      ``int32[B]`` lengths ``min(draft_lens, c)`` for the largest cap ``c`` that fits.
+    """
+    lens = np.asarray(draft_lens, np.int64)
+    room = int(budget) - len(lens)
+    if lens.sum() <= room:
+        return lens.astype(np.int32)
+    cap = int(lens.max())
+    while cap > 0 and np.minimum(lens, cap).sum() > room:
+        cap -= 1
+    return np.minimum(lens, cap).astype(np.int32)
+
+
 def decode_width(max_pages_held: int, pages_per_seq: int) -> int:
-    """Page-table columns a decode step passes (the reference attention gathers all of them)."""
+    """Page-table columns a decode/verify step passes (the reference attention gathers all)."""
     return min(pages_per_seq, max(MIN_DECODE_WIDTH, pow2(max_pages_held)))
 
 
-def decode_inputs(active: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray,
-                  page_table: np.ndarray, num_held: np.ndarray, page_size: int) -> StepInputs:
-    """One decode step over all slots: active slot ``s`` feeds ``slot_last[s]`` at position
-    ``slot_len[s]`` (its page must be allocated); inactive slots attend to scratch page 0."""
+@dataclass
+class VerifyInputs(StepInputs):
+    """``StepInputs`` of a verify step plus ``draft_tokens i32[S, K]`` and ``draft_lens i32[S]``."""
+
+    draft_tokens: np.ndarray = None
+    draft_lens: np.ndarray = None
+
+
+def verify_inputs(active: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray, drafts: np.ndarray,
+                  draft_lens: np.ndarray, page_table: np.ndarray, num_held: np.ndarray, page_size: int,
+                  t_total: int) -> VerifyInputs:
+    """One decode/verify step over all slots (decode: ``drafts`` has ``K = 0`` columns).
+
+    Active slot ``s`` feeds ``slot_last[s]`` then ``drafts[s, :draft_lens[s]]`` at positions
+    ``slot_len[s] ...`` (their pages must be allocated); inactive slots feed one token that
+    reads and writes scratch page 0. Rows are packed slot after slot; rows past the last slot are
+    padding (scratch page 0, attention output zero).
+
+    Args:
+      active: ``bool[S]``; slot_len: ``int[S]`` tokens already in the KV pool; slot_last:
+        ``int[S]`` pending token; drafts: ``int[S, K]``; draft_lens: ``int[S]`` (0 if inactive);
+        page_table/num_held: the allocator's arrays; t_total: packed row count (a bucket).
+
+    Raises:
+      ValueError: the slots' tokens do not fit in ``t_total``.
+    """
     slots, pages_per_seq = page_table.shape
-    pos = np.where(active, slot_len, 0).astype(np.int32)
-    page = page_table[np.arange(slots), np.minimum(pos // page_size, pages_per_seq - 1)]
+    k = drafts.shape[1]
+    lens = np.where(active, draft_lens, 0).astype(np.int64)
+    q_lens = 1 + lens
+    cu = np.zeros(slots + 1, np.int64)
+    cu[1:] = np.cumsum(q_lens)
+    if cu[-1] > t_total:
+        raise ValueError(f"verify step needs {cu[-1]} packed tokens, more than the bucket {t_total}")
+    base = np.where(active, slot_len, 0).astype(np.int64)
+    # Row r of the packed batch belongs to slot owner[r] at offset j (row-major, vectorised).
+    owner = np.repeat(np.arange(slots), q_lens)
+    j = np.arange(cu[-1]) - cu[owner]
+    pos = base[owner] + j
+    fed = np.concatenate([slot_last[:, None], drafts], axis=1)  # [S, K+1]
+    n = int(cu[-1])
+    tokens = np.zeros(t_total, np.int32)
+    positions = np.zeros(t_total, np.int32)
+    slot_mapping = np.zeros(t_total, np.int32)
+    act = active[owner]
+    tokens[:n] = np.where(act, fed[owner, j], 0)
+    positions[:n] = np.where(act, pos, 0)
+    page = page_table[owner, np.minimum(pos // page_size, pages_per_seq - 1)]
+    slot_mapping[:n] = np.where(act, page * page_size + pos % page_size, 0)
     width = decode_width(int(num_held.max()), pages_per_seq)
     meta = RaggedMeta(
-        kv_lens=np.where(active, slot_len + 1, 1).astype(np.int32),
+        kv_lens=np.where(active, slot_len + q_lens, 1).astype(np.int32),
         page_indices=page_table[:, :width].copy(),
-        cu_q_lens=np.arange(slots + 1, dtype=np.int32),
+        cu_q_lens=cu.astype(np.int32),
         num_seqs=np.array([slots], np.int32),
-        slot_mapping=np.where(active, page * page_size + pos % page_size, 0).astype(np.int32))
-    tokens = np.where(active, slot_last, 0).astype(np.int32)
-    return StepInputs(tokens, pos, meta, np.arange(slots, dtype=np.int32), 1)
+        slot_mapping=slot_mapping)
+    jj = np.arange(k + 1)
+    rows = (cu[:-1, None] + np.minimum(jj[None, :], q_lens[:, None] - 1)).reshape(-1).astype(np.int32)
+    return VerifyInputs(tokens, positions, meta, rows, k + 1,
+                        draft_tokens=np.where(jj[None, :k] < lens[:, None], drafts, 0).astype(np.int32),
+                        draft_lens=lens.astype(np.int32))
 
 
 def dummy_prefill(t_b: int, max_slots: int, pages_per_seq: int, q_cap: int) -> StepInputs:
@@ -106,10 +194,11 @@ def dummy_prefill(t_b: int, max_slots: int, pages_per_seq: int, q_cap: int) -> S
     return StepInputs(z, z, meta, np.zeros(s_b, np.int32), min(t_b, q_cap))
 
 
-def dummy_decode(max_slots: int, width: int) -> StepInputs:
-    """Decode inputs with every slot inactive and page-table width ``width`` (warm-up)."""
-    z = np.zeros(max_slots, np.int32)
-    meta = RaggedMeta(kv_lens=np.ones(max_slots, np.int32), page_indices=np.zeros((max_slots, width), np.int32),
-                      cu_q_lens=np.arange(max_slots + 1, dtype=np.int32),
-                      num_seqs=np.array([max_slots], np.int32), slot_mapping=z)
-    return StepInputs(z, z, meta, np.arange(max_slots, dtype=np.int32), 1)
+def dummy_verify(max_slots: int, width: int, k: int, t_total: int) -> VerifyInputs:
+    """Verify inputs with every slot inactive, draft bucket ``k`` and page-table width ``width``
+    (warm-up; touches scratch page 0 only)."""
+    active = np.zeros(max_slots, bool)
+    zeros = np.zeros(max_slots, np.int64)
+    table = np.zeros((max_slots, width), np.int32)
+    return verify_inputs(active, zeros, zeros.astype(np.int32), np.zeros((max_slots, k), np.int32), zeros,
+                         table, np.ones(max_slots, np.int64), 1, t_total)

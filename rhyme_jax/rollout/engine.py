@@ -2,9 +2,11 @@
 
 ``max_slots`` fixed decode slots. Each loop iteration admits waiting prompts into free slots with
 one packed prefill call (token count bucketed to a power of two, so compilations stay bounded),
-then runs one decode step in which every slot has ``q_len == 1`` (inactive slots read and write
-the scratch page 0). Sampling happens on device; one small device->host transfer per step
-brings back ``tokens, logprobs [slots]``. EOS or the length limit frees a sequence's pages and
+then runs one decode step in which every slot feeds its pending token plus, with a HistoSpec
+``drafter``, a draft of up to ``K`` history tokens (``q_len = 1 + draft_len``; inactive slots read
+and write the scratch page 0). Sampling and lossless draft verification happen on device; one
+small device->host transfer per step brings back ``tokens, logprobs [slots, K+1]`` and the number
+of tokens each slot emits. Decode without drafts is the same step with ``K = 0``. EOS or the length limit frees a sequence's pages and
 its slot is refilled. Pages are allocated lazily when a sequence crosses a page boundary; when
 the pool runs dry the most recently admitted running sequence is preempted (its pages freed, it
 is requeued and later re-prefilled with prompt + generated-so-far) -- other sequences' pages are
@@ -32,7 +34,7 @@ from rhyme_jax.rollout.batching import StepInputs, pow2
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.sampling import sampling_mode
-from rhyme_jax.rollout.step import StaticModel, step_fn
+from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
 
 _WHERE = "rhyme_jax/rollout/engine.py"
 
@@ -64,7 +66,9 @@ class RolloutResult:
       logprobs: per prompt ``float32[n]`` behaviour logprobs of those tokens.
       finish_reasons: ``"eos" | "length" | "skipped"``.
       stats: prefill_tokens, generated_tokens, decode_steps (decode forward passes),
-        prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s.
+        prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s,
+        drafted_tokens, accepted_tokens, acceptance_rate, drafting_seconds (host time inside
+        the drafter).
     """
 
     tokens: list[np.ndarray]
@@ -89,6 +93,8 @@ class RolloutEngine:
       attention_impl: ragged paged attention implementation name.
       max_prefill_tokens: token budget of one prefill call (rounded up to a power of two, at
         least one full sequence); bounds the number of prefill shape buckets.
+      max_verify_tokens: packed-token budget of one decode/verify step (pending tokens plus
+        drafts of all slots); 0 = ``4 * max_slots``. Longest drafts are cut first to fit.
 
     Raises:
       EngineConfigError: a size is invalid, the pool cannot hold one full-length sequence, or
@@ -98,7 +104,7 @@ class RolloutEngine:
     def __init__(self, graphdef, model_cfg, *, max_slots: int, page_size: int, num_pages: int,
                  max_prompt_len: int, max_new_tokens: int, eos_ids: Sequence[int],
                  on_overlong_prompt: str = "error", attention_impl: str = "reference",
-                 max_prefill_tokens: int = 2048):
+                 max_prefill_tokens: int = 2048, max_verify_tokens: int = 0):
         for name, val in dict(max_slots=max_slots, page_size=page_size, max_prompt_len=max_prompt_len,
                               max_new_tokens=max_new_tokens).items():
             if int(val) < 1:
@@ -140,6 +146,7 @@ class RolloutEngine:
         # Every shape the jitted step can see: prefill token buckets and decode page-table widths.
         self.prefill_buckets = tuple(1 << i for i in range(batching.MIN_PREFILL_BUCKET.bit_length() - 1,
                                                            self.prefill_budget.bit_length()))
+        self.verify_budget = max(self.max_slots, int(max_verify_tokens) or 4 * self.max_slots)
         self.decode_widths = tuple(sorted({batching.decode_width(n, self.pages_per_seq)
                                            for n in range(1, self.pages_per_seq + 1)}))
         self.allocator = PageAllocator(self.num_pages, self.page_size, self.max_slots, self.pages_per_seq)
@@ -154,8 +161,9 @@ class RolloutEngine:
             self._static = StaticModel(self.graphdef, treedef)
         return leaves, self._static
 
-    def warmup(self, state: nnx.State, sampling: SamplingParams) -> int:
-        """Compile every prefill bucket and decode width for ``sampling``'s program.
+    def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,)) -> int:
+        """Compile every prefill bucket and decode width (for each draft bucket ``K`` in
+        ``draft_buckets``; ``batching.K_BUCKETS`` when drafting) for ``sampling``'s program.
 
         Afterwards ``generate`` with the same state structure and sampling mode compiles nothing.
         The dummy steps only touch scratch page 0. Returns the number of step shapes run.
@@ -166,7 +174,9 @@ class RolloutEngine:
         key = jax.random.key(0)
         inputs = [batching.dummy_prefill(t, self.max_slots, self.pages_per_seq, self.q_cap)
                   for t in self.prefill_buckets]
-        inputs += [batching.dummy_decode(self.max_slots, w) for w in self.decode_widths]
+        inputs += [batching.dummy_verify(self.max_slots, w, k,
+                                         batching.verify_tokens(self.max_slots, k, self.verify_budget))
+                   for k in draft_buckets for w in self.decode_widths]
         for inp in inputs:
             self._run(flat_state, inp, key, 0, sampling, mode)
         return len(inputs)
@@ -207,19 +217,57 @@ class RolloutEngine:
         return out
 
     def _run(self, flat_state, inp: StepInputs, key, step, sp, mode):
+        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; verify
+        (``VerifyInputs``) -> ``(tokens [S, K+1], logprobs [S, K+1], num_emitted [S])``."""
         leaves, static = flat_state
-        toks, lps, self.kv = step_fn(
-            static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows, key,
-            np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p),
-            max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl)
-        toks, lps = jax.device_get((toks, lps))
+        scalars = (np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
+        kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl)
+        if isinstance(inp, batching.VerifyInputs):
+            *out, self.kv = verify_step_fn(
+                static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
+                inp.draft_tokens, inp.draft_lens, key, *scalars, **kw)
+        else:
+            *out, self.kv = step_fn(static, leaves, self.kv, inp.tokens, inp.positions, inp.meta,
+                                    inp.logits_rows, key, *scalars, **kw)
+        out = jax.device_get(tuple(out))
         if self.check_invariants:
             self.allocator.check()
-        return toks, lps
+        return out
+
+    def _draft(self, drafter, active, slot_req, slot_len, slot_tail, n_gen, limit, stats):
+        """Drafts ``i32[slots, K]`` and lengths ``i32[slots]`` for this step (``K = 0`` without a
+        drafter). Drafts never pass the request's ``max_new_tokens`` (room for the bonus token),
+        are cut longest-first to the step's token budget, and only use pages the pool can give
+        without preempting anyone (a draft is cut to the pages its slot holds otherwise)."""
+        slots, ps, alloc = self.max_slots, self.page_size, self.allocator
+        d_lens = np.zeros(slots, np.int32)
+        ids = np.flatnonzero(active)
+        if drafter is None or ids.size == 0:
+            return np.zeros((slots, 0), np.int32), d_lens
+        t0 = time.perf_counter()
+        reqs = slot_req[ids]
+        budgets = np.maximum(limit - n_gen[reqs] - 1, 0)
+        d_tok, got = drafter.draft(reqs, slot_tail[ids], budgets)
+        stats["drafting_seconds"] += time.perf_counter() - t0
+        # Inactive slots still take one (scratch) row each.
+        got = batching.trim_drafts(np.minimum(got, budgets), self.verify_budget - (slots - ids.size))
+        for i in np.flatnonzero(got):
+            s = ids[i]
+            need = alloc.pages_for(int(slot_len[s]) + 1 + int(got[i])) - int(alloc.num_held[s])
+            if need > 0 and alloc.can_alloc(need):
+                alloc.ensure(s, int(slot_len[s]) + 1 + int(got[i]))
+            got[i] = min(int(got[i]), int(alloc.num_held[s]) * ps - int(slot_len[s]) - 1)
+        d_lens[ids] = got
+        k = batching.draft_bucket(int(d_lens.max()))
+        drafts = np.zeros((slots, k), np.int32)
+        width = min(k, d_tok.shape[1])
+        drafts[ids, :width] = d_tok[:, :width]
+        stats["drafted_tokens"] += int(d_lens.sum())
+        return drafts, d_lens
 
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
-                 key: jax.Array) -> RolloutResult:
+                 key: jax.Array, drafter=None) -> RolloutResult:
         """Generate one response per prompt.
 
         Args:
@@ -227,6 +275,10 @@ class RolloutEngine:
           prompts: token id lists (1 <= len <= max_prompt_len unless skipping overlong ones).
           sampling: sampling settings; ``max_new_tokens`` <= the engine's.
           key: PRNG key; forward pass ``i`` samples with ``jax.random.fold_in(key, i)``.
+          drafter: optional HistoSpec drafter (``rhyme_jax.spec.drafter.Drafter`` after
+            ``begin(prompt_ids)`` for these prompts): each decode step asks it for drafts of the
+            active requests (``draft(reqs, tails, budgets)``) and reports acceptance
+            (``observe``). The emitted tokens have exactly the distribution of plain decoding.
 
         Returns:
           RolloutResult in prompt order.
@@ -256,22 +308,33 @@ class RolloutEngine:
         slot_order = np.zeros(slots, np.int64)  # admission counter (preempt the newest)
         admitted = 0
         stats = dict(prefill_tokens=0, generated_tokens=0, decode_steps=0, prefill_steps=0,
-                     preemptions=0, skipped=int(sum(r is None for r in reqs)))
+                     preemptions=0, skipped=int(sum(r is None for r in reqs)), drafted_tokens=0,
+                     accepted_tokens=0, drafting_seconds=0.0)
         step = 0
+        pattern = int(getattr(drafter, "pattern_max", 0)) if drafter is not None else 0
+        slot_tail = np.full((slots, max(pattern, 1)), -1, np.int32)  # last tokens (drafting pattern)
 
-        def record(slot_ids, toks, lps):
-            """Append sampled tokens to their requests; finish and free where done."""
-            for s, t, lp in zip(slot_ids, toks, lps):
-                r = slot_req[s]
-                j = n_gen[r]
-                out_tok[r, j], out_lp[r, j] = t, lp
-                n_gen[r] = j + 1
-                slot_last[s] = t
-                if eos[t] or j + 1 >= limit:
-                    finish[r] = "eos" if eos[t] else "length"
-                    alloc.free(s)
-                    slot_req[s] = -1
-            stats["generated_tokens"] += len(slot_ids)
+        def record(s, toks, lps) -> int:
+            """Append a slot's emitted tokens to its request, cut at EOS / the length limit;
+            finish and free the slot when done. Returns the number of tokens kept."""
+            r = slot_req[s]
+            j = n_gen[r]
+            toks = toks[: limit - j]
+            hit = np.flatnonzero(eos[toks])
+            if hit.size:
+                toks = toks[: hit[0] + 1]
+            m = len(toks)
+            out_tok[r, j: j + m], out_lp[r, j: j + m] = toks, lps[:m]
+            n_gen[r] = j + m
+            slot_last[s] = toks[-1]
+            if pattern:
+                slot_tail[s] = np.concatenate([slot_tail[s], toks])[-pattern:]
+            stats["generated_tokens"] += m
+            if hit.size or j + m >= limit:
+                finish[r] = "eos" if hit.size else "length"
+                alloc.free(s)
+                slot_req[s] = -1
+            return m
 
         def preempt(s):
             r = slot_req[s]
@@ -302,6 +365,8 @@ class RolloutEngine:
                     admitted += 1
                     batch.append((s, ctx))
                     total += len(ctx)
+                    if pattern:
+                        slot_tail[s] = np.concatenate([np.full(pattern, -1, np.int32), ctx])[-pattern:]
                 if not batch:
                     if not (slot_req >= 0).any():  # pragma: no cover - excluded by construction check
                         raise EngineConfigError(f"{_WHERE}: KV pool cannot admit request {waiting[0]}")
@@ -311,7 +376,8 @@ class RolloutEngine:
                 step += 1
                 stats["prefill_steps"] += 1
                 stats["prefill_tokens"] += total
-                record([s for s, _ in batch], toks[: len(batch)], lps[: len(batch)])
+                for i, (s, _) in enumerate(batch):
+                    record(s, toks[i: i + 1], lps[i: i + 1])
             active = slot_req >= 0
             if not active.any():
                 continue
@@ -331,17 +397,28 @@ class RolloutEngine:
             active = slot_req >= 0
             if not active.any():
                 continue
-            # ---- one decode step over all slots
-            inp = batching.decode_inputs(active, slot_len, slot_last, alloc.page_table, alloc.num_held, ps)
-            toks, lps = self._run(flat_state, inp, key, step, sampling, mode)
+            # ---- one decode/verify step over all slots: pending token + drafts
+            drafts, d_lens = self._draft(drafter, active, slot_req, slot_len, slot_tail, n_gen, limit, stats)
+            k = drafts.shape[1]
+            inp = batching.verify_inputs(active, slot_len, slot_last, drafts, d_lens, alloc.page_table,
+                                         alloc.num_held, ps,
+                                         batching.verify_tokens(slots, k, self.verify_budget))
+            toks, lps, n_emit = self._run(flat_state, inp, key, step, sampling, mode)
             step += 1
             stats["decode_steps"] += 1
             ids = np.flatnonzero(active)
-            slot_len[ids] += 1
-            record(ids, toks[ids], lps[ids])
+            accepted = n_emit[ids] - 1
+            stats["accepted_tokens"] += int(accepted.sum())
+            if drafter is not None:
+                drafter.observe(slot_req[ids], d_lens[ids], accepted)
+            for s in ids:
+                # KV now holds the pending token and the accepted drafts; the last emitted token
+                # is the new pending one (rejected draft slots are overwritten later).
+                slot_len[s] += record(s, toks[s, : n_emit[s]], lps[s, : n_emit[s]])
 
         seconds = time.perf_counter() - t0
         stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]
+        stats["acceptance_rate"] = stats["accepted_tokens"] / max(stats["drafted_tokens"], 1)
         stats["seconds"] = seconds
         stats["tokens_per_s"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
         return RolloutResult(

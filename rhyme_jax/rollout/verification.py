@@ -1,0 +1,120 @@
+"""Lossless verification of history drafts (HistoSpec, ARCHITECTURE.md section 5).
+
+Each sequence ``s`` fed ``1 + draft_lens[s]`` tokens (its pending token, then its draft) to one
+forward pass, which gives target logits at ``K + 1`` positions. Verification emits between 1 and
+``draft_lens[s] + 1`` tokens whose joint distribution is exactly that of plain token-by-token
+sampling (speculative sampling with a one-hot draft distribution; Leviathan et al. 2023,
+Chen et al. 2023, RhymeRL section 4):
+
+* target distribution ``p_i`` at position ``i``: the processed distribution of
+  ``rhyme_jax.rollout.sampling`` (temperature, then top-k, then top-p) -- the same program plain
+  sampling uses;
+* accept draft token ``x_i`` with probability ``p_i(x_i)`` (``u_i < p_i(x_i)``, ``u_i ~ U[0, 1)``);
+* at the first rejection ``i`` emit a token from ``p_i`` with ``x_i`` removed and renormalised
+  (the residual ``max(0, p_i - onehot(x_i))``), and stop;
+* if all ``d`` draft tokens are accepted, emit a bonus token from ``p_d``;
+* greedy (temperature 0): accept while ``x_i == argmax`` of the raw logits; the emitted token at
+  the first mismatch (or the bonus) is the argmax itself.
+
+Why it is exact: position ``i`` emits ``x_i`` with probability ``p_i(x_i)`` and any ``y != x_i``
+with probability ``(1 - p_i(x_i)) * p_i(y) / (1 - p_i(x_i)) = p_i(y)``.
+
+Emitted tokens carry the behaviour logprob plain sampling reports: ``log p_i(token)`` under the
+processed distribution (not the residual), and ``log_softmax(raw logits)`` when greedy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from rhyme_jax.rollout.sampling import MODES, SamplingError, _processed
+
+
+def verify(
+    logits: Float[Array, "S K1 V"],
+    draft_tokens: Int[Array, "S K"],
+    draft_lens: Int[Array, "S"],
+    key: PRNGKeyArray,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    *,
+    mode: str,
+) -> tuple[Int[Array, "S K1"], Float[Array, "S K1"], Int[Array, "S"]]:
+    """Accept/reject every sequence's draft against the target logits in one batched program.
+
+    Args:
+      logits: ``f32[S, K+1, V]`` raw target logits; row ``i`` is the distribution of the token
+        after draft token ``i - 1`` (row 0: after the pending token).
+      draft_tokens: ``i32[S, K]`` drafts (entries past ``draft_lens`` are ignored).
+      draft_lens: ``i32[S]`` in ``[0, K]``.
+      key: PRNG key of this forward pass.
+      temperature, top_k, top_p: sampling parameters (Python numbers or traced scalars).
+      mode: sampling program (``rhyme_jax.rollout.sampling.MODES``); static under jit.
+
+    Returns:
+      ``(tokens i32[S, K+1], logprobs f32[S, K+1], num_emitted i32[S])``: sequence ``s`` emits
+      ``tokens[s, :num_emitted[s]]`` (accepted draft tokens, then the correction or bonus token)
+      with behaviour logprobs ``logprobs[s, :num_emitted[s]]``; ``1 <= num_emitted <= lens + 1``.
+
+    Raises:
+      SamplingError: unknown ``mode`` or inconsistent shapes.
+    """
+    if mode not in MODES:
+        raise SamplingError(f"verify: mode must be one of {MODES}, got {mode!r}")
+    num_s, k1, vocab = logits.shape
+    k = k1 - 1
+    if draft_tokens.shape != (num_s, k) or draft_lens.shape != (num_s,):
+        raise SamplingError(
+            f"verify: draft_tokens must be [S={num_s}, K={k}] and draft_lens [S], got "
+            f"{draft_tokens.shape} and {draft_lens.shape}")
+    logits = logits.astype(jnp.float32)
+    flat = logits.reshape(num_s * k1, vocab)
+    lp = _processed(flat, temperature, top_k, top_p, mode).reshape(num_s, k1, vocab)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K+1]
+    key_u, key_tok = jax.random.split(key)
+
+    pos = jnp.arange(k, dtype=jnp.int32)
+    in_draft = pos[None, :] < draft_lens[:, None]  # [S, K]
+    drafts = jnp.where(in_draft, draft_tokens, 0).astype(jnp.int32)
+    lp_draft = jnp.take_along_axis(lp[:, :k], drafts[..., None], axis=-1)[..., 0]  # [S, K]
+    u = jax.random.uniform(key_u, (num_s, k))
+    accept_sampled = u < jnp.exp(lp_draft)
+    accept_greedy = drafts == argmax[:, :k]
+    if mode == "greedy":
+        accept = accept_greedy
+    elif mode == "dynamic":
+        accept = jnp.where(jnp.asarray(temperature) > 0, accept_sampled, accept_greedy)
+    else:
+        accept = accept_sampled
+    accept = accept & in_draft
+    # Accepted prefix length: index of the first non-accepted position.
+    num_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # [S]
+    rejected = num_acc < draft_lens
+
+    # Token at position num_acc: residual (draft token removed) on rejection, else bonus from p.
+    lp_last = jnp.take_along_axis(lp, num_acc[:, None, None], axis=1)[:, 0]  # [S, V]
+    x_rej = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), num_acc[:, None], axis=1)[:, 0]
+    vocab_ids = jnp.arange(vocab, dtype=jnp.int32)
+    remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
+    sampled = jax.random.categorical(key_tok, jnp.where(remove, -jnp.inf, lp_last), axis=-1).astype(jnp.int32)
+    greedy_last = jnp.take_along_axis(argmax, num_acc[:, None], axis=1)[:, 0]
+    if mode == "greedy":
+        last = greedy_last
+    elif mode == "dynamic":
+        last = jnp.where(jnp.asarray(temperature) > 0, sampled, greedy_last)
+    else:
+        last = sampled
+
+    full_pos = jnp.arange(k1, dtype=jnp.int32)
+    tokens = jnp.where(full_pos[None, :] < num_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
+    tokens = jnp.where(full_pos[None, :] == num_acc[:, None], last[:, None], tokens).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    num_emitted = num_acc + 1
+    logprobs = jnp.where(full_pos[None, :] < num_emitted[:, None], logprobs, 0.0)
+    return tokens, logprobs, num_emitted
+
+
+__all__ = ["verify"]

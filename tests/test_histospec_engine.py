@@ -1,0 +1,161 @@
+"""Rollout engine with drafts: exactly the outputs / distribution of plain decoding, fewer passes.
+
+A test drafter proposes the continuation of a stored sequence (the "history") wherever the
+running sequence's last tokens occur in it, optionally corrupting draft tokens. The engine must
+emit the same greedy tokens and logprobs as plain decoding, and under sampling the same token
+distribution (two-sample chi-square over many samples), whatever the drafts are.
+"""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from rhyme_jax.rollout import sampling
+from rhyme_jax.rollout.engine import SamplingParams
+from test_rollout_engine import (MAX_NEW, MAX_PROMPT, _dense_fn, _engine, _model, _prompts,
+                                 _reference_with_eos)
+
+PATTERN = 3
+
+
+class HistoryDrafter:
+    """Drafts ``window`` tokens that followed the last ``PATTERN`` tokens in ``history[req]``.
+
+    Args:
+      history: per request, a full token sequence (prompt + a previous response).
+      window: draft length (before the engine's budget).
+      corrupt: probability of replacing each draft token by a random one.
+    """
+
+    pattern_max = PATTERN
+
+    def __init__(self, history, window=4, corrupt=0.0, vocab=64, seed=0):
+        self.history, self.window, self.corrupt = history, window, corrupt
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.observed = []
+
+    def draft(self, reqs, tails, budgets):
+        out = np.zeros((len(reqs), self.window), np.int32)
+        lens = np.zeros(len(reqs), np.int32)
+        for b, (r, tail) in enumerate(zip(reqs, tails)):
+            h = self.history[int(r)]
+            for i in range(len(h) - PATTERN, -1, -1):
+                if np.array_equal(h[i: i + PATTERN], tail):
+                    d = h[i + PATTERN: i + PATTERN + min(self.window, int(budgets[b]))].copy()
+                    bad = self.rng.random(len(d)) < self.corrupt
+                    d[bad] = self.rng.integers(0, self.vocab, bad.sum())
+                    out[b, : len(d)], lens[b] = d, len(d)
+                    break
+        return out, lens
+
+    def observe(self, reqs, drafted, accepted):
+        assert np.all(accepted <= drafted) and np.all(accepted >= 0)
+        self.observed.append((np.array(reqs), np.array(drafted), np.array(accepted)))
+
+
+def _greedy(prompts, eos, drafter=None, **kw):
+    eng = _engine(eos_ids=[eos], **kw)
+    return eng.generate(_model()[1], prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),
+                        jax.random.key(0), drafter=drafter)
+
+
+@pytest.mark.parametrize("corrupt,window", [(0.0, 4), (0.0, 16), (0.3, 4), (1.0, 8)])
+def test_greedy_with_drafts_equals_plain(corrupt, window):
+    prompts, eos, want, want_lp = _reference_with_eos()
+    history = [np.concatenate([p, w]).astype(np.int32) for p, w in zip(prompts, want)]
+    drafter = HistoryDrafter(history, window=window, corrupt=corrupt)
+    res = _greedy(prompts, eos, drafter)
+    for got, exp, glp, elp in zip(res.tokens, want, res.logprobs, want_lp):
+        np.testing.assert_array_equal(got, exp)  # EOS inside a draft ends the sequence there
+        np.testing.assert_allclose(glp, elp, atol=1e-4)
+    s = res.stats
+    assert s["drafted_tokens"] > 0 and s["generated_tokens"] == sum(len(w) for w in want)
+    if corrupt == 0.0:  # true history (a repeated 3-gram may mislead it): far fewer forward passes
+        assert s["accepted_tokens"] >= 0.8 * s["drafted_tokens"]
+        plain = _greedy(prompts, eos).stats
+        assert s["decode_steps"] * 2 <= plain["decode_steps"]
+    if corrupt == 1.0:
+        assert s["accepted_tokens"] < s["drafted_tokens"] / 4
+    acc = sum(a.sum() for _, _, a in drafter.observed)
+    assert acc == s["accepted_tokens"]
+
+
+def test_drafts_with_preemption_keep_greedy_outputs():
+    prompts, eos, want, _ = _reference_with_eos()
+    history = [np.concatenate([p, w]).astype(np.int32) for p, w in zip(prompts, want)]
+    res = _greedy(prompts, eos, HistoryDrafter(history, window=8), num_pages=9)
+    assert res.stats["preemptions"] > 0
+    for got, exp in zip(res.tokens, want):
+        np.testing.assert_array_equal(got, exp)
+
+
+def test_drafts_respect_length_limit_and_token_budget():
+    prompts, eos, want, _ = _reference_with_eos()
+    history = [np.concatenate([p, w, w]).astype(np.int32) for p, w in zip(prompts, want)]
+    eng = _engine(eos_ids=[], max_verify_tokens=5)  # 3 slots: at most 2 draft tokens per step
+    sp = SamplingParams(temperature=0.0, max_new_tokens=7)
+    res = eng.generate(_model()[1], prompts, sp, jax.random.key(0), drafter=HistoryDrafter(history, 16))
+    plain = eng.generate(_model()[1], prompts, sp, jax.random.key(0))
+    for got, exp in zip(res.tokens, plain.tokens):
+        np.testing.assert_array_equal(got, exp)
+        assert len(got) == 7
+    assert 0 < res.stats["drafted_tokens"] <= 2 * res.stats["decode_steps"]
+
+
+def _samples(drafter, n_calls, seed0, prompt, temperature=1.0):
+    eng = _engine(max_slots=32, eos_ids=[])
+    sp = SamplingParams(temperature=temperature, max_new_tokens=4)
+    out, acc = [], 0
+    for c in range(n_calls):
+        res = eng.generate(_model()[1], [prompt] * 64, sp, jax.random.key(seed0 + c), drafter=drafter)
+        out += [t for t in res.tokens]
+        acc += res.stats["accepted_tokens"]
+    return np.stack(out), acc
+
+
+def test_sampled_distribution_with_drafts_equals_plain():
+    prompt = _prompts(11, (6,))[0]
+    plain, _ = _samples(None, 12, 100, prompt)
+    # History: the most frequent plain continuation, so drafts are often (not always) accepted.
+    vals, counts = np.unique(plain[:, :3], axis=0, return_counts=True)
+    hist = np.concatenate([prompt, vals[np.argmax(counts)], [0, 0]]).astype(np.int32)
+    spec, acc = _samples(HistoryDrafter([hist] * 64, window=4), 12, 500, prompt)
+    assert acc > 100  # drafts are really exercised
+    for pos in range(4):  # per-position token marginals
+        table = _contingency(plain[:, pos], spec[:, pos])
+        assert stats.chi2_contingency(table).pvalue > 1e-3, pos
+    # joint of the first two tokens
+    table = _contingency(plain[:, 0] * 64 + plain[:, 1], spec[:, 0] * 64 + spec[:, 1])
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def _contingency(a, b, min_count=10):
+    """2 x C counts over the categories of a and b; rare categories pooled into one column."""
+    cats = np.union1d(a, b)
+    ca = np.array([(a == c).sum() for c in cats])
+    cb = np.array([(b == c).sum() for c in cats])
+    big = ca + cb >= min_count
+    cols = [np.stack([ca[big], cb[big]])]
+    if (~big).any():
+        cols.append(np.array([[ca[~big].sum()], [cb[~big].sum()]]))
+    return np.concatenate(cols, axis=1)
+
+
+def test_sampled_logprobs_with_drafts_are_behaviour_logprobs():
+    prompts = _prompts(3, (4, 10, 6))
+    eng = _engine()
+    sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)
+    first = eng.generate(_model()[1], prompts, sp, jax.random.key(5))
+    history = [np.concatenate([p, t]).astype(np.int32) for p, t in zip(prompts, first.tokens)]
+    res = eng.generate(_model()[1], prompts, sp, jax.random.key(6), drafter=HistoryDrafter(history, 4))
+    assert res.stats["accepted_tokens"] > 0
+    state, width = _model()[1], MAX_PROMPT + MAX_NEW
+    for p, toks, lps in zip(prompts, res.tokens, res.logprobs):
+        seq = np.zeros((1, width), np.int32)
+        full = list(p) + toks.tolist()
+        seq[0, : len(full)] = full
+        logits = _dense_fn()(state, seq, np.array([len(full)]))[0, len(p) - 1: len(full) - 1]
+        ref = np.asarray(sampling.processed_logprobs(logits, 0.7, 12, 0.85))
+        np.testing.assert_allclose(lps, ref[np.arange(len(toks)), toks], atol=1e-4)
