@@ -1,7 +1,7 @@
-"""``rhyme-jax`` command line: sft | train | eval | demo.
+"""``rhyme-jax`` command line: sft | train | eval | demo | analyze.
 
-Every command takes ``--config configs/X.yaml`` and any number of ``--set a.b=c`` overrides.
-Outputs go to ``<run.runs_dir>/<run.name>/``.
+Every command but ``analyze RUN_DIR`` takes ``--config configs/X.yaml`` and any number of
+``--set a.b=c`` overrides. Outputs go to ``<run.runs_dir>/<run.name>/``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,24 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest)")
     dm = add("demo", "warm start (SFT) + GRPO + summary: the CPU demo")
     dm.add_argument("--resume", action="store_true", help="continue an interrupted demo")
+    an = sub.add_parser("analyze", help="RhymeRL O5/O6 (token rhyme, length-rank shifts) of a "
+                        "run's saved rollouts")
+    an.add_argument("run_dir", help="run directory holding rollouts/step_*.npz")
+    an.add_argument("--branch", choices=("reward", "count"), default="reward",
+                    help="draft branch rule (default: %(default)s)")
+    an.add_argument("--window", choices=("aimd", "mimd", "fixed"), default="aimd",
+                    help="draft window policy (default: %(default)s)")
     return p
+
+
+def cmd_analyze(run_dir: str, branch: str, window: str) -> int:
+    from rhyme_jax.spec.analyze import analyze, format_table, write_analysis
+
+    result = analyze(run_dir, branch=branch, window=window)
+    print(format_table(result))
+    paths = write_analysis(run_dir, result)
+    print(f"outputs: {paths['md']}, {paths['json'].name}, {paths['png'].name}")
+    return 0
 
 
 def _banner(cfg, command: str) -> None:
@@ -136,6 +153,15 @@ def cmd_eval(cfg, checkpoint: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rhyme-jax`` console script; returns the process exit status."""
     args = _parser().parse_args(argv)
+    if args.command == "analyze":
+        from rhyme_jax.spec.analyze import AnalyzeError
+        from rhyme_jax.train.rollout_log import RolloutLogError
+
+        try:
+            return cmd_analyze(args.run_dir, args.branch, args.window)
+        except (AnalyzeError, RolloutLogError) as exc:
+            print(f"rhyme-jax analyze: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

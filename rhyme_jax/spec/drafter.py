@@ -1,0 +1,214 @@
+"""HistoSpec drafter: what the rollout engine calls every decode step (ARCHITECTURE.md s.3, s.5).
+
+Per rollout batch (``begin``) each request is tied to its prompt's suffix index (built from the
+history store in a background thread by ``rebuild``); every step ``draft`` returns one padded
+``int32[B, K]`` draft batch (K bucketed so the verify step compiles a bounded number of times),
+and ``observe`` updates each request's draft window. RhymeRL (arXiv 2508.18588) s.4.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+from jaxtyping import Int
+
+from rhyme_jax.spec.history import HistoryEntry, HistoryStore
+from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
+from rhyme_jax.spec.window import initial_window, next_window
+
+K_BUCKETS = (0, 2, 4, 8, 16, 32)
+
+
+def bucket(n: int) -> int:
+    """Smallest of ``K_BUCKETS`` >= n.
+
+    Raises:
+      ValueError: n > 32.
+    """
+    for k in K_BUCKETS:
+        if n <= k:
+            return k
+    raise ValueError(f"draft length {n} exceeds the largest bucket {K_BUCKETS[-1]}")
+
+
+def index_of(entry: HistoryEntry) -> SuffixIndex:
+    """Suffix index of one history entry: its prompt and all kept responses with their rewards."""
+    resp = [r for ro in entry.rollouts for r in ro.responses]
+    rewards = np.concatenate([ro.rewards for ro in entry.rollouts])
+    return SuffixIndex.build(entry.prompt, resp, rewards)
+
+
+class Drafter:
+    """Batched HistoSpec drafts for the requests of one rollout batch.
+
+    Args:
+      cfg: SpecSection-like object (attribute access): ``branch``, ``window``, ``fixed_window``,
+        ``min_token_prob``, ``pattern_max``, ``pattern_min``.
+      store: the history store the indexes are built from.
+
+    Attributes:
+      seconds: accumulated host time inside ``draft`` (metric "host drafting seconds").
+
+    Raises:
+      ValueError: a bad config value (named).
+    """
+
+    def __init__(self, cfg, store: HistoryStore):
+        self.branch = str(cfg.branch)
+        self.window_policy = str(cfg.window)
+        self.fixed_window = int(cfg.fixed_window)
+        self.min_token_prob = float(cfg.min_token_prob)
+        self.pattern_max = int(cfg.pattern_max)
+        self.pattern_min = int(cfg.pattern_min)
+        check_draft_args(self.branch, self.min_token_prob, self.pattern_max, self.pattern_min)
+        initial_window(self.window_policy, 0, self.fixed_window)  # validates window/fixed_window
+        self.store = store
+        self.seconds = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histospec-index")
+        self._lock = threading.Lock()
+        self._built: dict[int, tuple[HistoryEntry, SuffixIndex]] = {}
+        self._pending: dict[int, Future] = {}
+        self._pack = IndexPack.of([])
+        self._slots = np.zeros(0, np.int64)
+        self._window = np.zeros(0, np.int32)
+
+    # ---------------------------------------------------------------- indexes
+
+    def _build(self, pid: int) -> None:
+        """Index the store's current entry of ``pid`` (or forget the prompt if it has none)."""
+        entry = self.store.entry(pid)
+        index = None if entry is None else index_of(entry)
+        with self._lock:
+            if entry is None:
+                self._built.pop(pid, None)
+            else:
+                self._built[pid] = (entry, index)
+
+    def rebuild(self, prompt_ids: Sequence[int]) -> None:
+        """(Re)build these prompts' indexes from the store in the background thread (in call
+        order); ``begin`` uses the finished ones. Call right after ``store.update``."""
+        for pid in dict.fromkeys(int(p) for p in prompt_ids):
+            fut = self._pool.submit(self._build, pid)
+            with self._lock:
+                self._pending[pid] = fut
+
+    def _index(self, pid: int) -> SuffixIndex | None:
+        """The prompt's current index. A build already running is waited for; one still queued
+        behind other prompts' builds is cancelled and done here instead; a store entry without a
+        finished index (e.g. a store loaded from a checkpoint) is indexed here."""
+        with self._lock:
+            fut = self._pending.get(pid)
+        if fut is not None:
+            if not fut.cancel():
+                fut.result()  # waits for a running build; re-raises a failed one
+            with self._lock:
+                if self._pending.get(pid) is fut:
+                    del self._pending[pid]
+        entry = self.store.entry(pid)
+        if entry is None:
+            return None
+        with self._lock:
+            built = self._built.get(pid)
+        if built is None or built[0] is not entry:
+            self._build(pid)
+            with self._lock:
+                built = self._built.get(pid)
+        return None if built is None else built[1]
+
+    # ---------------------------------------------------------------- per batch / per step
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Start a rollout batch: request r has prompt id ``prompt_ids[r]``. Resets every window to
+        the policy start; requests whose prompt has no history draft nothing (cold start)."""
+        pids = [int(p) for p in prompt_ids]
+        indexes: list[SuffixIndex] = []
+        slot_of: dict[int, int] = {}
+        for pid in dict.fromkeys(pids):
+            ix = self._index(pid)
+            if ix is not None:
+                slot_of[pid] = len(indexes)
+                indexes.append(ix)
+        self._pack = IndexPack.of(indexes)
+        self._slots = np.array([slot_of.get(p, -1) for p in pids], dtype=np.int64)
+        self._window = initial_window(self.window_policy, len(pids), self.fixed_window)
+
+    def _reqs(self, reqs) -> np.ndarray:
+        r = np.asarray(reqs, dtype=np.int64)
+        if r.ndim != 1 or (r.size and (r.min() < 0 or r.max() >= self._slots.size)):
+            raise ValueError(f"reqs: expected 1-D request indices in [0, {self._slots.size}) of the "
+                             f"batch given to begin(), got {np.asarray(reqs).tolist()}")
+        return r
+
+    def draft(
+        self,
+        reqs: Int[np.ndarray, "B"],
+        tails: Int[np.ndarray, "B P"],
+        budgets: Int[np.ndarray, "B"],
+    ) -> tuple[Int[np.ndarray, "B K"], Int[np.ndarray, "B"]]:
+        """Drafts of B running requests.
+
+        Args:
+          reqs: ``int[B]`` request index (into ``begin``'s prompt ids) of each row.
+          tails: ``int[B, P]`` last P (= pattern_max) tokens of each running sequence (prompt +
+            generated), left-padded with -1.
+          budgets: ``int[B]`` most draft tokens each row may take (e.g. tokens left before
+            max_new_tokens or the KV capacity).
+
+        Returns:
+          ``(drafts int32[B, K], lens int32[B])``; lens[b] <= min(window[reqs[b]], budgets[b]);
+          padding 0; K = smallest of ``K_BUCKETS`` >= max(lens). Row b equals
+          ``SuffixIndex.draft`` of its prompt's index.
+
+        Raises:
+          ValueError: shapes or request indices that do not fit (named).
+        """
+        t0 = time.perf_counter()
+        r = self._reqs(reqs)
+        budgets = np.asarray(budgets, dtype=np.int64)
+        if budgets.shape != r.shape:
+            raise ValueError(f"budgets: expected shape {r.shape}, got {budgets.shape}")
+        tails = np.asarray(tails)
+        if tails.ndim != 2 or tails.shape[0] != r.size:
+            raise ValueError(f"tails: expected shape ({r.size}, P), got {tails.shape}")
+        max_lens = np.minimum(self._window[r], budgets)
+        out, lens = draft_batch(self._pack, self._slots[r], tails, max_lens, branch=self.branch,
+                                min_token_prob=self.min_token_prob, pattern_max=self.pattern_max,
+                                pattern_min=self.pattern_min)
+        k = bucket(int(lens.max(initial=0)))
+        drafts = np.zeros((r.size, k), np.int32)
+        w = min(k, out.shape[1])
+        drafts[:, :w] = out[:, :w]
+        self.seconds += time.perf_counter() - t0
+        return drafts, lens
+
+    def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"],
+                accepted: Int[np.ndarray, "B"]) -> None:
+        """Window update after a verify step (``window.next_window``) for distinct requests.
+
+        Raises:
+          ValueError: repeated or out-of-range requests, or bad drafted/accepted (named).
+        """
+        r = self._reqs(reqs)
+        if np.unique(r).size != r.size:
+            raise ValueError("reqs: each request may appear once per observe()")
+        self._window[r] = next_window(self.window_policy, self._window[r], drafted, accepted,
+                                      self.fixed_window)
+
+    @property
+    def windows(self) -> Int[np.ndarray, "R"]:
+        """Copy of the current ``int32[R]`` windows of the batch's requests."""
+        return self._window.copy()
+
+    def close(self) -> None:
+        """Stop the background build thread (queued builds are dropped, a running one finishes)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Drafter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,299 @@
+"""numba kernels of the HistoSpec suffix index: suffix-automaton build, lookup and draft walk.
+
+The index of one prompt is a suffix automaton (Blumer et al. 1985; the O(n) online construction)
+over one text: the indexed strings concatenated, each ending in a negative terminator. Patterns
+and drafts hold only token ids >= 0, so a pattern occurrence never crosses a terminator and the
+automaton's occurrence counts are exactly the counts over the separate strings.
+
+Flat arrays per index (states 0..S-1, root 0; edges 0..E-1; all int32 except ``rsum``):
+
+* ``length[S]`` longest string of the state; ``link[S]`` suffix link (root: -1);
+* ``cnt[S]`` occurrences (= end positions) of the state's strings in all strings; ``rcnt[S]``
+  those inside response strings; ``rsum f64[S]`` sum of the rewards of the responses of those
+  occurrences;
+* children in CSR: edges ``cptr[v]..cptr[v+1]`` of state v have tokens ``ctok[E]`` and targets
+  ``cto[E]``;
+* transition lookup: open-addressing hash ``htab[H]`` of edge ids (-1 empty; H a power of two
+  >= 2E; linear probing; an edge e matches (v, c) when ``cptr[v] <= e < cptr[v+1]`` and
+  ``ctok[e] == c``): O(1) expected per pattern token.
+
+Memory: about 60-100 bytes per indexed token. The batched entry point takes numba typed lists of
+these arrays (one list per field, one item per index), so a batch of indexes is never copied.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+BRANCH_REWARD = 0
+BRANCH_COUNT = 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _hash(state, tok, mask):
+    h = np.int64(state) * np.int64(0x9E3779B1) + np.int64(tok) * np.int64(0x85EBCA77)
+    h ^= h >> np.int64(29)
+    return h & mask
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _key(state, tok):
+    return (np.int64(state) << np.int64(32)) | (np.int64(tok) & np.int64(0xFFFFFFFF))
+
+
+@numba.njit(cache=True, nogil=True)
+def _find_slot(hkeys, mask, state, tok):
+    """Build-time hash of (state, tok) keys: the key's slot, or the empty slot to fill."""
+    key = _key(state, tok)
+    h = _hash(state, tok, mask)
+    while True:
+        k = hkeys[h]
+        if k == key or k == -1:
+            return h
+        h = (h + 1) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def lookup(cptr, ctok, cto, htab, state, tok):
+    """Target state of the transition (state, tok) of one index, or -1."""
+    mask = np.int64(htab.shape[0] - 1)
+    h = _hash(state, tok, mask)
+    while True:
+        e = htab[h]
+        if e == -1:
+            return -1
+        if cptr[state] <= e < cptr[state + 1] and ctok[e] == tok:
+            return cto[e]
+        h = (h + 1) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def build_sam(text, pos_reward, pos_resp):
+    """Suffix automaton of ``text`` (int32[n], n >= 1) with per-state statistics.
+
+    Args:
+      text: int32[n] the concatenated strings (terminators are negative).
+      pos_reward: float64[n] reward of the response string holding each position (0 elsewhere).
+      pos_resp: int8[n] 1 where the position lies in a response string.
+
+    Returns:
+      (length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab) as described in the module
+      docstring.
+    """
+    n = text.shape[0]
+    max_states = 2 * n + 2
+    max_edges = 3 * n + 4
+    length = np.zeros(max_states, np.int32)
+    link = np.full(max_states, -1, np.int32)
+    head = np.full(max_states, -1, np.int32)  # per-state edge list (for cloning)
+    e_next = np.full(max_edges, -1, np.int32)
+    e_tok = np.zeros(max_edges, np.int32)
+    e_to = np.zeros(max_edges, np.int32)
+    e_from = np.zeros(max_edges, np.int32)
+    hsize = 1
+    while hsize < 2 * max_edges:
+        hsize *= 2
+    mask = np.int64(hsize - 1)
+    hk = np.full(hsize, -1, np.int64)
+    hv = np.full(hsize, -1, np.int32)  # edge index during the build
+    cnt = np.zeros(max_states, np.int32)
+    rcnt = np.zeros(max_states, np.int32)
+    rsum = np.zeros(max_states, np.float64)
+    size = 1
+    last = 0
+    ne = 0
+    for i in range(n):
+        c = text[i]
+        cur = size
+        size += 1
+        length[cur] = length[last] + 1
+        cnt[cur] = 1
+        if pos_resp[i]:
+            rcnt[cur] = 1
+            rsum[cur] = pos_reward[i]
+        p = last
+        while p != -1:
+            s = _find_slot(hk, mask, p, c)
+            if hk[s] != -1:
+                break
+            hk[s] = _key(p, c)
+            hv[s] = ne
+            e_tok[ne] = c
+            e_to[ne] = cur
+            e_from[ne] = p
+            e_next[ne] = head[p]
+            head[p] = ne
+            ne += 1
+            p = link[p]
+        if p == -1:
+            link[cur] = 0
+        else:
+            q = e_to[hv[_find_slot(hk, mask, p, c)]]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:
+                clone = size
+                size += 1
+                length[clone] = length[p] + 1
+                link[clone] = link[q]
+                e = head[q]
+                while e != -1:
+                    s = _find_slot(hk, mask, clone, e_tok[e])
+                    hk[s] = _key(clone, e_tok[e])
+                    hv[s] = ne
+                    e_tok[ne] = e_tok[e]
+                    e_to[ne] = e_to[e]
+                    e_from[ne] = clone
+                    e_next[ne] = head[clone]
+                    head[clone] = ne
+                    ne += 1
+                    e = e_next[e]
+                while p != -1:
+                    s = _find_slot(hk, mask, p, c)
+                    if hk[s] == -1 or e_to[hv[s]] != q:
+                        break
+                    e_to[hv[s]] = clone
+                    p = link[p]
+                link[q] = clone
+                link[cur] = clone
+        last = cur
+
+    # Occurrence statistics: end positions flow up the suffix-link tree (longest states first).
+    by_len = np.zeros(n + 2, np.int64)
+    for v in range(size):
+        by_len[length[v]] += 1
+    for k in range(1, n + 2):
+        by_len[k] += by_len[k - 1]
+    order = np.empty(size, np.int32)
+    for v in range(size - 1, -1, -1):
+        by_len[length[v]] -= 1
+        order[by_len[length[v]]] = v
+    for k in range(size - 1, 0, -1):
+        v = order[k]
+        u = link[v]
+        cnt[u] += cnt[v]
+        rcnt[u] += rcnt[v]
+        rsum[u] += rsum[v]
+
+    # Children in CSR, and a compact hash of edge ids for (state, token) lookups.
+    cptr = np.zeros(size + 1, np.int32)
+    for e in range(ne):
+        cptr[e_from[e] + 1] += 1
+    for v in range(size):
+        cptr[v + 1] += cptr[v]
+    fill = cptr[:-1].copy()
+    ctok = np.empty(ne, np.int32)
+    cto = np.empty(ne, np.int32)
+    for e in range(ne):
+        k = fill[e_from[e]]
+        fill[e_from[e]] += 1
+        ctok[k] = e_tok[e]
+        cto[k] = e_to[e]
+    hsize = 1
+    while hsize < 2 * ne + 2:
+        hsize *= 2
+    mask = np.int64(hsize - 1)
+    htab = np.full(hsize, -1, np.int32)
+    for v in range(size):
+        for k in range(cptr[v], cptr[v + 1]):
+            h = _hash(v, ctok[k], mask)
+            while htab[h] != -1:
+                h = (h + 1) & mask
+            htab[h] = k
+    return (length[:size].copy(), link[:size].copy(), cnt[:size].copy(), rcnt[:size].copy(),
+            rsum[:size].copy(), cptr, ctok, cto, htab)
+
+
+@numba.njit(cache=True, nogil=True)
+def _better(branch, hr, mean, c, tok, bhr, bmean, bc, btok):
+    """Branch rule: is child (hr, mean, c, tok) preferred to the best so far?
+
+    reward: children with response occurrences first, then higher mean reward, higher count,
+    smaller token id. count: higher count, then smaller token id."""
+    if branch == BRANCH_REWARD:
+        if hr != bhr:
+            return hr > bhr
+        if hr and mean != bmean:
+            return mean > bmean
+    if c != bc:
+        return c > bc
+    return tok < btok
+
+
+@numba.njit(cache=True, nogil=True)
+def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_len, branch,
+              min_prob, pmax, pmin, out):
+    """Draft of one sequence from one index (ARCHITECTURE.md s.5 draft rule).
+
+    ``tail``: the running sequence's last tokens (negative = padding; only tokens after the last
+    negative are used, at most ``pmax``). Writes the draft into ``out[:n]`` and returns n.
+    """
+    P = tail.shape[0]
+    start = P - pmax if P > pmax else 0
+    for k in range(P - 1, start - 1, -1):
+        if tail[k] < 0:
+            start = k + 1
+            break
+    # Longest suffix of the tail that occurs (matching statistics over the automaton).
+    v = 0
+    m = 0
+    for k in range(start, P):
+        c = tail[k]
+        while v != 0 and lookup(cptr, ctok, cto, htab, v, c) == -1:
+            v = link[v]
+            m = length[v]
+        t = lookup(cptr, ctok, cto, htab, v, c)
+        if t != -1:
+            v = t
+            m += 1
+        else:
+            v = 0
+            m = 0
+    if m < pmin or m == 0:
+        return 0
+    prob = 1.0
+    n = 0
+    while n < max_len:
+        best = -1
+        bhr = False
+        bmean = 0.0
+        bc = np.int32(0)
+        btok = 0
+        for k in range(cptr[v], cptr[v + 1]):
+            t = cto[k]
+            c = cnt[t]
+            rc = rcnt[t]
+            hr = rc > 0
+            mean = rsum[t] / rc if hr else 0.0
+            if best == -1 or _better(branch, hr, mean, c, ctok[k], bhr, bmean, bc, btok):
+                best = t
+                bhr = hr
+                bmean = mean
+                bc = c
+                btok = ctok[k]
+        if best == -1 or btok < 0:
+            break
+        p = prob * (bc / cnt[v])
+        if p < min_prob:
+            break
+        prob = p
+        out[n] = btok
+        n += 1
+        v = best
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def draft_batch(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, slots, tails, max_lens,
+                branch, min_prob, pmax, pmin, out, lens):
+    """Drafts of B sequences. The first nine arguments are typed lists (item i = index i's array);
+    row b drafts from index ``slots[b]`` (-1: none) at most ``max_lens[b]`` tokens into
+    ``out[b]`` and writes its length to ``lens[b]``."""
+    for b in range(tails.shape[0]):
+        i = slots[b]
+        if i < 0 or max_lens[b] <= 0:
+            lens[b] = 0
+            continue
+        lens[b] = draft_one(length[i], link[i], cnt[i], rcnt[i], rsum[i], cptr[i], ctok[i], cto[i],
+                            htab[i], tails[b], max_lens[b], branch, min_prob, pmax, pmin, out[b])
