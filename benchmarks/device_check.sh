@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One-shot GPU check of the ragged paged attention kernels (issue 3): environment, correctness on
+# the real backend (interpret off), then timings. Everything goes to $OUT (log, checks.json,
+# kernels.json, kernels.md), written as it goes, so a timeout still brings results back.
+#
+# Run it in ONE device call (phase timeouts sum to 430 s, plus 10 s kill grace each):
+#
+#   run(command="bash benchmarks/device_check.sh", timeout_s=480)
+#
+# then give_back unless rerunning at once. Smoke-test here, on CPU, before spending device time:
+#
+#   . .venv/bin/activate && DEVICE_CHECK_CPU_SMOKE=1 bash benchmarks/device_check.sh
+#
+# The GPU image (/work/.library/device/KINDS.md) has python3 3.12 with jax 0.11.2 (+cuda13
+# plugin), flax, jaxtyping, numpy, tokenizers, safetensors: all that pallas_kernels and the
+# rollout engine import. Nothing can be installed there (no registry), and nothing needs to be:
+# the repo is put on PYTHONPATH instead of `pip install -e .` (whose build step would need
+# setuptools from the network). omegaconf / math-verify / tensorboardX are missing there but
+# only the CLI and trainer import them, not these checks.
+#
+# Env: DEVICE_CHECK_CPU_SMOKE=1 shrinks every phase (interpreted kernels, tiny shapes);
+#      PYTHON (default python3); BENCH_SECONDS (timing budget, default 170).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9  # the largest shape: 17 GB pool + reference temporaries
+PY=${PYTHON:-python3}
+SMOKE=${DEVICE_CHECK_CPU_SMOKE:-0}
+OUT=${OUT:-/tmp/device_check_out}
+mkdir -p "$OUT"
+LOG="$OUT/device_check.log"
+: >"$LOG"
+STATUS=()
+
+phase() {  # phase NAME SECONDS CMD...: run with a timeout, tee into the log, record the exit code
+  local name=$1 secs=$2
+  shift 2
+  echo "=== $name (timeout ${secs}s): $* [$(date +%T)]" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 10 "$secs" "$@" 2>&1 | tee -a "$LOG"
+  local rc=$?
+  STATUS+=("$name: rc=$rc ($((SECONDS - t0)) s)$([ $rc -eq 124 ] && echo ' TIMED OUT')")
+  echo "=== $name: rc=$rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+if [ "$SMOKE" = 1 ]; then
+  CHECK_ARGS=(--max-cases 3 --engine-new-tokens 4)
+  BENCH_ARGS=(--quick --batch 2 --context 128 --iters 2
+              --impls reference,pallas_gpu_interpret,jax_paged_attention_interpret
+              --variant pallas_gpu_interpret:block_q=64 --max-seconds 60)
+  T_ENV=60 T_CHECK=240 T_BENCH=180
+else
+  CHECK_ARGS=()
+  # Default sweep (batch 64-256, context 2K-16K, pages 16/64, q_len 1/9) ordered so that batch
+  # 64 / context 4K and the largest shape come first; the budget stops it cleanly.
+  BENCH_ARGS=(--variant pallas_gpu:block_q=64 --max-seconds "${BENCH_SECONDS:-170}")
+  T_ENV=45 T_CHECK=170 T_BENCH=$(( ${BENCH_SECONDS:-170} + 45 ))
+fi
+
+env_report() {
+  command -v nvidia-smi >/dev/null && nvidia-smi || echo "no nvidia-smi (CPU smoke)"
+  uname -a
+  "$PY" - <<'EOF'
+import importlib, platform, sys
+print("python", platform.python_version(), sys.executable)
+for name in ("jax", "jaxlib", "flax", "numpy", "jaxtyping", "tokenizers", "safetensors", "triton"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name:<12} {getattr(m, '__version__', '?')}")
+    except Exception as exc:
+        print(f"{name:<12} MISSING ({type(exc).__name__}: {exc})")
+import jax
+print("backend", jax.default_backend(), "devices", jax.devices())
+from pallas_kernels import compat
+from pallas_kernels.ragged_paged_attention import api
+import rhyme_jax.rollout.engine  # noqa: F401  (the engine check needs it)
+print("pallas backends", compat.available(), "runnable implementations", api.available_implementations())
+EOF
+}
+
+export -f env_report
+export PY
+phase env "$T_ENV" bash -c env_report
+phase check "$T_CHECK" "$PY" benchmarks/kernels.py --check-only --out "$OUT" "${CHECK_ARGS[@]}"
+phase bench "$T_BENCH" "$PY" benchmarks/kernels.py --out "$OUT" "${BENCH_ARGS[@]}"
+
+{
+  echo "=== summary [$(date +%T)]"
+  printf '%s\n' "${STATUS[@]}"
+  grep -E '^(FAIL|[0-9]+ passed)' "$LOG" || true
+  [ -f "$OUT/kernels.md" ] && sed -n '/^## Targets/,/^Best decode/p' "$OUT/kernels.md"
+  ls -l "$OUT"
+} 2>&1 | tee -a "$LOG"
+for s in "${STATUS[@]}"; do
+  case $s in *"rc=0 "*) ;; *) exit 1 ;; esac
+done
