@@ -56,6 +56,17 @@ def tpu_interpret_params(**kwargs: Any) -> Any:
     return pltpu.InterpretParams(**kwargs)
 
 
+def tpu_interpret_races_found() -> bool | None:
+    """Whether the TPU interpreter's race detector flagged a data race in the last kernel run
+    with ``detect_races=True``; ``None`` when this JAX does not expose the detector state."""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
+    except ImportError:  # pragma: no cover - private module moved in a future jax
+        return None
+    races = getattr(_ipc, "races", None)
+    return None if races is None else bool(getattr(races, "races_found", False))
+
+
 def backend() -> str:
     """The default JAX backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
     return jax.default_backend()
@@ -67,4 +78,4 @@ def available() -> dict[str, bool]:
 
 
 __all__ = ["available", "backend", "pl", "pl_triton", "pltpu", "tpu_compiler_params",
-           "tpu_interpret_params", "triton_compiler_params"]
+           "tpu_interpret_params", "tpu_interpret_races_found", "triton_compiler_params"]
