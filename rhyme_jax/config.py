@@ -77,7 +77,9 @@ class RolloutSection:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     on_overlong_prompt: str = "error"  # error | skip
-    attention_impl: str = "reference"  # attention op implementation
+    attention_impl: str = "auto"  # attention op: auto | reference | pallas_tpu | pallas_gpu | *_interpret
+    max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots
+    share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
 
 
 @dataclass
@@ -99,6 +101,7 @@ class GRPOSection:
     steps: int = 40
     prompts_per_step: int = 16
     samples_per_prompt: int = 8  # group size n
+    num_prompts: int = 0  # train problems GRPO cycles over (epochs of this set); 0 = all
     eps_low: float = 0.2
     eps_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
@@ -222,6 +225,8 @@ def validate(cfg: Any, source: str) -> None:
     if cfg.grpo.minibatches > batch:
         raise ConfigError(f"{source}: grpo.minibatches={cfg.grpo.minibatches} exceeds the rollout batch "
                           f"grpo.prompts_per_step * grpo.samples_per_prompt = {batch}")
+    if cfg.grpo.num_prompts < 0 or cfg.rollout.max_verify_tokens < 0:
+        raise ConfigError(f"{source}: grpo.num_prompts and rollout.max_verify_tokens must be >= 0 (0 = default)")
     sp = cfg.spec
     if not 1 <= sp.pattern_min <= sp.pattern_max:
         raise ConfigError(f"{source}: spec.pattern_min={sp.pattern_min} and spec.pattern_max={sp.pattern_max} "

@@ -10,7 +10,7 @@ from flax import nnx
 
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
-from rhyme_jax.rollout import sampling
+from rhyme_jax.rollout import batching, sampling
 from rhyme_jax.rollout.engine import (EngineConfigError, PromptTooLongError, RolloutEngine,
                                       SamplingParams)
 from rhyme_jax.rollout.page_allocator import PageAllocationError, PageAllocator
@@ -134,6 +134,45 @@ def test_preemption_keeps_greedy_outputs():
     assert eng.allocator.num_free == 8 and len(calls) > len(prompts)  # everything returned
 
 
+@pytest.mark.parametrize("num_pages", [0, 12])
+def test_shared_prompt_prefix_keeps_greedy_outputs(num_pages):
+    """Samples of one prompt share its full pages (fewer prefill tokens) and still decode exactly
+    like dense greedy; with a small pool, preemption releases shared pages correctly."""
+    base = _prompts(7, (13, 9, 4))
+    prompts = [p for p in base for _ in range(3)]  # groups of 3 samples
+    want, _ = _dense_greedy(base, MAX_NEW)
+    eng = _engine(max_slots=5, num_pages=num_pages)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+    res = eng.generate(_model()[1], prompts, sp, jax.random.key(0))
+    for i, got in enumerate(res.tokens):
+        np.testing.assert_array_equal(got, want[i // 3])
+    if num_pages:
+        assert res.stats["preemptions"] > 0  # re-prefills add tokens here
+    else:
+        assert res.stats["prefill_tokens"] < sum(len(p) for p in prompts)
+    eng.allocator.check()
+    assert eng.allocator.num_free == eng.num_pages - 1
+    off = _engine(max_slots=5, share_prompt_prefix=False).generate(_model()[1], prompts, sp, jax.random.key(0))
+    assert off.stats["prefill_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_allocator_shares_and_frees_by_reference_count():
+    a = PageAllocator(num_pages=8, page_size=4, max_slots=3, pages_per_seq=4)
+    a.ensure(0, 10)  # 3 pages
+    a.share(1, 0, 2)
+    a.ensure(1, 13)  # 2 shared + 2 own
+    a.check()
+    assert a.num_free == 7 - 5
+    with pytest.raises(PageAllocationError, match="must be empty"):
+        a.share(1, 0, 1)
+    a.free(0)  # shared pages stay with slot 1
+    a.check()
+    assert a.num_free == 7 - 4 and list(a.page_table[1, :2]) != [0, 0]
+    a.free(1)
+    a.check()
+    assert a.num_free == 7
+
+
 def test_pool_too_small_for_one_sequence():
     with pytest.raises(EngineConfigError, match="cannot hold one full-length sequence"):
         _engine(num_pages=7)
@@ -171,7 +210,9 @@ def test_warmup_compiles_every_bucket():
     eng = _engine(max_slots=2, max_prefill_tokens=16)
     state = _model()[1]
     sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
-    assert eng.warmup(state, sp) == len(eng.prefill_buckets) + len(eng.decode_widths)
+    n_rows = len(batching.seq_buckets(eng.max_slots))
+    n_prefill = len(batching.prefill_shapes(eng.prefill_buckets, eng.q_cap))
+    assert eng.warmup(state, sp) == n_prefill + n_rows * len(eng.decode_widths)
     prompts = _prompts(6, (16, 1, 2, 9))
     n, res = _count_compiles(lambda: eng.generate(state, prompts, sp, jax.random.key(0)))
     assert n == 0

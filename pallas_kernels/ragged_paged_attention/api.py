@@ -1,53 +1,158 @@
 """Dispatch for ragged paged attention: pick an implementation by name (ARCHITECTURE.md section 8).
 
-Only ``"reference"`` (plain jnp, ``reference.py``) is registered today; Pallas TPU/GPU kernels
-register themselves here later under their own names with the same signature and semantics.
+Implementations (same signature and semantics as ``reference.ragged_paged_attention``):
+
+=========================  ==================================================================
+``reference``              plain ``jax.numpy`` oracle; any backend
+``pallas_tpu``             Mosaic TPU kernel (``pallas_tpu.py``); TPU only
+``pallas_gpu``             Pallas GPU kernel, Triton lowering (``pallas_gpu.py``); NVIDIA GPU
+``pallas_tpu_interpret``   the TPU kernel on the TPU interpreter (CPU tests; slow)
+``pallas_gpu_interpret``   the GPU kernel with ``interpret=True`` (CPU tests; slow)
+=========================  ==================================================================
+
+``implementation`` is a name, ``"auto"``, or an ordered list of names:
+
+* a single name fails fast (``ValueError``) when it is unknown or cannot run on this backend;
+* a list takes the first entry that can run here and warns when it skips one;
+* ``"auto"`` is ``["pallas_tpu", "reference"]`` on TPU, ``["pallas_gpu", "reference"]`` on GPU
+  and ``["reference"]`` elsewhere. On an accelerator, ``auto`` also compiles the kernel once on
+  a small probe batch and falls back to the reference, with a warning, if that fails.
+
+Block sizes live in ``BlockSizes`` (one field per kernel); pass them as ``block_sizes=``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 from typing import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import pallas_gpu, pallas_tpu, reference
 
-_IMPLEMENTATIONS: dict[str, Callable] = {"reference": reference.ragged_paged_attention}
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of each kernel (hashable: a static argument under jit).
+
+    Attributes:
+      tpu: ``pallas_tpu.TPUBlockSizes`` (pages per KV block, query tokens per block).
+      gpu: ``pallas_gpu.GPUBlockSizes`` (query rows per program, pages per KV block, warps,
+        pipeline stages).
+    """
+
+    tpu: pallas_tpu.TPUBlockSizes = dataclasses.field(default_factory=pallas_tpu.TPUBlockSizes)
+    gpu: pallas_gpu.GPUBlockSizes = dataclasses.field(default_factory=pallas_gpu.GPUBlockSizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Impl:
+    fn: Callable
+    backends: tuple[str, ...] | None  # None = any backend
+    kernel: str | None = None  # which BlockSizes field it takes
+    interpret: bool = False
+
+
+_IMPLEMENTATIONS: dict[str, _Impl] = {
+    "reference": _Impl(reference.ragged_paged_attention, None),
+    "pallas_tpu": _Impl(pallas_tpu.ragged_paged_attention, ("tpu",), "tpu"),
+    "pallas_gpu": _Impl(pallas_gpu.ragged_paged_attention, ("gpu",), "gpu"),
+    "pallas_tpu_interpret": _Impl(pallas_tpu.ragged_paged_attention, None, "tpu", True),
+    "pallas_gpu_interpret": _Impl(pallas_gpu.ragged_paged_attention, None, "gpu", True),
+}
+_AUTO = {"tpu": ("pallas_tpu", "reference"), "gpu": ("pallas_gpu", "reference")}
 
 
 def available_implementations() -> tuple[str, ...]:
-    """Names accepted by ``implementation=`` (in registration order)."""
-    return tuple(_IMPLEMENTATIONS)
+    """Names that can run on the current default backend (registration order)."""
+    backend = jax.default_backend()
+    return tuple(n for n, impl in _IMPLEMENTATIONS.items() if impl.backends is None or backend in impl.backends)
 
 
-def register_implementation(name: str, fn: Callable) -> None:
-    """Register a kernel ``fn`` with the signature of ``reference.ragged_paged_attention``."""
-    _IMPLEMENTATIONS[name] = fn
+def register_implementation(name: str, fn: Callable, backends: Sequence[str] | None = None) -> None:
+    """Register ``fn`` (signature of ``reference.ragged_paged_attention``) under ``name``,
+    runnable on ``backends`` (``None`` = any)."""
+    _IMPLEMENTATIONS[name] = _Impl(fn, None if backends is None else tuple(backends))
+    resolve_name.cache_clear()
+
+
+def _runnable(name: str) -> bool:
+    impl = _IMPLEMENTATIONS.get(name)
+    return impl is not None and (impl.backends is None or jax.default_backend() in impl.backends)
+
+
+def _probe(name: str) -> Exception | None:
+    """Compile and run ``name`` on a tiny decode + verify batch; the exception if it fails."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((8, 8, 128)), jnp.bfloat16)
+    pages = jnp.asarray(rng.standard_normal((2, 5, 16, 128)), jnp.bfloat16)
+    meta = (jnp.array([5, 20], jnp.int32), jnp.array([[1, 2], [3, 4]], jnp.int32),
+            jnp.array([0, 1, 5], jnp.int32), jnp.array([2], jnp.int32))
+    try:
+        out = ragged_paged_attention(q, pages, pages, *meta, sm_scale=0.1, max_q_len=4,
+                                     implementation=name)
+        want = reference.ragged_paged_attention(q, pages, pages, *meta, sm_scale=0.1, max_q_len=4)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+        if not err < 5e-2:
+            return RuntimeError(f"probe output differs from the reference by {err}")
+    except Exception as exc:  # any lowering/compile/runtime failure means: not usable here
+        return exc
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_name(implementation: str | tuple[str, ...]) -> str:
+    """The implementation name that ``implementation`` selects on this backend.
+
+    Raises:
+      ValueError: a single name that is unknown or cannot run on this backend, or a list with
+        no runnable entry.
+    """
+    if implementation == "auto":
+        backend = jax.default_backend()
+        if backend not in _AUTO:
+            return "reference"
+        kernel = _AUTO[backend][0]
+        failure = _probe(kernel)
+        if failure is not None:
+            warnings.warn(f"ragged_paged_attention: {kernel!r} failed its probe on {backend} "
+                          f"({type(failure).__name__}: {str(failure)[:200]}); using 'reference'")
+            return "reference"
+        return kernel
+    if isinstance(implementation, str):
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"ragged_paged_attention: unknown implementation {implementation!r}; "
+                             f"known: {list(_IMPLEMENTATIONS) + ['auto']}")
+        if not _runnable(implementation):
+            raise ValueError(
+                f"ragged_paged_attention: implementation {implementation!r} needs backend "
+                f"{_IMPLEMENTATIONS[implementation].backends}, this one is {jax.default_backend()!r}; "
+                f"runnable here: {list(available_implementations())}")
+        return implementation
+    names = list(implementation)
+    for i, name in enumerate(names):
+        if _runnable(name):
+            if i:
+                warnings.warn(f"ragged_paged_attention: {names[:i]} cannot run on "
+                              f"{jax.default_backend()!r}, falling back to {name!r}")
+            return name
+    raise ValueError(f"ragged_paged_attention: none of {names} can run on {jax.default_backend()!r}; "
+                     f"runnable here: {list(available_implementations())}")
 
 
 def resolve_implementation(implementation: str | Sequence[str]) -> Callable:
-    """Return the attention function for a name, or the first available of an ordered list.
-
-    A single name fails fast; with a list, skipping an unavailable entry emits a warning.
+    """The attention function selected by ``implementation`` (see ``resolve_name``).
 
     Raises:
-      ValueError: the named implementation (or every one in the list) is unknown.
+      ValueError: as ``resolve_name``.
     """
-    if isinstance(implementation, str):
-        if implementation not in _IMPLEMENTATIONS:
-            raise ValueError(
-                f"ragged_paged_attention: unknown implementation {implementation!r}; "
-                f"available: {list(_IMPLEMENTATIONS)}")
-        return _IMPLEMENTATIONS[implementation]
-    names = list(implementation)
-    for i, name in enumerate(names):
-        if name in _IMPLEMENTATIONS:
-            if i:
-                warnings.warn(f"ragged_paged_attention: {names[:i]} unavailable, falling back to {name!r}")
-            return _IMPLEMENTATIONS[name]
-    raise ValueError(
-        f"ragged_paged_attention: none of {names} is available; available: {list(_IMPLEMENTATIONS)}")
+    key = implementation if isinstance(implementation, str) else tuple(implementation)
+    return _IMPLEMENTATIONS[resolve_name(key)].fn
 
 
 def ragged_paged_attention(
@@ -64,18 +169,67 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     implementation: str | Sequence[str] = "reference",
+    block_sizes: BlockSizes | None = None,
 ) -> Float[Array, "T H hd"]:
     """Ragged paged attention; see ``reference.ragged_paged_attention`` for the exact semantics.
 
+    Args:
+      implementation: name, ``"auto"`` or ordered list (module docstring).
+      block_sizes: kernel tiling; ``None`` = each kernel's defaults. Ignored by ``reference``.
+
     Raises:
-      ValueError: unknown ``implementation``.
+      ValueError: ``implementation`` selects nothing runnable here.
     """
-    fn = resolve_implementation(implementation)
-    return fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-              max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window)
+    key = implementation if isinstance(implementation, str) else tuple(implementation)
+    impl = _IMPLEMENTATIONS[resolve_name(key)]
+    kw = dict(sm_scale=sm_scale, max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window)
+    if impl.kernel is not None:
+        kw["block_sizes"] = getattr(block_sizes or BlockSizes(), impl.kernel)
+        kw["interpret"] = impl.interpret
+    return impl.fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+
+
+def sharded_ragged_paged_attention(
+    mesh: jax.sharding.Mesh,
+    q: Float[Array, "T H hd"],
+    k_pages: Float[Array, "KVH P ps hd"],
+    v_pages: Float[Array, "KVH P ps hd"],
+    kv_lens: Int[Array, "S"],
+    page_indices: Int[Array, "S pps"],
+    cu_q_lens: Int[Array, "S+1"],
+    num_seqs: Int[Array, "1"],
+    *,
+    head_axis: str = "tensor",
+    **kwargs,
+) -> Float[Array, "T H hd"]:
+    """``ragged_paged_attention`` inside ``shard_map`` over ``mesh``: query heads and the KV pool's
+    KV heads are split over mesh axis ``head_axis`` (tensor parallelism over heads, each device
+    holding the pages of its KV heads); the ragged metadata is replicated. Every other mesh axis
+    sees replicated inputs.
+
+    In specs: ``q P(None, head_axis, None)``, ``k/v_pages P(head_axis)``, metadata ``P()``;
+    out spec ``P(None, head_axis, None)``. Keyword arguments go to ``ragged_paged_attention``.
+
+    Raises:
+      ValueError: the head counts are not divisible by the ``head_axis`` size, or
+        ``head_axis`` is not a mesh axis.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    if head_axis not in mesh.axis_names:
+        raise ValueError(f"ragged_paged_attention: mesh axes {mesh.axis_names} lack {head_axis!r}")
+    n = mesh.shape[head_axis]
+    if q.shape[1] % n or k_pages.shape[0] % n:
+        raise ValueError(f"ragged_paged_attention: num_heads={q.shape[1]} and num_kv_heads="
+                         f"{k_pages.shape[0]} must be divisible by mesh axis {head_axis!r} of size {n}")
+    heads, pool, rep = P(None, head_axis, None), P(head_axis), P()
+    fn = jax.shard_map(functools.partial(ragged_paged_attention, **kwargs), mesh=mesh,
+                       in_specs=(heads, pool, pool, rep, rep, rep, rep), out_specs=heads,
+                       check_vma=False)
+    return fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 write_kv = reference.write_kv
 
-__all__ = ["available_implementations", "ragged_paged_attention", "register_implementation",
-           "resolve_implementation", "write_kv"]
+__all__ = ["BlockSizes", "sharded_ragged_paged_attention", "available_implementations", "ragged_paged_attention", "register_implementation",
+           "resolve_implementation", "resolve_name", "write_kv"]

@@ -68,7 +68,8 @@ class RolloutResult:
       stats: prefill_tokens, generated_tokens, decode_steps (decode forward passes),
         prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s,
         drafted_tokens, accepted_tokens, acceptance_rate, drafting_seconds (host time inside
-        the drafter).
+        the drafter), sequence_steps (forward passes summed over the sequences in them) and
+        tokens_per_forward (generated tokens per sequence forward pass; 1.0 without drafts).
     """
 
     tokens: list[np.ndarray]
@@ -90,7 +91,14 @@ class RolloutEngine:
       max_prompt_len, max_new_tokens: limits in tokens (they size the page table rows).
       eos_ids: tokens that end a sequence (emitted and kept in the response).
       on_overlong_prompt: ``"error"`` (raise PromptTooLongError) or ``"skip"``.
-      attention_impl: ragged paged attention implementation name.
+      attention_impl: ragged paged attention implementation: a name, ``"auto"`` (kernel of the
+        backend, reference on CPU) or an ordered list (``pallas_kernels/.../api.py``).
+      share_prompt_prefix: samples of the same prompt (a GRPO group) share the KV pages that
+        the prompt fills completely; only the prompt's last partial page is prefilled again per
+        sample (vLLM-style prefix sharing; outputs are unchanged).
+      mesh: device mesh with a ``tensor`` axis; the attention op runs inside ``shard_map`` over
+        it and the KV pool is sharded by KV head over ``tensor``. ``None`` = a one-device mesh
+        on ``jax.devices()[0]``.
       max_prefill_tokens: token budget of one prefill call (rounded up to a power of two, at
         least one full sequence); bounds the number of prefill shape buckets.
       max_verify_tokens: packed-token budget of one decode/verify step (pending tokens plus
@@ -104,7 +112,8 @@ class RolloutEngine:
     def __init__(self, graphdef, model_cfg, *, max_slots: int, page_size: int, num_pages: int,
                  max_prompt_len: int, max_new_tokens: int, eos_ids: Sequence[int],
                  on_overlong_prompt: str = "error", attention_impl: str = "reference",
-                 max_prefill_tokens: int = 2048, max_verify_tokens: int = 0):
+                 max_prefill_tokens: int = 2048, max_verify_tokens: int = 0, mesh=None,
+                 share_prompt_prefix: bool = True):
         for name, val in dict(max_slots=max_slots, page_size=page_size, max_prompt_len=max_prompt_len,
                               max_new_tokens=max_new_tokens).items():
             if int(val) < 1:
@@ -115,9 +124,14 @@ class RolloutEngine:
             raise EngineConfigError(
                 f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {on_overlong_prompt!r}")
         try:
-            attention_api.resolve_implementation(attention_impl)
+            key = attention_impl if isinstance(attention_impl, str) else tuple(attention_impl)
+            attention_impl = attention_api.resolve_name(key)
         except ValueError as exc:
             raise EngineConfigError(f"{_WHERE}: attention_impl: {exc}") from None
+        self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
+        if "tensor" not in self.mesh.axis_names or model_cfg.num_kv_heads % self.mesh.shape["tensor"]:
+            raise EngineConfigError(f"{_WHERE}: mesh needs a 'tensor' axis dividing num_kv_heads="
+                                    f"{model_cfg.num_kv_heads}, got {dict(self.mesh.shape)}")
         self.graphdef = graphdef
         self.model_cfg = model_cfg
         self.max_slots = int(max_slots)
@@ -130,6 +144,7 @@ class RolloutEngine:
             raise EngineConfigError(f"{_WHERE}: eos_ids {bad} outside [0, vocab_size={model_cfg.vocab_size})")
         self.on_overlong_prompt = on_overlong_prompt
         self.attention_impl = attention_impl
+        self.share_prompt_prefix = bool(share_prompt_prefix)
         self.max_seq_len = self.max_prompt_len + self.max_new_tokens
         self.pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.num_pages = int(num_pages) or self.max_slots * self.pages_per_seq + 1
@@ -172,11 +187,12 @@ class RolloutEngine:
         flat_state = self._flat_state(state)
         mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
         key = jax.random.key(0)
-        inputs = [batching.dummy_prefill(t, self.max_slots, self.pages_per_seq, self.q_cap)
-                  for t in self.prefill_buckets]
-        inputs += [batching.dummy_verify(self.max_slots, w, k,
-                                         batching.verify_tokens(self.max_slots, k, self.verify_budget))
-                   for k in draft_buckets for w in self.decode_widths]
+        inputs = [batching.dummy_prefill(t, q, self.max_slots, self.pages_per_seq)
+                  for t, q in batching.prefill_shapes(self.prefill_buckets, self.q_cap)]
+        inputs += [batching.dummy_verify(rows, w, k, batching.verify_tokens(rows, k, self.verify_budget),
+                                         self.pages_per_seq)
+                   for rows in batching.seq_buckets(self.max_slots) for k in draft_buckets
+                   for w in self.decode_widths]
         for inp in inputs:
             self._run(flat_state, inp, key, 0, sampling, mode)
         return len(inputs)
@@ -191,7 +207,7 @@ class RolloutEngine:
             self.kv = jax.device_put(KVCache.create(
                 num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, num_pages=self.num_pages,
                 page_size=self.page_size, head_dim=cfg.head_dim, dtype=probe.dtype),
-                jax.devices()[0])
+                jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, "tensor")))
 
     def _validate(self, prompts, sampling: SamplingParams) -> list[np.ndarray | None]:
         if sampling.max_new_tokens < 1 or sampling.max_new_tokens > self.max_new_tokens:
@@ -221,7 +237,7 @@ class RolloutEngine:
         (``VerifyInputs``) -> ``(tokens [S, K+1], logprobs [S, K+1], num_emitted [S])``."""
         leaves, static = flat_state
         scalars = (np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
-        kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl)
+        kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
             *out, self.kv = verify_step_fn(
                 static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
@@ -234,36 +250,33 @@ class RolloutEngine:
             self.allocator.check()
         return out
 
-    def _draft(self, drafter, active, slot_req, slot_len, slot_tail, n_gen, limit, stats):
-        """Drafts ``i32[slots, K]`` and lengths ``i32[slots]`` for this step (``K = 0`` without a
-        drafter). Drafts never pass the request's ``max_new_tokens`` (room for the bonus token),
-        are cut longest-first to the step's token budget, and only use pages the pool can give
-        without preempting anyone (a draft is cut to the pages its slot holds otherwise)."""
-        slots, ps, alloc = self.max_slots, self.page_size, self.allocator
-        d_lens = np.zeros(slots, np.int32)
-        ids = np.flatnonzero(active)
+    def _draft(self, drafter, ids, slot_req, slot_len, slot_tail, n_gen, limit, stats):
+        """Drafts ``i32[n, K]`` and lengths ``i32[n]`` of the live slots ``ids`` for this step
+        (``K = 0`` without a drafter). Drafts never pass the request's ``max_new_tokens`` (room
+        for the bonus token), are cut longest-first to the step's token budget, and only use
+        pages the pool can give without preempting anyone (a draft is cut to the pages its slot
+        holds otherwise)."""
+        ps, alloc = self.page_size, self.allocator
         if drafter is None or ids.size == 0:
-            return np.zeros((slots, 0), np.int32), d_lens
+            return np.zeros((ids.size, 0), np.int32), np.zeros(ids.size, np.int32)
         t0 = time.perf_counter()
         reqs = slot_req[ids]
         budgets = np.maximum(limit - n_gen[reqs] - 1, 0)
         d_tok, got = drafter.draft(reqs, slot_tail[ids], budgets)
         stats["drafting_seconds"] += time.perf_counter() - t0
-        # Inactive slots still take one (scratch) row each.
-        got = batching.trim_drafts(np.minimum(got, budgets), self.verify_budget - (slots - ids.size))
+        got = batching.trim_drafts(np.minimum(got, budgets), self.verify_budget)
         for i in np.flatnonzero(got):
             s = ids[i]
             need = alloc.pages_for(int(slot_len[s]) + 1 + int(got[i])) - int(alloc.num_held[s])
             if need > 0 and alloc.can_alloc(need):
                 alloc.ensure(s, int(slot_len[s]) + 1 + int(got[i]))
             got[i] = min(int(got[i]), int(alloc.num_held[s]) * ps - int(slot_len[s]) - 1)
-        d_lens[ids] = got
-        k = batching.draft_bucket(int(d_lens.max()))
-        drafts = np.zeros((slots, k), np.int32)
+        k = batching.draft_bucket(int(got.max()))
+        drafts = np.zeros((ids.size, k), np.int32)
         width = min(k, d_tok.shape[1])
-        drafts[ids, :width] = d_tok[:, :width]
-        stats["drafted_tokens"] += int(d_lens.sum())
-        return drafts, d_lens
+        drafts[:, :width] = d_tok[:, :width]
+        stats["drafted_tokens"] += int(got.sum())
+        return drafts, got.astype(np.int32)
 
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
@@ -309,10 +322,20 @@ class RolloutEngine:
         admitted = 0
         stats = dict(prefill_tokens=0, generated_tokens=0, decode_steps=0, prefill_steps=0,
                      preemptions=0, skipped=int(sum(r is None for r in reqs)), drafted_tokens=0,
-                     accepted_tokens=0, drafting_seconds=0.0)
+                     accepted_tokens=0, drafting_seconds=0.0, sequence_steps=0)
         step = 0
         pattern = int(getattr(drafter, "pattern_max", 0)) if drafter is not None else 0
         slot_tail = np.full((slots, max(pattern, 1)), -1, np.int32)  # last tokens (drafting pattern)
+
+        prefix_holders: dict[bytes, set[int]] = {}  # prompt -> live slots holding its full pages
+        slot_key: dict[int, bytes] = {}
+
+        def release(s):
+            alloc.free(s)
+            slot_req[s] = -1
+            pkey = slot_key.pop(s, None)
+            if pkey is not None:
+                prefix_holders[pkey].discard(s)
 
         def record(s, toks, lps) -> int:
             """Append a slot's emitted tokens to its request, cut at EOS / the length limit;
@@ -332,14 +355,12 @@ class RolloutEngine:
             stats["generated_tokens"] += m
             if hit.size or j + m >= limit:
                 finish[r] = "eos" if hit.size else "length"
-                alloc.free(s)
-                slot_req[s] = -1
+                release(s)
             return m
 
         def preempt(s):
             r = slot_req[s]
-            alloc.free(s)
-            slot_req[s] = -1
+            release(s)
             waiting.appendleft(int(r))
             stats["preemptions"] += 1
 
@@ -353,18 +374,31 @@ class RolloutEngine:
                 reserve = int(((slot_req >= 0) & (slot_len >= alloc.num_held * ps)).sum())
                 while waiting and free_slots:
                     r = waiting[0]
-                    ctx = reqs[r] if n_gen[r] == 0 else np.concatenate([reqs[r], out_tok[r, : n_gen[r]]])
-                    if total + len(ctx) > self.prefill_budget:
+                    fresh = n_gen[r] == 0
+                    ctx = reqs[r] if fresh else np.concatenate([reqs[r], out_tok[r, : n_gen[r]]])
+                    # Pages the prompt fills completely (its last token's page stays private).
+                    full = (len(ctx) - 1) // ps if fresh and self.share_prompt_prefix else 0
+                    pkey = reqs[r].tobytes() if full else None
+                    holders = prefix_holders.get(pkey) if full else None
+                    shared = full if holders else 0
+                    new = ctx[shared * ps:]
+                    if total + len(new) > self.prefill_budget:
                         break
-                    if not alloc.can_alloc(alloc.pages_for(len(ctx) + 1) + reserve):
+                    if not alloc.can_alloc(alloc.pages_for(len(ctx) + 1) - shared + reserve):
                         break
                     s = free_slots.pop(0)
+                    if shared:
+                        alloc.share(s, next(iter(holders)), shared)
                     alloc.ensure(s, len(ctx))
                     waiting.popleft()
                     slot_req[s], slot_len[s], slot_order[s] = r, len(ctx), admitted
                     admitted += 1
-                    batch.append((s, ctx))
-                    total += len(ctx)
+                    # Same-batch sharing is safe: every layer writes the new K/V before attending.
+                    batch.append((s, new, shared * ps))
+                    total += len(new)
+                    if full:
+                        prefix_holders.setdefault(pkey, set()).add(s)
+                        slot_key[s] = pkey
                     if pattern:
                         slot_tail[s] = np.concatenate([np.full(pattern, -1, np.int32), ctx])[-pattern:]
                 if not batch:
@@ -375,8 +409,9 @@ class RolloutEngine:
                 toks, lps = self._run(flat_state, inp, key, step, sampling, mode)
                 step += 1
                 stats["prefill_steps"] += 1
+                stats["sequence_steps"] += len(batch)
                 stats["prefill_tokens"] += total
-                for i, (s, _) in enumerate(batch):
+                for i, (s, _, _) in enumerate(batch):
                     record(s, toks[i: i + 1], lps[i: i + 1])
             active = slot_req >= 0
             if not active.any():
@@ -397,28 +432,30 @@ class RolloutEngine:
             active = slot_req >= 0
             if not active.any():
                 continue
-            # ---- one decode/verify step over all slots: pending token + drafts
-            drafts, d_lens = self._draft(drafter, active, slot_req, slot_len, slot_tail, n_gen, limit, stats)
-            k = drafts.shape[1]
-            inp = batching.verify_inputs(active, slot_len, slot_last, drafts, d_lens, alloc.page_table,
-                                         alloc.num_held, ps,
-                                         batching.verify_tokens(slots, k, self.verify_budget))
+            # ---- one decode/verify step over the live slots: pending token + drafts
+            ids = np.flatnonzero(active)
+            drafts, d_lens = self._draft(drafter, ids, slot_req, slot_len, slot_tail, n_gen, limit, stats)
+            rows = batching.seq_bucket(ids.size, slots)
+            inp = batching.verify_inputs(ids, slot_len, slot_last, drafts, d_lens, alloc.page_table,
+                                         alloc.num_held, ps, rows,
+                                         batching.verify_tokens(rows, drafts.shape[1], self.verify_budget))
             toks, lps, n_emit = self._run(flat_state, inp, key, step, sampling, mode)
             step += 1
             stats["decode_steps"] += 1
-            ids = np.flatnonzero(active)
-            accepted = n_emit[ids] - 1
+            stats["sequence_steps"] += ids.size
+            accepted = n_emit[: ids.size] - 1
             stats["accepted_tokens"] += int(accepted.sum())
             if drafter is not None:
-                drafter.observe(slot_req[ids], d_lens[ids], accepted)
-            for s in ids:
+                drafter.observe(slot_req[ids], d_lens, accepted)
+            for i, s in enumerate(ids):
                 # KV now holds the pending token and the accepted drafts; the last emitted token
                 # is the new pending one (rejected draft slots are overwritten later).
-                slot_len[s] += record(s, toks[s, : n_emit[s]], lps[s, : n_emit[s]])
+                slot_len[s] += record(s, toks[i, : n_emit[i]], lps[i, : n_emit[i]])
 
         seconds = time.perf_counter() - t0
         stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]
         stats["acceptance_rate"] = stats["accepted_tokens"] / max(stats["drafted_tokens"], 1)
+        stats["tokens_per_forward"] = stats["generated_tokens"] / max(stats["sequence_steps"], 1)
         stats["seconds"] = seconds
         stats["tokens_per_s"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
         return RolloutResult(

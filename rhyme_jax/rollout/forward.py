@@ -67,6 +67,7 @@ def paged_forward(
     max_q_len: int,
     logits_rows: Int[Array, "S"],
     attention_impl: str | Sequence[str] = "reference",
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Float[Array, "S V"], KVCache]:
     """Run the decoder on packed new tokens, reading and extending the paged KV pool.
 
@@ -78,6 +79,8 @@ def paged_forward(
       max_q_len: static bound on any sequence's number of new tokens.
       logits_rows: ``i32[S']`` packed rows whose logits are returned (e.g. each sequence's last).
       attention_impl: ``ragged_paged_attention`` implementation name (or ordered list).
+      mesh: if given, the attention op runs inside ``shard_map`` over it (heads and the KV
+        pool's KV heads split over its ``tensor`` axis; ``api.sharded_ragged_paged_attention``).
 
     Returns:
       ``(logits f32[S', V], updated kv)``.
@@ -91,10 +94,12 @@ def paged_forward(
         q, k, v = layer.attn.project_qkv(x, positions)  # [T,H,hd], [T,KVH,hd], [T,KVH,hd]
         k_pool = _write_layer(k_pool, li, k, meta.slot_mapping)
         v_pool = _write_layer(v_pool, li, v, meta.slot_mapping)
-        o = attention_api.ragged_paged_attention(
-            q, k_pool[li], v_pool[li], meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-            meta.num_seqs, sm_scale=head_dim ** -0.5, max_q_len=max_q_len,
-            implementation=attention_impl)
+        args = (q, k_pool[li], v_pool[li], meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+        kw = dict(sm_scale=head_dim ** -0.5, max_q_len=max_q_len, implementation=attention_impl)
+        if mesh is None:
+            o = attention_api.ragged_paged_attention(*args, **kw)
+        else:
+            o = attention_api.sharded_ragged_paged_attention(mesh, *args, **kw)
         h = h + layer.attn.project_out(o.astype(h.dtype))
         h = h + layer.mlp(layer.post_attn_norm(h))
     logits = model.unembed(h[logits_rows]).astype(jnp.float32)

@@ -39,12 +39,12 @@ class StaticModel:
         return isinstance(other, StaticModel) and (self.value is other.value or self.value == other.value)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl"),
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
 def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
             logits_rows: Int[Array, "S"], key, step: Int[Array, ""], temperature: Float[Array, ""],
             top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_q_len: int, mode: str,
-            attention_impl: str):
+            attention_impl: str, mesh=None):
     """One forward pass + sampling with key ``fold_in(key, step)``.
 
     Returns:
@@ -53,17 +53,17 @@ def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions:
     graphdef, treedef = static.value
     state = jax.tree.unflatten(treedef, leaves)
     logits, kv = paged_forward(graphdef, state, kv, tokens, positions, meta, max_q_len=max_q_len,
-                               logits_rows=logits_rows, attention_impl=attention_impl)
+                               logits_rows=logits_rows, attention_impl=attention_impl, mesh=mesh)
     toks, lps = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p, mode=mode)
     return toks, lps, kv
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl"),
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
 def verify_step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
                    logits_rows: Int[Array, "SK1"], draft_tokens: Int[Array, "S K"], draft_lens: Int[Array, "S"],
                    key, step: Int[Array, ""], temperature: Float[Array, ""], top_k: Int[Array, ""],
-                   top_p: Float[Array, ""], *, max_q_len: int, mode: str, attention_impl: str):
+                   top_p: Float[Array, ""], *, max_q_len: int, mode: str, attention_impl: str, mesh=None):
     """One forward pass over ``[pending token + drafts]`` of every slot, then lossless verification
     (``rhyme_jax.rollout.verification.verify``) with key ``fold_in(key, step)``.
 
@@ -76,7 +76,7 @@ def verify_step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], pos
     graphdef, treedef = static.value
     state = jax.tree.unflatten(treedef, leaves)
     logits, kv = paged_forward(graphdef, state, kv, tokens, positions, meta, max_q_len=max_q_len,
-                               logits_rows=logits_rows, attention_impl=attention_impl)
+                               logits_rows=logits_rows, attention_impl=attention_impl, mesh=mesh)
     num_s, k = draft_tokens.shape
     logits = logits.reshape(num_s, k + 1, logits.shape[-1])
     toks, lps, n = verify(logits, draft_tokens, draft_lens, jax.random.fold_in(key, step), temperature,

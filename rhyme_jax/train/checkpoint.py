@@ -1,6 +1,6 @@
 """Orbax checkpoints of params, optimizer state and run metadata.
 
-Layout: ``<directory>/<step>/{params,opt_state,meta}`` managed by
+Layout: ``<directory>/<step>/{params,opt_state,meta[,blobs]}`` managed by
 ``orbax.checkpoint.CheckpointManager``. Orbax writes each step into a temporary
 ``<step>.orbax-checkpoint-tmp-*`` directory and renames it only after every item is complete, so a
 process killed mid-save leaves at most a tmp directory, which is never listed as a step (and is
@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 _ITEMS = ("params", "opt_state", "meta")
+_OPTIONAL = ("blobs",)  # named byte strings (e.g. the HistoSpec history store)
 _EMPTY = "__empty__"
 _COMMIT_FILE = "commit_success.txt"  # orbax atomicity.COMMIT_SUCCESS_FILE
 
@@ -113,9 +114,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=False
         )
-        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS + _OPTIONAL)
 
-    def save(self, step: int, *, params: Any, opt_state: Any, meta: dict) -> None:
+    def save(self, step: int, *, params: Any, opt_state: Any, meta: dict,
+             blobs: dict[str, bytes] | None = None) -> None:
         """Write step ``step`` and block until it is complete on disk.
 
         Args:
@@ -124,6 +126,8 @@ class Checkpointer:
           params: parameter pytree (e.g. ``nnx.State`` of ``nnx.Param``).
           opt_state: optax state pytree.
           meta: JSON-serialisable dict (step, RNG key data as a list, data position, counters).
+          blobs: optional named byte strings saved in the same atomic step (read back with
+            ``restore_blobs``), e.g. the serialised history store.
 
         Raises:
           CheckpointError: ``meta`` is not JSON-serialisable or ``step`` is negative.
@@ -137,15 +141,13 @@ class Checkpointer:
         self._mgr.reload()
         if step in self._mgr.all_steps():
             self._mgr.delete(int(step))
-        self._mgr.save(
-            int(step),
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(_to_nested(params)),
-                opt_state=ocp.args.StandardSave(_to_nested(opt_state)),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        items = dict(params=ocp.args.StandardSave(_to_nested(params)),
+                     opt_state=ocp.args.StandardSave(_to_nested(opt_state)),
+                     meta=ocp.args.JsonSave(meta))
+        if blobs:
+            items["blobs"] = ocp.args.StandardSave(
+                {name: np.frombuffer(b"\x00" + bytes(data), np.uint8) for name, data in blobs.items()})
+        self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._mgr.wait_until_finished()
 
     def all_steps(self) -> list[int]:
@@ -206,6 +208,22 @@ class Checkpointer:
         if opt_state_like is not None:
             opt_state = _from_nested(out["opt_state"], opt_state_like, f"{self.directory}/{step}/opt_state")
         return params, opt_state, dict(out["meta"])
+
+    def restore_blobs(self, step: int | None = None) -> dict[str, bytes]:
+        """The ``blobs`` saved with a step (``{}`` when it has none).
+
+        Raises:
+          CheckpointError: no such complete step.
+        """
+        steps = self.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            raise CheckpointError(f"checkpoint: step {step} not in {self.directory} (have {steps})")
+        if not (self.directory / str(step) / "blobs").is_dir():
+            return {}
+        out = self._mgr.restore(int(step), args=ocp.args.Composite(blobs=ocp.args.StandardRestore()))
+        # A leading 0 byte keeps every array non-empty (an empty blob is still stored).
+        return {name: np.asarray(arr, np.uint8).tobytes()[1:] for name, arr in out["blobs"].items()}
 
     def close(self) -> None:
         """Wait for pending work and release the manager."""

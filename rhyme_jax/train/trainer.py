@@ -27,6 +27,8 @@ from rhyme_jax.config import to_dict
 from rhyme_jax.data import Problem, load_problems
 from rhyme_jax.data.rewards import reward as task_reward
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.spec.drafter import Drafter
+from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.grpo_step import make_grpo_step, make_logprob_fn
@@ -64,12 +66,23 @@ def make_engine(graphdef: nnx.GraphDef, model_cfg, cfg: Any, eos: tuple[int, ...
     return RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size,
                          num_pages=r.num_pages, max_prompt_len=r.max_prompt_len,
                          max_new_tokens=r.max_new_tokens, eos_ids=eos,
-                         on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl)
+                         on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
+                         max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix)
 
 
 def eval_path(run_dir: Path, step: int) -> Path:
     """Per-problem results of the held-out evaluation after ``step`` GRPO steps (0 = before)."""
     return Path(run_dir) / "eval" / f"step_{step:06d}.npz"
+
+
+def num_grpo_prompts(cfg: Any, num_train: int) -> int:
+    """Size of the prompt set GRPO cycles over: ``grpo.num_prompts`` (0 = all train problems)."""
+    return min(num_train, cfg.grpo.num_prompts or num_train)
+
+
+def epoch_of_step(cfg: Any, num_train: int, step: int) -> int:
+    """1-based epoch (pass over the GRPO prompt set) in which step ``step`` starts."""
+    return (step - 1) * int(cfg.grpo.prompts_per_step) // num_grpo_prompts(cfg, num_train) + 1
 
 
 def prompt_schedule(seed: int, num_problems: int, step: int, per_step: int) -> np.ndarray:
@@ -118,6 +131,7 @@ class GRPOTrainer:
         # The frozen KL reference is the starting policy (warm start or init), rebuilt on resume.
         self.ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
         self.engine = make_engine(self.graphdef, self.model_cfg, cfg, eos_ids(model, self.tokenizer))
+        self.history = HistoryStore(cfg.spec.history_depth) if cfg.spec.enabled else None
         self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
                                       eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
                                       temperature=cfg.rollout.temperature)
@@ -132,6 +146,12 @@ class GRPOTrainer:
             self.nonfinite_total = int(meta.get("nonfinite_total", 0))
             self.nonfinite_run = int(meta.get("nonfinite_run", 0))
             self.eval_before = meta.get("eval_before")
+            blobs = self.checkpointer.restore_blobs(self.step)
+            if self.history is not None and "history" in blobs:
+                self.history = HistoryStore.from_bytes(blobs["history"], source=f"checkpoint step {self.step}")
+        self.drafter = Drafter(cfg.spec, self.history) if self.history is not None else None
+        if self.drafter is not None and len(self.history):
+            self.drafter.rebuild(self.history.prompt_ids())
         # Commit every array to the device: params restored by Orbax are committed while freshly
         # initialised ones (and optax's counters) are not, and jit keys its compile cache on
         # that, so a mixed first call would recompile the update on step 2.
@@ -160,14 +180,17 @@ class GRPOTrainer:
         """Run GRPO step ``step`` (1-based) and return its metrics."""
         cfg, g = self.cfg, self.cfg.grpo
         n = g.samples_per_prompt
-        idx = prompt_schedule(cfg.run.seed, len(self.train_problems), step, g.prompts_per_step)
+        idx = prompt_schedule(cfg.run.seed, num_grpo_prompts(cfg, len(self.train_problems)), step,
+                              g.prompts_per_step)
         prompts = [self._prompt_ids(int(i)) for i in idx for _ in range(n)]
         key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
         t0 = time.perf_counter()
         r = cfg.rollout
+        if self.drafter is not None:
+            self.drafter.begin(np.repeat(idx, n).tolist())
         out = self.engine.generate(self.state, prompts, SamplingParams(
             temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-            max_new_tokens=r.max_new_tokens), key)
+            max_new_tokens=r.max_new_tokens), key, drafter=self.drafter)
         t_rollout = time.perf_counter() - t0
         problems = [self.train_problems[int(i)] for i in idx for _ in range(n)]
         texts = [self.tokenizer.decode(t) for t in out.tokens]
@@ -177,6 +200,10 @@ class GRPOTrainer:
         rewards = np.array([0.0 if skip else self.reward_fn(s, p)
                             for s, p, skip in zip(texts, problems, skipped)], np.float32)
         save_rollouts(self.run_dir, step, np.repeat(idx, n), out.tokens, rewards, out.logprobs)
+        if self.history is not None:  # write-back, then rebuild those indexes off the critical path
+            self.history.update(step, np.repeat(idx, n), [np.asarray(p, np.int32) for p in prompts],
+                                out.tokens, rewards)
+            self.drafter.rebuild(np.unique(idx).tolist())
 
         t1 = time.perf_counter()
         adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, n)),
@@ -210,6 +237,14 @@ class GRPOTrainer:
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
             "rollout/forward_passes": float(out.stats["forward_passes"]),
+            "rollout/decode_steps": float(out.stats["decode_steps"]),
+            "rollout/tokens_per_forward": float(out.stats["tokens_per_forward"]),
+            "rollout/epoch": float(epoch_of_step(cfg, len(self.train_problems), step)),
+            "spec/drafted_tokens": float(out.stats["drafted_tokens"]),
+            "spec/accepted_tokens": float(out.stats["accepted_tokens"]),
+            "spec/acceptance_rate": float(out.stats["acceptance_rate"]),
+            "spec/drafting_s": float(out.stats["drafting_seconds"]),
+            "spec/drafting_share": float(out.stats["drafting_seconds"] / max(t_rollout, 1e-9)),
             "rollout/preemptions": float(out.stats.get("preemptions", 0)),
             "rollout/skipped": float(skipped.sum()),
             "nonfinite/skipped_total": float(self.nonfinite_total),
@@ -236,7 +271,8 @@ class GRPOTrainer:
                 "rng": [int(x) for x in jax.random.key_data(jax.random.key(self.cfg.run.seed))],
                 "nonfinite_total": self.nonfinite_total, "nonfinite_run": self.nonfinite_run,
                 "eval_before": self.eval_before}
-        self.checkpointer.save(self.step, params=self.state, opt_state=self.opt_state, meta=meta)
+        blobs = {"history": self.history.to_bytes()} if self.history is not None else None
+        self.checkpointer.save(self.step, params=self.state, opt_state=self.opt_state, meta=meta, blobs=blobs)
 
     def fit(self) -> dict:
         """Run (or finish) all ``grpo.steps`` steps; returns the run summary dict."""
@@ -274,5 +310,7 @@ class GRPOTrainer:
                 "steps": total, "nonfinite_skipped": self.nonfinite_total}
 
     def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
         self.checkpointer.close()
         self.metrics.close()

@@ -1,0 +1,133 @@
+"""Plain decode vs HistoSpec, side by side along one real GRPO run (issue 4 benchmark).
+
+One model, one prompt set, one history: a GRPO run with HistoSpec on (``spec.enabled=true``) in
+which every step's rollout is *also* generated with plain decoding first, with the same weights,
+prompts and key (its output is discarded; training uses the HistoSpec rollout). Both rollouts are
+timed on warmed-up programs (every prefill / verify shape compiled before step 1). Per epoch it
+reports rollout tokens/s of each and their ratio, forward passes per generated token (whole
+batch: one verify or decode step = one pass), tokens per sequence forward pass, acceptance and the
+host drafting share of HistoSpec rollout time.
+
+Usage (CPU demo settings; start from the demo's SFT weights)::
+
+    rhyme-jax sft                                  # once, if runs/demo/sft/params is missing
+    python benchmarks/rollout.py --init-from runs/demo/sft --steps 50
+
+Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--init-from", default="runs/demo/sft", help="SFT params (run `rhyme-jax sft` first)")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--name", default="bench_rollout")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    if not Path(args.init_from).exists():
+        print(f"benchmarks/rollout.py: no SFT params at {args.init_from}; run `rhyme-jax sft` first",
+              file=sys.stderr)
+        return 2
+
+    from rhyme_jax.config import load_config
+    from rhyme_jax.rollout import batching
+    from rhyme_jax.rollout.engine import SamplingParams
+    from rhyme_jax.train.trainer import GRPOTrainer, epoch_of_step
+
+    cfg = load_config(args.config, [*args.overrides, "spec.enabled=true", f"grpo.steps={args.steps}",
+                                    f"run.name={args.name}", f"run.init_from={args.init_from}",
+                                    "run.progress=false", f"run.checkpoint_every={args.steps}"])
+    trainer = GRPOTrainer(cfg)
+    r = cfg.rollout
+    sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    t0 = time.perf_counter()
+    trainer.engine.warmup(trainer.state, sp, draft_buckets=batching.K_BUCKETS)
+    print(f"warm-up (every prefill/verify shape compiled): {time.perf_counter() - t0:.1f} s", flush=True)
+
+    rows = []
+    generate = trainer.engine.generate
+
+    def paired_generate(state, prompts, sampling, key, drafter=None):
+        plain = generate(state, prompts, sampling, key)
+        spec = generate(state, prompts, sampling, key, drafter=drafter)
+        rows.append({"plain": plain.stats, "spec": spec.stats})
+        return spec
+
+    trainer.engine.generate = paired_generate
+    for step in range(1, args.steps + 1):
+        trainer.train_step(step)
+        trainer.step = step
+        p, s = rows[-1]["plain"], rows[-1]["spec"]
+        rows[-1]["epoch"] = epoch_of_step(cfg, len(trainer.train_problems), step)
+        print(f"step {step:3d} epoch {rows[-1]['epoch']}: plain {p['tokens_per_s']:7.0f} tok/s "
+              f"{p['forward_passes']:4d} passes | spec {s['tokens_per_s']:7.0f} tok/s "
+              f"{s['forward_passes']:4d} passes, acceptance {s['acceptance_rate']:.2f}", flush=True)
+    trainer.save()  # weights + history after the last step (profiling can resume from here)
+    trainer.close()
+
+    by_epoch = defaultdict(list)
+    for row in rows:
+        by_epoch[row["epoch"]].append(row)
+    table = []
+    for epoch, rs in sorted(by_epoch.items()):
+        def tot(kind, key):
+            return float(sum(r[kind][key] for r in rs))
+        entry = {"epoch": epoch, "steps": len(rs)}
+        for kind in ("plain", "spec"):
+            entry[f"{kind}_tokens_per_s"] = tot(kind, "generated_tokens") / tot(kind, "seconds")
+            entry[f"{kind}_passes_per_token"] = tot(kind, "forward_passes") / tot(kind, "generated_tokens")
+            entry[f"{kind}_tokens_per_seq_forward"] = tot(kind, "generated_tokens") / tot(kind, "sequence_steps")
+        entry["speedup"] = entry["spec_tokens_per_s"] / entry["plain_tokens_per_s"]
+        entry["passes_ratio"] = entry["plain_passes_per_token"] / entry["spec_passes_per_token"]
+        entry["acceptance"] = tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0)
+        entry["drafting_share"] = tot("spec", "drafting_seconds") / tot("spec", "seconds")
+        table.append(entry)
+    late = [r for r in rows if r["epoch"] >= 3]
+    summary = {}
+    if late:
+        def tot(kind, key):
+            return float(sum(r[kind][key] for r in late))
+        summary = {
+            "speedup": (tot("spec", "generated_tokens") / tot("spec", "seconds"))
+            / (tot("plain", "generated_tokens") / tot("plain", "seconds")),
+            "passes_ratio": (tot("plain", "forward_passes") / tot("plain", "generated_tokens"))
+            / (tot("spec", "forward_passes") / tot("spec", "generated_tokens")),
+            "drafting_share": tot("spec", "drafting_seconds") / tot("spec", "seconds"),
+            "acceptance": tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0),
+        }
+    lines = ["| epoch | steps | plain tok/s | HistoSpec tok/s | speedup | passes/token plain | "
+             "passes/token spec | fewer passes | tokens/seq-forward | acceptance | drafting share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in table:
+        lines.append(f"| {e['epoch']} | {e['steps']} | {e['plain_tokens_per_s']:.0f} | {e['spec_tokens_per_s']:.0f} "
+                     f"| {e['speedup']:.2f}x | {e['plain_passes_per_token']:.4f} | {e['spec_passes_per_token']:.4f} "
+                     f"| {e['passes_ratio']:.2f}x | {e['spec_tokens_per_seq_forward']:.2f} | {e['acceptance']:.2f} "
+                     f"| {100 * e['drafting_share']:.1f}% |")
+    if summary:
+        lines.append(f"\nEpoch 3 on: {summary['speedup']:.2f}x rollout tokens/s, {summary['passes_ratio']:.2f}x "
+                     f"fewer forward passes per generated token, acceptance {summary['acceptance']:.2f}, "
+                     f"host drafting {100 * summary['drafting_share']:.1f}% of rollout time.")
+    text = "\n".join(lines)
+    print(text)
+    out = trainer.run_dir
+    (out / "rollout_benchmark.md").write_text(text + "\n")
+    (out / "rollout_benchmark.json").write_text(json.dumps({"epochs": table, "epoch3_on": summary,
+                                                            "steps": rows}, indent=1, default=float))
+    print(f"written: {out / 'rollout_benchmark.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Attention dispatch: name / list / auto resolution, kernels inside the engine, shard_map specs."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import api
+from flax import nnx
+
+from rhyme_jax.model.config import ModelConfig
+from rhyme_jax.model.transformer import Decoder
+from rhyme_jax.rollout.engine import EngineConfigError, RolloutEngine, SamplingParams
+from test_rollout_engine import _engine, _prompts
+
+# Kernels need head_dim a power of two >= 16 (Triton tiles); GQA group 2.
+KCFG = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+
+
+def test_single_name_fails_fast():
+    with pytest.raises(ValueError, match="unknown implementation 'flash'"):
+        api.resolve_implementation("flash")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="needs backend"):
+            api.resolve_implementation("pallas_tpu")
+        with pytest.raises(EngineConfigError, match="attention_impl"):
+            _engine(attention_impl="pallas_gpu")
+
+
+def test_list_falls_back_with_warning_and_auto_picks_backend():
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU dispatch rules")
+    with pytest.warns(UserWarning, match="falling back to 'reference'"):
+        assert api.resolve_name(("pallas_tpu", "pallas_gpu", "reference")) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert api.resolve_name("auto") == "reference"
+        assert api.resolve_name(("pallas_gpu_interpret", "reference")) == "pallas_gpu_interpret"
+    with pytest.raises(ValueError, match="none of"):
+        api.resolve_name(("pallas_tpu", "pallas_gpu"))
+    assert "pallas_tpu" not in api.available_implementations()
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+def test_engine_greedy_with_kernel_equals_reference(impl):
+    prompts = _prompts(4, (5, 11, 3))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=5)
+    graphdef, state = nnx.split(Decoder(KCFG, rngs=nnx.Rngs(0)))
+    state = jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, state)  # varied greedy tokens
+
+    def engine(impl):
+        return RolloutEngine(graphdef, KCFG, max_slots=3, page_size=4, num_pages=0, max_prompt_len=16,
+                             max_new_tokens=5, eos_ids=(), attention_impl=impl)
+
+    want = engine("reference").generate(state, prompts, sp, jax.random.key(0))
+    got = engine(impl).generate(state, prompts, sp, jax.random.key(0))
+    assert len({tuple(t) for t in want.tokens}) > 1
+    for a, b, la, lb in zip(got.tokens, want.tokens, got.logprobs, want.logprobs):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(la, lb, atol=1e-4)
+
+
+_SHARDED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from pallas_kernels.ragged_paged_attention import api, reference
+    from ragged_cases import random_case
+    assert len(jax.devices()) == 8
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+    case = random_case(np.random.default_rng(0), [1, 9, 3, 1], num_heads=8, num_kv_heads=4,
+                       head_dim=16, page_size=4, pages_per_seq=6)
+    q, kp, vp, *meta = case.args()
+    kp = jax.device_put(kp, NamedSharding(mesh, P("tensor")))  # pool sharded by KV head
+    vp = jax.device_put(vp, NamedSharding(mesh, P("tensor")))
+    kw = dict(sm_scale=0.25, max_q_len=case.max_q_len)
+    got = jax.jit(lambda *a: api.sharded_ragged_paged_attention(mesh, *a, **kw))(q, kp, vp, *meta)
+    want = reference.ragged_paged_attention(*case.args(), **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    print("SHARDED_OK", got.sharding.spec)
+""")
+
+
+def test_sharded_attention_over_tensor_axis_matches_reference():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SHARDED_OK" in out.stdout
