@@ -143,6 +143,7 @@ class SpecSection:
     pattern_max: int = 7  # longest suffix of the running sequence matched in the index
     pattern_min: int = 3  # shortest match accepted (back-off floor)
     history_depth: int = 1  # rollouts of each prompt kept in the history store
+    self_lookup: bool = False  # extension: no history match -> draft from the sequence's own earlier tokens
 
 
 @dataclass

@@ -256,3 +256,48 @@ def test_bad_arguments_are_named():
             d.draft(np.array([0, 1]), np.zeros((2, P), np.int32), np.array([4]))
         with pytest.raises(ValueError, match="reqs"):
             d.observe(np.array([0, 0]), np.array([1, 1]), np.array([1, 1]))
+
+
+def test_self_lookup_drafts_match_brute_force():
+    """spec.self_lookup fallback: the continuation after the earliest earlier occurrence of the
+    longest matching suffix (pattern_max down to pattern_min) of the running sequence."""
+    from rhyme_jax.spec.self_lookup import self_lookup_drafts
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        w = int(rng.integers(4, 40))
+        n = int(rng.integers(1, w + 1))
+        row = np.full(w, -1, np.int64)
+        row[w - n:] = rng.integers(0, 3, n)
+        max_len = int(rng.integers(0, 8))
+        got, lens = self_lookup_drafts(row[None], np.array([max_len]), pattern_max=5, pattern_min=2)
+        seq = row[w - n:].tolist()
+        want = []
+        if max_len > 0:
+            for m in range(min(5, n - 1), 1, -1):
+                pat = seq[n - m:]
+                hits = [e for e in range(m, n) if seq[e - m:e] == pat]
+                if hits:
+                    e = hits[0]
+                    want = seq[e:e + max_len]
+                    break
+        assert lens[0] == len(want) and got[0, :lens[0]].tolist() == want
+
+
+def test_drafter_falls_back_to_self_lookup_only_without_a_history_match():
+    store = HistoryStore()
+    d = Drafter(_cfg(self_lookup=True, window="fixed", fixed_window=4), store)
+    try:
+        assert d.context_width > d.pattern_max
+        d.begin([7])  # cold start: no history for prompt 7
+        seq = [5, 6, 7, 8, 9, 5, 6, 7]
+        tails = np.full((1, d.context_width), -1, np.int64)
+        tails[0, -len(seq):] = seq
+        drafts, lens = d.draft(np.array([0]), tails, np.array([10]))
+        assert lens.tolist() == [4] and drafts[0, :4].tolist() == [8, 9, 5, 6]
+        off = Drafter(_cfg(window="fixed", fixed_window=4), store)
+        off.begin([7])
+        assert off.draft(np.array([0]), tails[:, -off.context_width:], np.array([10]))[1].tolist() == [0]
+        off.close()
+    finally:
+        d.close()

@@ -324,7 +324,8 @@ class RolloutEngine:
                      preemptions=0, skipped=int(sum(r is None for r in reqs)), drafted_tokens=0,
                      accepted_tokens=0, drafting_seconds=0.0, sequence_steps=0)
         step = 0
-        pattern = int(getattr(drafter, "pattern_max", 0)) if drafter is not None else 0
+        pattern = int(getattr(drafter, "context_width", getattr(drafter, "pattern_max", 0))) \
+            if drafter is not None else 0
         slot_tail = np.full((slots, max(pattern, 1)), -1, np.int32)  # last tokens (drafting pattern)
 
         prefix_holders: dict[bytes, set[int]] = {}  # prompt -> live slots holding its full pages

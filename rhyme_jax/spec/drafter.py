@@ -17,10 +17,12 @@ import numpy as np
 from jaxtyping import Int
 
 from rhyme_jax.spec.history import HistoryEntry, HistoryStore
+from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
 from rhyme_jax.spec.window import initial_window, next_window
 
 K_BUCKETS = (0, 2, 4, 8, 16, 32)
+SELF_LOOKUP_WIDTH = 256  # tokens of the running sequence searched by spec.self_lookup
 
 
 def bucket(n: int) -> int:
@@ -64,6 +66,10 @@ class Drafter:
         self.min_token_prob = float(cfg.min_token_prob)
         self.pattern_max = int(cfg.pattern_max)
         self.pattern_min = int(cfg.pattern_min)
+        # Extension beyond the paper: fall back to the sequence's own earlier tokens.
+        self.self_lookup = bool(getattr(cfg, "self_lookup", False))
+        # Tokens of each running sequence the engine passes as ``tails``.
+        self.context_width = SELF_LOOKUP_WIDTH if self.self_lookup else self.pattern_max
         check_draft_args(self.branch, self.min_token_prob, self.pattern_max, self.pattern_min)
         initial_window(self.window_policy, 0, self.fixed_window)  # validates window/fixed_window
         self.store = store
@@ -153,8 +159,9 @@ class Drafter:
 
         Args:
           reqs: ``int[B]`` request index (into ``begin``'s prompt ids) of each row.
-          tails: ``int[B, P]`` last P (= pattern_max) tokens of each running sequence (prompt +
-            generated), left-padded with -1.
+          tails: ``int[B, P]`` last P tokens of each running sequence (prompt + generated),
+            left-padded with -1; ``P >= pattern_max`` (``context_width`` when self-lookup is on:
+            the whole row is searched then, the index sees the last ``pattern_max``).
           budgets: ``int[B]`` most draft tokens each row may take (e.g. tokens left before
             max_new_tokens or the KV capacity).
 
@@ -175,9 +182,23 @@ class Drafter:
         if tails.ndim != 2 or tails.shape[0] != r.size:
             raise ValueError(f"tails: expected shape ({r.size}, P), got {tails.shape}")
         max_lens = np.minimum(self._window[r], budgets)
-        out, lens = draft_batch(self._pack, self._slots[r], tails, max_lens, branch=self.branch,
-                                min_token_prob=self.min_token_prob, pattern_max=self.pattern_max,
-                                pattern_min=self.pattern_min)
+        if tails.shape[1] < self.pattern_max:
+            raise ValueError(f"tails: need at least pattern_max={self.pattern_max} columns, got {tails.shape[1]}")
+        out, lens = draft_batch(self._pack, self._slots[r], np.ascontiguousarray(tails[:, -self.pattern_max:]),
+                                max_lens, branch=self.branch, min_token_prob=self.min_token_prob,
+                                pattern_max=self.pattern_max, pattern_min=self.pattern_min)
+        if self.self_lookup:
+            miss = np.flatnonzero((lens == 0) & (max_lens > 0))
+            if miss.size:
+                own, own_lens = self_lookup_drafts(tails[miss], max_lens[miss], pattern_max=self.pattern_max,
+                                                   pattern_min=self.pattern_min, max_draft=K_BUCKETS[-1])
+                width = max(out.shape[1], int(own_lens.max(initial=0)))
+                if width > out.shape[1]:
+                    out = np.concatenate([out, np.zeros((out.shape[0], width - out.shape[1]), out.dtype)], axis=1)
+                w = min(width, own.shape[1])
+                out[miss, :w] = own[:, :w]
+                lens = lens.copy()
+                lens[miss] = own_lens
         k = bucket(int(lens.max(initial=0)))
         drafts = np.zeros((r.size, k), np.int32)
         w = min(k, out.shape[1])

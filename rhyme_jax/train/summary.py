@@ -43,10 +43,35 @@ def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles:
         # Median: the first step's rollout includes compilation.
         "rollout_tokens_per_s": float(np.median([r.get("rollout/tokens_per_s", 0.0) for r in rows]))
         if rows else 0.0,
+        "histospec_per_epoch": _spec_epochs(rows),
         "nonfinite_skipped": result.get("nonfinite_skipped", 0),
         "wall_seconds": wall_seconds,
         "compilations": compiles,
     }
+
+
+def _spec_epochs(rows: list[dict]) -> list[dict]:
+    """Per epoch of the prompt set: HistoSpec acceptance, tokens per sequence forward pass and
+    forward passes (batch steps) per 1,000 generated tokens. Epoch 1 drafts nothing (no history
+    yet), so its passes per token are the plain-decode baseline of the later epochs."""
+    if not rows or not sum(r.get("spec/drafted_tokens", 0.0) for r in rows):
+        return []  # HistoSpec off (or no history yet): nothing to report
+    out = []
+    for epoch in sorted({int(r.get("rollout/epoch", 1)) for r in rows}):
+        rs = [r for r in rows if int(r.get("rollout/epoch", 1)) == epoch]
+        gen = sum(r.get("rollout/generated_tokens", 0.0) for r in rs)
+        drafted = sum(r["spec/drafted_tokens"] for r in rs)
+        out.append({
+            "epoch": epoch, "steps": len(rs),
+            "acceptance": sum(r["spec/accepted_tokens"] for r in rs) / drafted if drafted else 0.0,
+            "tokens_per_forward": float(np.mean([r.get("rollout/tokens_per_forward", 1.0) for r in rs])),
+            "passes_per_1k_tokens": 1000.0 * sum(r["rollout/forward_passes"] for r in rs) / max(gen, 1.0),
+            "tokens_per_s": float(np.median([r.get("rollout/tokens_per_s", 0.0) for r in rs])),
+        })
+    base = out[0]["passes_per_1k_tokens"]
+    for e in out:
+        e["passes_saved_vs_epoch1"] = 1.0 - e["passes_per_1k_tokens"] / base if base else 0.0
+    return out
 
 
 def _paired(run_dir: Path, steps: int) -> dict:
@@ -114,6 +139,14 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("rollout / train seconds", f"{summary['rollout_seconds']:.1f} / {summary['train_seconds']:.1f} "
                                     f"({100 * summary['rollout_share']:.0f}% rollout)"),
         ("rollout tokens/s (median over steps)", f"{summary['rollout_tokens_per_s']:.0f}"),
+    ]
+    for e in summary.get("histospec_per_epoch", []):
+        rows.append((f"HistoSpec epoch {e['epoch']} ({e['steps']} steps)",
+                     f"acceptance {e['acceptance']:.2f}, {e['tokens_per_forward']:.2f} tokens/seq-forward, "
+                     f"{e['passes_per_1k_tokens']:.1f} passes/1k tokens "
+                     f"({100 * e['passes_saved_vs_epoch1']:.0f}% saved vs epoch 1), "
+                     f"{e['tokens_per_s']:.0f} tok/s"))
+    rows += [
         ("non-finite steps skipped", str(summary["nonfinite_skipped"])),
         ("backend compilations", str(summary["compilations"])),
         ("wall time", f"{summary['wall_seconds']:.0f} s"),

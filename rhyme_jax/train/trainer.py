@@ -238,6 +238,7 @@ class GRPOTrainer:
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
             "rollout/forward_passes": float(out.stats["forward_passes"]),
             "rollout/decode_steps": float(out.stats["decode_steps"]),
+            "rollout/generated_tokens": float(out.stats["generated_tokens"]),
             "rollout/tokens_per_forward": float(out.stats["tokens_per_forward"]),
             "rollout/epoch": float(epoch_of_step(cfg, len(self.train_problems), step)),
             "spec/drafted_tokens": float(out.stats["drafted_tokens"]),
