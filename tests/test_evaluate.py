@@ -10,7 +10,7 @@ from flax import nnx
 from rhyme_jax.config import load_config
 from rhyme_jax.data import load_problems
 from rhyme_jax.rollout.engine import SamplingParams
-from rhyme_jax.train.evaluate import EvalResult, encode_prompts, evaluate, paired_gain
+from rhyme_jax.train.evaluate import encode_prompts, evaluate, paired_gain
 from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
 from rhyme_jax.train.trainer import make_engine
 

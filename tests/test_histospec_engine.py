@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rhyme_jax.rollout import sampling
 from rhyme_jax.rollout.engine import SamplingParams
-from test_rollout_engine import (MAX_NEW, MAX_PROMPT, _dense_fn, _engine, _model, _prompts,
-                                 _reference_with_eos)
+from test_rollout_engine import (MAX_NEW, _engine, _model, _prompts, _reference_with_eos,
+                                 assert_behaviour_logprobs)
 
 PATTERN = 3
 
@@ -151,11 +150,4 @@ def test_sampled_logprobs_with_drafts_are_behaviour_logprobs():
     history = [np.concatenate([p, t]).astype(np.int32) for p, t in zip(prompts, first.tokens)]
     res = eng.generate(_model()[1], prompts, sp, jax.random.key(6), drafter=HistoryDrafter(history, 4))
     assert res.stats["accepted_tokens"] > 0
-    state, width = _model()[1], MAX_PROMPT + MAX_NEW
-    for p, toks, lps in zip(prompts, res.tokens, res.logprobs):
-        seq = np.zeros((1, width), np.int32)
-        full = list(p) + toks.tolist()
-        seq[0, : len(full)] = full
-        logits = _dense_fn()(state, seq, np.array([len(full)]))[0, len(p) - 1: len(full) - 1]
-        ref = np.asarray(sampling.processed_logprobs(logits, 0.7, 12, 0.85))
-        np.testing.assert_allclose(lps, ref[np.arange(len(toks)), toks], atol=1e-4)
+    assert_behaviour_logprobs(prompts, res, 0.7, 12, 0.85)

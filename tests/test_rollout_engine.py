@@ -230,13 +230,19 @@ def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():
     again = eng.generate(state, prompts, sp, jax.random.key(5))
     for a, b in zip(res.tokens, again.tokens):
         np.testing.assert_array_equal(a, b)
-    width = MAX_PROMPT + MAX_NEW
+    assert_behaviour_logprobs(prompts, res, 0.7, 12, 0.85)
+
+
+def assert_behaviour_logprobs(prompts, res, temperature, top_k, top_p):
+    """Each emitted token's reported logprob equals its logprob under the processed distribution
+    of the dense model run on prompt + response (teacher forcing)."""
+    state, width = _model()[1], MAX_PROMPT + MAX_NEW
     for p, toks, lps in zip(prompts, res.tokens, res.logprobs):
         seq = np.zeros((1, width), np.int32)
         full = list(p) + toks.tolist()
         seq[0, : len(full)] = full
         logits = _dense_fn()(state, seq, np.array([len(full)]))[0, len(p) - 1: len(full) - 1]
-        ref = np.asarray(sampling.processed_logprobs(logits, 0.7, 12, 0.85))
+        ref = np.asarray(sampling.processed_logprobs(logits, temperature, top_k, top_p))
         np.testing.assert_allclose(lps, ref[np.arange(len(toks)), toks], atol=1e-4)
 
 
