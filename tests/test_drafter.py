@@ -91,7 +91,6 @@ def test_batched_draft_equals_per_sequence(branch, window):
             accepted = np.array([rng.integers(0, n + 1) for n in lens])
             d.observe(reqs, lens, accepted)
             assert np.array_equal(d.windows[reqs], next_window(window, windows, lens, accepted, 16))
-        assert d.seconds > 0
 
 
 def test_bucket_and_budget_limits():
