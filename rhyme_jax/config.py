@@ -77,7 +77,7 @@ class RolloutSection:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     on_overlong_prompt: str = "error"  # error | skip
-    attention_impl: str = "auto"  # attention op: auto | reference | pallas_tpu | pallas_gpu | *_interpret
+    attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu | *_interpret | "a,b" (tried in order)
     max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
 
@@ -184,7 +184,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"--set {item!r}: {_first_line(exc)}") from None
-    validate(cfg, str(path) if path is not None else "--set")
+    source = str(path) if path is not None else "--set"
+    validate(cfg, source + (" with --set overrides" if path is not None and overrides else ""))
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -228,6 +229,12 @@ def validate(cfg: Any, source: str) -> None:
                           f"grpo.prompts_per_step * grpo.samples_per_prompt = {batch}")
     if cfg.grpo.num_prompts < 0 or cfg.rollout.max_verify_tokens < 0:
         raise ConfigError(f"{source}: grpo.num_prompts and rollout.max_verify_tokens must be >= 0 (0 = default)")
+    try:  # fail at load, not after SFT: the name must exist and run on this backend
+        from pallas_kernels.ragged_paged_attention import api as attention_api
+
+        attention_api.resolve_name(attention_api.parse_implementation(cfg.rollout.attention_impl))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: rollout.attention_impl: {exc}") from None
     sp = cfg.spec
     if not 1 <= sp.pattern_min <= sp.pattern_max:
         raise ConfigError(f"{source}: spec.pattern_min={sp.pattern_min} and spec.pattern_max={sp.pattern_max} "

@@ -94,3 +94,19 @@ def test_sharded_attention_over_tensor_axis_matches_reference():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SHARDED_OK" in out.stdout
+
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_test.yaml")
+
+
+def test_config_checks_attention_impl_at_load():
+    from rhyme_jax.config import ConfigError, load_config
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU dispatch rules")
+    with pytest.raises(ConfigError, match="rollout.attention_impl: .*needs backend"):
+        load_config(TINY, ["rollout.attention_impl=pallas_tpu"])
+    cfg = load_config(TINY, ["rollout.attention_impl=pallas_gpu_interpret,reference"])
+    assert api.resolve_name(api.parse_implementation(cfg.rollout.attention_impl)) == "pallas_gpu_interpret"
+    with pytest.warns(UserWarning, match="falling back"):
+        assert api.resolve_name(api.parse_implementation("pallas_gpu, reference")) == "reference"

@@ -10,7 +10,8 @@ Implementations (same signature and semantics as ``reference.ragged_paged_attent
 ``pallas_gpu_interpret``   the GPU kernel with ``interpret=True`` (CPU tests; slow)
 =========================  ==================================================================
 
-``implementation`` is a name, ``"auto"``, or an ordered list of names:
+``implementation`` is a name, ``"auto"``, or an ordered list of names (a sequence, or a
+comma-separated string as in the config: ``"pallas_gpu,reference"``):
 
 * a single name fails fast (``ValueError``) when it is unknown or cannot run on this backend;
 * a list takes the first entry that can run here and warns when it skips one;
@@ -145,14 +146,22 @@ def resolve_name(implementation: str | tuple[str, ...]) -> str:
                      f"runnable here: {list(available_implementations())}")
 
 
+def parse_implementation(spec: str | Sequence[str]) -> str | tuple[str, ...]:
+    """``"a,b"`` (a config string) or a sequence -> an ordered tuple of names; a single name or
+    ``"auto"`` stays a string (hashable either way, for ``resolve_name``)."""
+    if isinstance(spec, str):
+        names = tuple(n.strip() for n in spec.split(",") if n.strip())
+        return names[0] if len(names) == 1 else names
+    return tuple(spec)
+
+
 def resolve_implementation(implementation: str | Sequence[str]) -> Callable:
     """The attention function selected by ``implementation`` (see ``resolve_name``).
 
     Raises:
       ValueError: as ``resolve_name``.
     """
-    key = implementation if isinstance(implementation, str) else tuple(implementation)
-    return _IMPLEMENTATIONS[resolve_name(key)].fn
+    return _IMPLEMENTATIONS[resolve_name(parse_implementation(implementation))].fn
 
 
 def ragged_paged_attention(
@@ -180,8 +189,7 @@ def ragged_paged_attention(
     Raises:
       ValueError: ``implementation`` selects nothing runnable here.
     """
-    key = implementation if isinstance(implementation, str) else tuple(implementation)
-    impl = _IMPLEMENTATIONS[resolve_name(key)]
+    impl = _IMPLEMENTATIONS[resolve_name(parse_implementation(implementation))]
     kw = dict(sm_scale=sm_scale, max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window)
     if impl.kernel is not None:
         kw["block_sizes"] = getattr(block_sizes or BlockSizes(), impl.kernel)
@@ -231,5 +239,5 @@ def sharded_ragged_paged_attention(
 
 write_kv = reference.write_kv
 
-__all__ = ["BlockSizes", "sharded_ragged_paged_attention", "available_implementations", "ragged_paged_attention", "register_implementation",
+__all__ = ["BlockSizes", "parse_implementation", "sharded_ragged_paged_attention", "available_implementations", "ragged_paged_attention", "register_implementation",
            "resolve_implementation", "resolve_name", "write_kv"]

@@ -124,8 +124,7 @@ class RolloutEngine:
             raise EngineConfigError(
                 f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {on_overlong_prompt!r}")
         try:
-            key = attention_impl if isinstance(attention_impl, str) else tuple(attention_impl)
-            attention_impl = attention_api.resolve_name(key)
+            attention_impl = attention_api.resolve_name(attention_api.parse_implementation(attention_impl))
         except ValueError as exc:
             raise EngineConfigError(f"{_WHERE}: attention_impl: {exc}") from None
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))

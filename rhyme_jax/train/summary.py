@@ -144,8 +144,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         rows.append((f"HistoSpec epoch {e['epoch']} ({e['steps']} steps)",
                      f"acceptance {e['acceptance']:.2f}, {e['tokens_per_forward']:.2f} tokens/seq-forward, "
                      f"{e['passes_per_1k_tokens']:.1f} passes/1k tokens "
-                     f"({100 * e['passes_saved_vs_epoch1']:.0f}% saved vs epoch 1), "
-                     f"{e['tokens_per_s']:.0f} tok/s"))
+                     + ("(baseline: no history yet), " if e["epoch"] == 1 else
+                        f"({100 * e['passes_saved_vs_epoch1']:.0f}% saved vs epoch 1), ")
+                     + f"{e['tokens_per_s']:.0f} tok/s"))
     rows += [
         ("non-finite steps skipped", str(summary["nonfinite_skipped"])),
         ("backend compilations", str(summary["compilations"])),
