@@ -150,19 +150,24 @@ def test_reference_run_learns_from_a_nonzero_signal(reference):
                                         (reference.trainer.tokenizer.decode(t) for t in roll["responses"])]
 
 
-def test_resume_after_two_steps_is_bit_identical(reference, tmp_path):
-    """Steps 1-2 driven by hand (train_step + save) with grpo.steps=4 (the LR schedule depends on
-    it), then a new trainer with resume=True finishes steps 3-4."""
-    cfg = tiny_cfg(tmp_path)
+def train_steps_by_hand(cfg, steps):
+    """Run GRPO ``steps`` with ``train_step`` + ``save`` after each (an interrupted run)."""
     first = GRPOTrainer(cfg, reward_fn=parity_reward)
     try:
-        for step in (1, 2):
+        for step in steps:
             m = first.train_step(step)
             first.step = step
             first.metrics.log(step, m, phase="train")
             first.save()
     finally:
         first.close()
+
+
+def test_resume_after_two_steps_is_bit_identical(reference, tmp_path):
+    """Steps 1-2 driven by hand (train_step + save) with grpo.steps=4 (the LR schedule depends on
+    it), then a new trainer with resume=True finishes steps 3-4."""
+    cfg = tiny_cfg(tmp_path)
+    train_steps_by_hand(cfg, (1, 2))
 
     second = GRPOTrainer(cfg, resume=True, reward_fn=parity_reward)
     try:

@@ -9,7 +9,8 @@ import pytest
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train.checkpoint import Checkpointer
 from rhyme_jax.train.trainer import GRPOTrainer
-from test_trainer import (STEPS, assert_trees_equal, host_copy, parity_reward, tiny_cfg, train_rows)
+from test_trainer import (STEPS, assert_trees_equal, host_copy, parity_reward, tiny_cfg, train_rows,
+                          train_steps_by_hand)
 
 SPEC = ("spec.enabled=true", "grpo.num_prompts=2", "spec.window=fixed", "spec.fixed_window=4",
         "spec.min_token_prob=0.0", "spec.pattern_min=1", "spec.pattern_max=2")  # untrained model: short matches
@@ -59,15 +60,7 @@ def test_history_is_saved_with_the_checkpoint(spec_run):
 
 def test_resume_with_history_is_bit_identical(spec_run, tmp_path):
     cfg = tiny_cfg(tmp_path, *SPEC)
-    first = GRPOTrainer(cfg, reward_fn=parity_reward)
-    try:
-        for step in (1, 2):
-            m = first.train_step(step)
-            first.step = step
-            first.metrics.log(step, m, phase="train")
-            first.save()
-    finally:
-        first.close()
+    train_steps_by_hand(cfg, (1, 2))
     second = GRPOTrainer(cfg, resume=True, reward_fn=parity_reward)
     try:
         assert second.step == 2 and len(second.history) == 2

@@ -16,25 +16,14 @@ from typing import Sequence
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.rollout.batching import K_BUCKETS, draft_bucket
 from rhyme_jax.spec.history import HistoryEntry, HistoryStore
 from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
 from rhyme_jax.spec.window import initial_window, next_window
 
-K_BUCKETS = (0, 2, 4, 8, 16, 32)
 SELF_LOOKUP_WIDTH = 256  # tokens of the running sequence searched by spec.self_lookup
-
-
-def bucket(n: int) -> int:
-    """Smallest of ``K_BUCKETS`` >= n.
-
-    Raises:
-      ValueError: n > 32.
-    """
-    for k in K_BUCKETS:
-        if n <= k:
-            return k
-    raise ValueError(f"draft length {n} exceeds the largest bucket {K_BUCKETS[-1]}")
+bucket = draft_bucket  # smallest of K_BUCKETS >= n (the engine's verify-step draft buckets)
 
 
 def index_of(entry: HistoryEntry) -> SuffixIndex:
