@@ -1,0 +1,168 @@
+"""HistoPipe cost model: predicted seconds for one rollout worker to generate a batch.
+
+ARCHITECTURE.md s.6 (tier 2 uses "a profiled cost model T(tokens, batch) per worker"; RhymeRL,
+arXiv 2508.18588, s.5). The form is
+
+    T(tokens, batch) = tokens * (a + b * batch) + c * batch      [seconds]
+
+for ``batch`` sequences whose longest is ``tokens`` tokens: ``tokens`` decode steps, each costing a
+fixed ``a`` (weights read, launch) plus ``b`` per sequence in the batch (KV reads, sampling), and a
+per-sequence cost ``c`` (prefill, admission). ``T(., 0) = 0``: a worker with no rows costs nothing.
+
+With ragged lengths the batch shrinks as rows finish; summing ``a + b * live_rows`` over the decode
+steps gives ``decode_seconds`` = ``a * max(L) + b * sum(L) + c * rows`` (``T`` is its upper bound
+when every row has the longest length). The planner plans with ``T``; the replay benchmark
+simulates with ``decode_seconds``.
+
+``fit`` recovers (a, b, c) from measured (tokens, batch, seconds) samples by non-negative least
+squares; ``save``/``load`` keep them as JSON. Measuring the samples (``profile``) lives with the
+rollout workers, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from jaxtyping import Float
+
+from rhyme_jax.train.atomic import atomic_write
+
+FORMAT_VERSION = 1
+FORM = "T(tokens, batch) = tokens * (a + b * batch) + c * batch"
+
+
+class CostModelError(ValueError):
+    """Unusable profiling samples, or a missing/corrupt cost-model file (names the path and field)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``T(tokens, batch) = tokens * (a + b * batch) + c * batch`` seconds.
+
+    Attributes:
+      a: seconds per decode step (batch-independent part), >= 0.
+      b: seconds per decode step per sequence in the batch, >= 0.
+      c: seconds per sequence (prefill/admission), >= 0.
+    """
+
+    a: float
+    b: float
+    c: float
+
+    def __post_init__(self):
+        for name in ("a", "b", "c"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(v) or v < 0:
+                raise CostModelError(f"cost model field {name!r}: expected a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+
+    def seconds(self, tokens, batch) -> Float[np.ndarray, "..."] | float:
+        """``T(tokens, batch)`` in seconds; numpy-broadcast over array arguments (0 where batch is 0).
+
+        Args:
+          tokens: longest sequence length in tokens (decode steps), float or array.
+          batch: number of sequences, float or array (broadcast with ``tokens``).
+        """
+        t = np.asarray(tokens, dtype=np.float64)
+        bt = np.asarray(batch, dtype=np.float64)
+        out = np.where(bt > 0, t * (self.a + self.b * bt) + self.c * bt, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    __call__ = seconds
+
+    def decode_seconds(self, lengths) -> float:
+        """Seconds to generate rows of the given lengths together in one batch, the batch shrinking
+        as rows finish: ``sum over decode steps t of (a + b * live_t) + c * rows``
+        = ``a * max(L) + b * sum(L) + c * rows`` (0 for no rows).
+
+        Args:
+          lengths: ``int[R]`` (or float) response lengths in tokens.
+        """
+        L = np.asarray(lengths, dtype=np.float64).reshape(-1)
+        if L.size == 0:
+            return 0.0
+        return float(self.a * L.max() + self.b * L.sum() + self.c * L.size)
+
+    @classmethod
+    def fit(cls, samples) -> "CostModel":
+        """Fit (a, b, c) >= 0 to measured samples by non-negative least squares
+        (``scipy.optimize.nnls`` on the columns ``tokens``, ``tokens * batch``, ``batch``).
+
+        Args:
+          samples: ``float[N, 3]`` rows ``(tokens, batch, seconds)`` (or an iterable of triples);
+            N >= 3, all finite and >= 0.
+
+        Raises:
+          CostModelError: wrong shape, non-finite/negative values, or samples that cannot tell
+            a, b, c apart (the design matrix has rank < 3: vary both tokens and batch).
+        """
+        from scipy.optimize import nnls
+
+        s = np.asarray(samples, dtype=np.float64)
+        if s.ndim != 2 or s.shape[1] != 3 or s.shape[0] < 3:
+            raise CostModelError(f"samples: expected N >= 3 rows of (tokens, batch, seconds), got shape {s.shape}")
+        if not np.all(np.isfinite(s)) or np.any(s < 0):
+            raise CostModelError("samples: every (tokens, batch, seconds) value must be finite and >= 0")
+        tokens, batch, secs = s.T
+        X = np.stack([tokens, tokens * batch, batch], axis=1)
+        if np.linalg.matrix_rank(X) < 3:
+            raise CostModelError("samples: a, b, c are not identifiable (vary both tokens and batch)")
+        scale = np.maximum(np.abs(X).max(axis=0), 1e-300)  # column scaling for conditioning
+        coef, _ = nnls(X / scale, secs)
+        a, b, c = (coef / scale).tolist()
+        return cls(a, b, c)
+
+    def save(self, path: str | Path, meta: dict | None = None) -> Path:
+        """Write ``{"version", "form", "a", "b", "c"[, "meta"]}`` as JSON atomically.
+
+        Args:
+          path: destination file (parent directories are created).
+          meta: optional JSON-serialisable provenance (device, model, sample count).
+        """
+        doc = {"version": FORMAT_VERSION, "form": FORM, "a": self.a, "b": self.b, "c": self.c}
+        if meta is not None:
+            doc["meta"] = meta
+        path = Path(path)
+        with atomic_write(path, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        """Read a file written by ``save``.
+
+        Raises:
+          CostModelError: the file is missing or not JSON, or a field (``a``, ``b``, ``c``,
+            ``version``) is missing or invalid; the message names the file and the field.
+        """
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CostModelError(f"{path}: no cost-model file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CostModelError(f"{path}: not a cost-model JSON file ({exc})") from None
+        if not isinstance(doc, dict):
+            raise CostModelError(f"{path}: expected a JSON object with fields a, b, c")
+        if doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise CostModelError(f"{path}: field 'version': expected {FORMAT_VERSION}, got {doc['version']!r}")
+        vals = {}
+        for name in ("a", "b", "c"):
+            if name not in doc:
+                raise CostModelError(f"{path}: missing field {name!r}")
+            v = doc[name]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise CostModelError(f"{path}: field {name!r}: expected a finite number >= 0, got {v!r}")
+            vals[name] = float(v)
+        return cls(**vals)
+
+
+# Placeholder values until a device is profiled (seconds): 1 ms per decode step, 20 us per
+# sequence per step, 1 ms per sequence. benchmarks/schedule.py uses these without --cost-model.
+DEFAULT_COST_MODEL = CostModel(a=1e-3, b=2e-5, c=1e-3)
