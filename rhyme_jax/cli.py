@@ -1,4 +1,4 @@
-"""``rhyme-jax`` command line: sft | train | eval | demo | analyze.
+"""``rhyme-jax`` command line: sft | train | eval | demo | analyze | memory.
 
 Every command but ``analyze RUN_DIR`` takes ``--config configs/X.yaml`` and any number of
 ``--set a.b=c`` overrides. Outputs go to ``<run.runs_dir>/<run.name>/``.
@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest)")
     dm = add("demo", "warm start (SFT) + GRPO + summary: the CPU demo")
     dm.add_argument("--resume", action="store_true", help="continue an interrupted demo")
+    me = add("memory", "per-device memory of params + optimizer state under the config's "
+             "parallel layout (from shapes; allocates nothing)")
+    me.add_argument("--model-config", default="", help="HF config.json (or its directory) to size; "
+                    "default: model.path's, else the tiny demo model")
+    me.add_argument("--devices", type=int, default=0,
+                    help="devices to plan for (fills a -1 mesh axis; default: this machine's)")
     an = sub.add_parser("analyze", help="RhymeRL O5/O6 (token rhyme, length-rank shifts) of a "
                         "run's saved rollouts")
     an.add_argument("run_dir", help="run directory holding rollouts/step_*.npz")
@@ -52,6 +58,46 @@ def cmd_analyze(run_dir: str, branch: str, window: str) -> int:
     print(format_table(result))
     paths = write_analysis(run_dir, result)
     print(f"outputs: {paths['md']}, {paths['json'].name}, {paths['png'].name}")
+    return 0
+
+
+def cmd_memory(cfg, model_config: str, devices: int) -> int:
+    from rhyme_jax.model.config import ModelConfig
+    from rhyme_jax.parallel.memory import state_memory
+    from rhyme_jax.parallel.mesh import mesh_shape
+
+    source = model_config or cfg.model.path
+    if source:
+        path = Path(source)
+        model_cfg = ModelConfig.from_hf_dir(path.parent if path.is_file() else path)
+    else:
+        from types import SimpleNamespace
+
+        from rhyme_jax.train.policy import tiny_model_config
+
+        # The demo tokenizer's size, without training it.
+        model_cfg = tiny_model_config(cfg, SimpleNamespace(vocab_size=cfg.data.tokenizer_vocab_size, eos_id=1))
+        source = "tiny demo model"
+    if devices <= 0:
+        import jax
+
+        devices = jax.device_count()
+    p = cfg.parallel
+    d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
+    dtype = cfg.model.dtype
+    gib = 2.0 ** 30
+    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=dtype)
+    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
+    print(f"{source}: {train['params'] / 1e9:.3f} B parameters, {dtype}")
+    print(f"train mesh data={d} x fsdp={f} x tensor={t} ({d * f * t} of {devices} devices):")
+    print(f"  params     {train['param_bytes_total'] / gib:8.3f} GiB total  "
+          f"{train['param_bytes_per_device'] / gib:8.3f} GiB per device")
+    print(f"  optimizer  {train['opt_bytes_total'] / gib:8.3f} GiB total  "
+          f"{train['opt_bytes_per_device'] / gib:8.3f} GiB per device (AdamW moments)")
+    print(f"  together   {(train['param_bytes_total'] + train['opt_bytes_total']) / gib:8.3f} GiB total  "
+          f"{(train['param_bytes_per_device'] + train['opt_bytes_per_device']) / gib:8.3f} GiB per device")
+    print(f"rollout worker (tensor={p.rollout_tensor}): params {roll['param_bytes_per_device'] / gib:.3f} "
+          f"GiB per device (plus the KV pool)")
     return 0
 
 
@@ -167,8 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
         return 2
-    _banner(cfg, args.command)
     try:
+        if args.command == "memory":
+            return cmd_memory(cfg, args.model_config, args.devices)
+        from rhyme_jax.parallel import distributed
+
+        distributed.initialize(cfg.parallel)  # before any device is touched; no-op on one host
+        _banner(cfg, args.command)
         if args.command == "sft":
             return cmd_sft(cfg)
         if args.command == "train":
@@ -188,6 +239,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rhyme_jax.model.config import ModelConfigError
     from rhyme_jax.model.loader import CheckpointFormatError
     from rhyme_jax.model.tokenizer import TokenizerError
+    from rhyme_jax.parallel.distributed import DistributedConfigError
+    from rhyme_jax.parallel.mesh import MeshConfigError
+    from rhyme_jax.parallel.rules import ShardingRuleError
     from rhyme_jax.rollout.engine import EngineConfigError, PromptTooLongError
     from rhyme_jax.train.checkpoint import CheckpointError
     from rhyme_jax.train.policy import PolicyConfigError
@@ -195,7 +249,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     return (DataError, ModelConfigError, CheckpointFormatError, TokenizerError, EngineConfigError,
             PromptTooLongError, CheckpointError, PolicyConfigError, NonFiniteLossError,
-            RunExistsError, FileNotFoundError)
+            RunExistsError, FileNotFoundError, MeshConfigError, ShardingRuleError,
+            DistributedConfigError)
 
 
 if __name__ == "__main__":

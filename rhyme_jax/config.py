@@ -147,6 +147,21 @@ class SpecSection:
 
 
 @dataclass
+class ParallelSection:
+    """Device meshes and multi-host start-up (ARCHITECTURE.md section 9; rhyme_jax/parallel/)."""
+
+    data: int = 1  # train mesh: data-parallel replicas (-1 = the devices left)
+    fsdp: int = 1  # train mesh: parameter/optimizer sharding over the hidden dimension
+    tensor: int = 1  # train mesh: tensor parallelism over heads / MLP features / vocabulary
+    rollout_tensor: int = 1  # devices per rollout worker (tensor parallel over heads, KV pool by KV head)
+    rollout_workers: int = 1  # data-parallel rollout workers per process; 0 = local devices / rollout_tensor
+    distributed: bool = False  # multi-host: jax.distributed.initialize (auto-detect unless the fields below are set)
+    coordinator_address: str = ""  # host:port of process 0; "" = $RHYME_COORDINATOR_ADDRESS
+    num_processes: int = 0  # 0 = $RHYME_NUM_PROCESSES
+    process_id: int = -1  # -1 = $RHYME_PROCESS_ID
+
+
+@dataclass
 class RunConfig:
     """Top-level run configuration (configs/*.yaml)."""
 
@@ -157,6 +172,7 @@ class RunConfig:
     grpo: GRPOSection = field(default_factory=GRPOSection)
     run: RunSection = field(default_factory=RunSection)
     spec: SpecSection = field(default_factory=SpecSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Any:
@@ -229,12 +245,18 @@ def validate(cfg: Any, source: str) -> None:
                           f"grpo.prompts_per_step * grpo.samples_per_prompt = {batch}")
     if cfg.grpo.num_prompts < 0 or cfg.rollout.max_verify_tokens < 0:
         raise ConfigError(f"{source}: grpo.num_prompts and rollout.max_verify_tokens must be >= 0 (0 = default)")
-    try:  # fail at load, not after SFT: the name must exist and run on this backend
-        from pallas_kernels.ragged_paged_attention import api as attention_api
+    _validate_parallel(cfg, source)
+    from rhyme_jax.parallel import distributed
 
-        attention_api.resolve_name(attention_api.parse_implementation(cfg.rollout.attention_impl))
-    except ValueError as exc:
-        raise ConfigError(f"{source}: rollout.attention_impl: {exc}") from None
+    # Fail at load, not after SFT: the name must exist and run on this backend. A multi-host run
+    # must not touch the backend before jax.distributed.initialize; its engine checks instead.
+    if distributed.settings(cfg.parallel) is None:
+        try:
+            from pallas_kernels.ragged_paged_attention import api as attention_api
+
+            attention_api.resolve_name(attention_api.parse_implementation(cfg.rollout.attention_impl))
+        except ValueError as exc:
+            raise ConfigError(f"{source}: rollout.attention_impl: {exc}") from None
     sp = cfg.spec
     if not 1 <= sp.pattern_min <= sp.pattern_max:
         raise ConfigError(f"{source}: spec.pattern_min={sp.pattern_min} and spec.pattern_max={sp.pattern_max} "
@@ -246,6 +268,22 @@ def validate(cfg: Any, source: str) -> None:
     if cfg.rollout.temperature < 0 or not 0 < cfg.rollout.top_p <= 1 or cfg.rollout.top_k < 0:
         raise ConfigError(f"{source}: rollout.temperature >= 0, 0 < rollout.top_p <= 1 and "
                           f"rollout.top_k >= 0 are required")
+
+
+def _validate_parallel(cfg: Any, source: str) -> None:
+    from rhyme_jax.parallel import distributed
+
+    p = cfg.parallel
+    for key in ("data", "fsdp", "tensor"):
+        if p[key] == 0 or p[key] < -1:
+            raise ConfigError(f"{source}: parallel.{key}={p[key]} must be >= 1 or -1 (the devices left)")
+    if p.rollout_tensor < 1 or p.rollout_workers < 0:
+        raise ConfigError(f"{source}: parallel.rollout_tensor >= 1 and parallel.rollout_workers >= 0 "
+                          f"are required")
+    try:
+        distributed.settings(p)
+    except distributed.DistributedConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _merge_file(cfg: DictConfig, path: Path, seen: tuple) -> DictConfig:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -21,6 +22,7 @@ from safetensors.numpy import save_file
 
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
+from rhyme_jax.parallel.rules import param_shardings
 
 
 class CheckpointFormatError(ValueError):
@@ -87,13 +89,18 @@ def _abstract_model(cfg: ModelConfig, dtype, param_dtype) -> Decoder:
     return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
 
 
-def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None) -> tuple[ModelConfig, Decoder]:
+def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None,
+                       mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, Decoder]:
     """Load a HF checkpoint directory (``config.json`` + ``*.safetensors``, sharded or not).
 
     Args:
       path: checkpoint directory.
       dtype: compute dtype of the returned model.
       param_dtype: parameter dtype the tensors are cast to; None = ``dtype``.
+      mesh: place each tensor straight into its sharding on this mesh
+        (``parallel.rules.param_shardings``): every device reads only its block from the
+        memory-mapped file, so no device (and no host buffer) holds a full copy of the model.
+        None = single default device.
 
     Returns:
       ``(cfg, model)`` with ``model`` a concrete ``Decoder``.
@@ -144,6 +151,9 @@ def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None) -> tuple[Mo
         raise CheckpointFormatError(f"{path} ({names}): " + "; ".join(problems))
 
     np_dtype = np.dtype(param_dtype)
+    shardings = None
+    if mesh is not None:
+        shardings = dict(nnx.to_flat_state(param_shardings(state, mesh)))
     by_file: dict[Path, list[str]] = {}
     for key in table:
         by_file.setdefault(where[key], []).append(key)
@@ -151,10 +161,31 @@ def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None) -> tuple[Mo
         with safe_open(str(file), framework="numpy") as f:
             for key in keys:
                 our_path, transpose = table[key]
-                arr = f.get_tensor(key)
-                arr = arr.T if transpose else arr
-                flat[our_path].set_value(jnp.asarray(np.ascontiguousarray(arr.astype(np_dtype))))
+                if shardings is None:
+                    arr = f.get_tensor(key)
+                    arr = arr.T if transpose else arr
+                    flat[our_path].set_value(jnp.asarray(np.ascontiguousarray(arr.astype(np_dtype))))
+                    continue
+                flat[our_path].set_value(_sharded_tensor(
+                    f.get_slice(key), tuple(flat[our_path].get_value().shape), transpose,
+                    _leaf_sharding(shardings[our_path]), np_dtype))
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _leaf_sharding(entry):
+    return entry.get_value() if hasattr(entry, "get_value") else entry
+
+
+def _sharded_tensor(view, shape: tuple, transpose: bool, sharding, np_dtype) -> jax.Array:
+    """One parameter built block by block from a safetensors slice view (our layout ``shape``;
+    HF stores Linear weights transposed)."""
+    def block(idx):
+        hf_idx = tuple(idx[::-1]) if transpose else tuple(idx)
+        arr = view[hf_idx] if shape else view[...]
+        arr = arr.T if transpose else arr
+        return np.ascontiguousarray(np.asarray(arr).astype(np_dtype))
+
+    return jax.make_array_from_callback(shape, sharding, block)
 
 
 def save_hf_checkpoint(model: Decoder, path) -> None:

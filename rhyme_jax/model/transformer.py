@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.layers import INIT_STD, MLP, Attention, RMSNorm, linear
+from rhyme_jax.parallel.rules import constrain
 
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -123,7 +124,9 @@ class Decoder(nnx.Module):
             allowed = allowed & mask[:, None, :].astype(bool)
         else:
             allowed = jnp.broadcast_to(allowed, (tokens.shape[0], t, t))
-        h = self.embed_tokens(tokens)
+        # Under parallel.rules.activation_mesh the residual stream stays split by rows (FSDP
+        # gathers parameters, not activations); without it these are no-ops.
+        h = constrain(self.embed_tokens(tokens), ("batch", None, None))
         for layer in self.layers:
-            h = layer(h, positions, allowed)
-        return self.unembed(h)
+            h = constrain(layer(h, positions, allowed), ("batch", None, None))
+        return constrain(self.unembed(h), ("batch", None, "vocab"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
+from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import batching
 from rhyme_jax.rollout.batching import StepInputs, pow2
 from rhyme_jax.rollout.kv_cache import KVCache
@@ -64,7 +65,7 @@ class RolloutResult:
     Attributes:
       tokens: per prompt ``int32[n]`` response ids, EOS included when emitted.
       logprobs: per prompt ``float32[n]`` behaviour logprobs of those tokens.
-      finish_reasons: ``"eos" | "length" | "skipped"``.
+      finish_reasons: ``"eos" | "length" | "skipped" | "migrated"`` (stopped by the monitor).
       stats: prefill_tokens, generated_tokens, decode_steps (decode forward passes),
         prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s,
         drafted_tokens, accepted_tokens, acceptance_rate, drafting_seconds (host time inside
@@ -76,6 +77,23 @@ class RolloutResult:
     logprobs: list[np.ndarray]
     finish_reasons: list[str]
     stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What ``generate``'s ``monitor`` sees after a decode step (host arrays, copies).
+
+    Attributes:
+      running: ``int64[r]`` request indices in slots now.
+      waiting: ``int64[w]`` request indices queued (not admitted, or preempted).
+      generated: ``int64[n]`` response tokens so far per request (prefix included).
+      decode_steps: decode/verify passes run so far in this call.
+    """
+
+    running: np.ndarray
+    waiting: np.ndarray
+    generated: np.ndarray
+    decode_steps: int
 
 
 class RolloutEngine:
@@ -203,10 +221,14 @@ class RolloutEngine:
             cfg = self.model_cfg
             # Committed to the device like the parameters, so the first and later calls hit
             # the same compiled step.
-            self.kv = jax.device_put(KVCache.create(
-                num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, num_pages=self.num_pages,
-                page_size=self.page_size, head_dim=cfg.head_dim, dtype=probe.dtype),
-                jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, "tensor")))
+            # Created in place on the mesh (sharded by KV head): no full pool on one device.
+            def create():
+                return KVCache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                      num_pages=self.num_pages, page_size=self.page_size,
+                                      head_dim=cfg.head_dim, dtype=probe.dtype)
+
+            shape = jax.eval_shape(create).k.shape
+            self.kv = jax.jit(create, out_shardings=kv_pool_sharding(self.mesh, shape))()
 
     def _validate(self, prompts, sampling: SamplingParams) -> list[np.ndarray | None]:
         if sampling.max_new_tokens < 1 or sampling.max_new_tokens > self.max_new_tokens:
@@ -279,7 +301,8 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
-                 key: jax.Array, drafter=None) -> RolloutResult:
+                 key: jax.Array, drafter=None, *, prefixes: Sequence | None = None,
+                 monitor: Callable[["Progress"], Sequence[int]] | None = None) -> RolloutResult:
         """Generate one response per prompt.
 
         Args:
@@ -291,6 +314,13 @@ class RolloutEngine:
             ``begin(prompt_ids)`` for these prompts): each decode step asks it for drafts of the
             active requests (``draft(reqs, tails, budgets)``) and reports acceptance
             (``observe``). The emitted tokens have exactly the distribution of plain decoding.
+          prefixes: optional per request ``(tokens int32[m], logprobs f32[m])`` of a response
+            already begun elsewhere (a migrated sequence): the request is prefilled with prompt +
+            those tokens and continues from there; they count toward ``max_new_tokens`` and are
+            returned at the head of its response. ``m = 0`` = a fresh request.
+          monitor: optional callback after every decode step with a ``Progress``; it returns the
+            request indices to stop now (their slots are freed; finish reason ``"migrated"``,
+            partial response returned). HistoPipe's tail migration (``sched/migration.py``).
 
         Returns:
           RolloutResult in prompt order.
@@ -311,6 +341,12 @@ class RolloutEngine:
         out_lp = np.zeros((n, limit), np.float32)
         n_gen = np.zeros(n, np.int64)
         finish = ["skipped" if r is None else "" for r in reqs]
+        for r, (ptok, plp) in enumerate(prefixes or ()):
+            m = len(ptok)
+            if m >= limit or len(plp) != m:
+                raise EngineConfigError(f"{_WHERE}: prefix of request {r} has {m} tokens / {len(plp)} "
+                                        f"logprobs; needs equal counts below max_new_tokens={limit}")
+            out_tok[r, :m], out_lp[r, :m], n_gen[r] = ptok, plp, m
         eos = np.zeros(self.model_cfg.vocab_size, bool)
         eos[list(self.eos_ids)] = True
         waiting = deque(i for i, r in enumerate(reqs) if r is not None)
@@ -451,6 +487,18 @@ class RolloutEngine:
                 # KV now holds the pending token and the accepted drafts; the last emitted token
                 # is the new pending one (rejected draft slots are overwritten later).
                 slot_len[s] += record(s, toks[i, : n_emit[i]], lps[i, : n_emit[i]])
+            if monitor is not None:
+                running = slot_req[slot_req >= 0]
+                for r in monitor(Progress(running=running.copy(), waiting=np.array(waiting, np.int64),
+                                          generated=n_gen.copy(), decode_steps=stats["decode_steps"])):
+                    r = int(r)
+                    if finish[r]:
+                        continue
+                    if r in running:
+                        release(int(np.flatnonzero(slot_req == r)[0]))
+                    else:
+                        waiting.remove(r)
+                    finish[r] = "migrated"
 
         seconds = time.perf_counter() - t0
         stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]

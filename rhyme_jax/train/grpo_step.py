@@ -8,14 +8,26 @@ reports ``finite = 0``; the trainer counts and stops on repeats.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from rhyme_jax.parallel.rules import activation_mesh
 from rhyme_jax.train import losses
+
+
+class TrainShardings(NamedTuple):
+    """Layout of the jitted train programs: ``params`` / ``opt_state`` are trees of
+    ``NamedSharding`` (``parallel.rules.param_shardings`` / ``opt_state_shardings``), ``batch``
+    one ``NamedSharding`` for every batch field (rows over ``("data", "fsdp")``)."""
+
+    mesh: jax.sharding.Mesh
+    params: Any
+    opt_state: Any
+    batch: jax.sharding.NamedSharding
 
 
 def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temperature: float):
@@ -28,19 +40,25 @@ def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temp
     return losses.token_logprobs(logits[:, :-1], batch["tokens"][:, 1:], temperature)
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, temperature: float) -> Callable:
-    """Jitted ``(state, batch) -> f32[B, T-1]`` target logprobs (for the frozen KL reference)."""
+def make_logprob_fn(graphdef: nnx.GraphDef, temperature: float,
+                    shardings: Optional[TrainShardings] = None) -> Callable:
+    """Jitted ``(state, batch) -> f32[B, T-1]`` target logprobs (for the frozen KL reference);
+    laid out by ``shardings`` when given (output rows like the batch)."""
+    mesh = shardings.mesh if shardings is not None else None
 
-    @jax.jit
     def logprob_fn(state, batch):
-        return _target_logprobs(graphdef, state, batch, temperature)[0]
+        with activation_mesh(mesh):
+            return _target_logprobs(graphdef, state, batch, temperature)[0]
 
-    return logprob_fn
+    if shardings is None:
+        return jax.jit(logprob_fn)
+    return jax.jit(logprob_fn, in_shardings=(shardings.params, shardings.batch),
+                   out_shardings=shardings.batch)
 
 
 def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
                    eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
-                   temperature: float) -> Callable:
+                   temperature: float, shardings: Optional[TrainShardings] = None) -> Callable:
     """Build ``step(state, opt_state, batch) -> (state, opt_state, metrics)``.
 
     ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
@@ -48,7 +66,12 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     (behaviour logprobs aligned with targets ``tokens[:, 1:]``), ``advantages f32[B]`` and, when
     ``kl_coef > 0``, ``ref_logprobs f32[B,T-1]``. ``state`` and ``opt_state`` are donated.
     Metrics are f32 scalars: loss, grad_norm, entropy, clip_fraction, kl, finite (1/0).
+
+    With ``shardings`` the step is jitted with those in/out shardings (FSDP and tensor parallel
+    over ``shardings.mesh``; activations constrained to rows over ``("data", "fsdp")``); the
+    math is the same, so results equal the single-device step within float tolerance.
     """
+    mesh = shardings.mesh if shardings is not None else None
 
     def loss_fn(state, batch):
         logprobs, entropy = _target_logprobs(graphdef, state, batch, temperature)
@@ -63,7 +86,8 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
         return loss, metrics
 
     def step(state, opt_state, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state, batch)
+        with activation_mesh(mesh):
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, state)
@@ -76,7 +100,12 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                        finite=finite.astype(jnp.float32))
         return new_state, new_opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if shardings is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    replicated = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, donate_argnums=(0, 1),
+                   in_shardings=(shardings.params, shardings.opt_state, shardings.batch),
+                   out_shardings=(shardings.params, shardings.opt_state, replicated))
 
 
 def params_checksum(state: Any) -> float:

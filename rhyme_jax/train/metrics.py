@@ -147,3 +147,14 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NullMetricsWriter:
+    """``MetricsWriter`` stand-in for the non-primary processes of a multi-host run (writes
+    nothing; process 0 owns the run directory's metrics)."""
+
+    def log(self, step: int, metrics: dict[str, float], phase: str = "train") -> None:
+        """Discard one row."""
+
+    def close(self) -> None:
+        """Nothing to close."""

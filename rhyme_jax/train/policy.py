@@ -20,6 +20,8 @@ from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
 from rhyme_jax.model.transformer import Decoder
+from rhyme_jax.parallel.mesh import train_mesh
+from rhyme_jax.parallel.reshard import create_sharded
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -94,11 +96,35 @@ def build_model(cfg: Any, tokenizer: Tokenizer, seed: int) -> Decoder:
     if cfg.model.path:
         _, model = load_hf_checkpoint(cfg.model.path, dtype=dtype)
         return model
-    return Decoder(tiny_model_config(cfg, tokenizer), dtype=dtype, param_dtype=jnp.float32,
-                   rngs=nnx.Rngs(seed))
+    # The same jitted initialisation as build_sharded on one device, so both give equal values.
+    model_cfg = tiny_model_config(cfg, tokenizer)
+    graphdef, state, _ = create_sharded(
+        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed)),
+        train_mesh(1, 1, 1))
+    return nnx.merge(graphdef, state)
 
 
-def eos_ids(model: Decoder, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """Token ids that end a response: the tokenizer's EOS plus the checkpoint's own."""
-    ids = {int(tokenizer.eos_id)} | {int(i) for i in model.cfg.eos_token_ids}
+def build_sharded(cfg: Any, tokenizer: Tokenizer, seed: int, mesh) -> tuple[nnx.GraphDef, nnx.State, ModelConfig]:
+    """The policy created directly in its shardings on ``mesh`` (``parallel.rules``).
+
+    A HF checkpoint is read block by block into each device's shard; the tiny model is
+    initialised under jit with sharded outputs (``parallel.reshard.create_sharded``). Values
+    equal ``build_model``'s on any mesh. Returns ``(graphdef, state, model_cfg)``.
+    """
+    dtype = compute_dtype(cfg.model.dtype)
+    if cfg.model.path:
+        model_cfg, model = load_hf_checkpoint(cfg.model.path, dtype=dtype, mesh=mesh)
+        graphdef, state = nnx.split(model)
+        return graphdef, state, model_cfg
+    model_cfg = tiny_model_config(cfg, tokenizer)
+    graphdef, state, _ = create_sharded(
+        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed)), mesh)
+    return graphdef, state, model_cfg
+
+
+def eos_ids(model: Decoder | ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Token ids that end a response: the tokenizer's EOS plus the checkpoint's own
+    (``model`` is the ``Decoder`` or its ``ModelConfig``)."""
+    model_cfg = model.cfg if isinstance(model, Decoder) else model
+    ids = {int(tokenizer.eos_id)} | {int(i) for i in model_cfg.eos_token_ids}
     return tuple(sorted(ids))

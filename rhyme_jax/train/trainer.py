@@ -26,16 +26,21 @@ from tqdm.auto import tqdm
 from rhyme_jax.config import to_dict
 from rhyme_jax.data import Problem, load_problems
 from rhyme_jax.data.rewards import reward as task_reward
-from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.parallel import distributed
+from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
+from rhyme_jax.parallel.reshard import put_global, reshard, to_host
+from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
+from rhyme_jax.rollout.engine import RolloutEngine, RolloutResult, SamplingParams
+from rhyme_jax.rollout.gather import allgather_results, merge_results
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
-from rhyme_jax.train.grpo_step import make_grpo_step, make_logprob_fn
+from rhyme_jax.train.grpo_step import TrainShardings, make_grpo_step, make_logprob_fn
 from rhyme_jax.train.losses import group_advantages, response_grid, sequence_batch
-from rhyme_jax.train.metrics import MetricsWriter
+from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.train.optim import make_optimizer
-from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
+from rhyme_jax.train.policy import build_sharded, build_tokenizer, eos_ids
 from rhyme_jax.train.rollout_log import save_rollouts
 
 SEQ_BUCKET = 64  # training sequence lengths are padded to a multiple of this (bounded recompiles)
@@ -60,14 +65,17 @@ def run_dir_of(cfg: Any) -> Path:
     return Path(cfg.run.runs_dir) / cfg.run.name
 
 
-def make_engine(graphdef: nnx.GraphDef, model_cfg, cfg: Any, eos: tuple[int, ...]) -> RolloutEngine:
-    """The rollout engine of a run, sized by the ``rollout`` config section."""
+def make_engine(graphdef: nnx.GraphDef, model_cfg, cfg: Any, eos: tuple[int, ...],
+                mesh: jax.sharding.Mesh | None = None) -> RolloutEngine:
+    """The rollout engine of a run, sized by the ``rollout`` config section, on ``mesh`` (a rollout
+    worker's sub-mesh with a ``tensor`` axis; None = one device)."""
     r = cfg.rollout
     return RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size,
                          num_pages=r.num_pages, max_prompt_len=r.max_prompt_len,
                          max_new_tokens=r.max_new_tokens, eos_ids=eos,
                          on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
-                         max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix)
+                         max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
+                         mesh=mesh)
 
 
 def eval_path(run_dir: Path, step: int) -> Path:
@@ -113,33 +121,47 @@ class GRPOTrainer:
     def __init__(self, cfg: Any, *, resume: bool = False,
                  reward_fn: Callable[[str, Problem], float] = task_reward):
         self.cfg, self.reward_fn = cfg, reward_fn
+        distributed.initialize(cfg.parallel)  # no-op unless multi-host is configured
+        self.primary = jax.process_index() == 0  # only process 0 writes files (Orbax: all save)
         self.run_dir = run_dir_of(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+        if self.primary:
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
         self.train_problems, self.eval_problems = load_problems(cfg.data)
         self.tokenizer = build_tokenizer(cfg, self.run_dir, self.train_problems)
-        model = build_model(cfg, self.tokenizer, cfg.run.seed)
-        self.model_cfg = model.cfg
-        self.graphdef, state = nnx.split(model)
+        # Train layout: params and optimizer state created directly in their shardings.
+        p, g = cfg.parallel, cfg.grpo
+        self.mesh = train_mesh(p.data, p.fsdp, p.tensor)
+        self._check_batch_layout()
+        self.graphdef, state, self.model_cfg = build_sharded(cfg, self.tokenizer, cfg.run.seed, self.mesh)
+        param_sh = param_shardings(state, self.mesh)
         warm = self._warm_start_dir()
         if warm is not None:
             state = ckpt.load_params(warm, state)
-        g = cfg.grpo
         self.optimizer = make_optimizer(g.learning_rate, g.steps, g.warmup_steps, g.weight_decay,
                                         g.max_grad_norm, schedule=g.schedule)
-        opt_state = self.optimizer.init(state)
+        opt_sh = opt_state_shardings(self.optimizer, jax.eval_shape(self.optimizer.init, state),
+                                     param_sh, self.mesh)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(state)
+        self.layout = TrainShardings(self.mesh, param_sh, opt_sh, batch_sharding(self.mesh))
         # The frozen KL reference is the starting policy (warm start or init), rebuilt on resume.
         self.ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
-        self.engine = make_engine(self.graphdef, self.model_cfg, cfg, eos_ids(model, self.tokenizer))
+        # Rollout layout: data-parallel workers, each an engine on its own sub-mesh.
+        eos = eos_ids(self.model_cfg, self.tokenizer)
+        self.worker_meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers)
+        self.engines = [make_engine(self.graphdef, self.model_cfg, cfg, eos, mesh=m) for m in self.worker_meshes]
+        self.engine = self.engines[0]
+        self.rollout_shardings = [param_shardings(state, m) for m in self.worker_meshes]
         self.history = HistoryStore(cfg.spec.history_depth) if cfg.spec.enabled else None
         self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
                                       eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
-                                      temperature=cfg.rollout.temperature)
-        self.ref_logprob_fn = make_logprob_fn(self.graphdef, cfg.rollout.temperature)
+                                      temperature=cfg.rollout.temperature, shardings=self.layout)
+        self.ref_logprob_fn = make_logprob_fn(self.graphdef, cfg.rollout.temperature, self.layout)
         self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
         self.step, self.nonfinite_total, self.nonfinite_run = 0, 0, 0
         self.eval_before: Optional[dict] = None
         if resume and self.checkpointer.latest_step() is not None:
+            # Restored into this run's shardings, whatever mesh the checkpoint was written on.
             state, opt_state, meta = self.checkpointer.restore(None, params_like=state,
                                                                opt_state_like=opt_state)
             self.step = int(meta["step"])
@@ -152,12 +174,52 @@ class GRPOTrainer:
         self.drafter = Drafter(cfg.spec, self.history) if self.history is not None else None
         if self.drafter is not None and len(self.history):
             self.drafter.rebuild(self.history.prompt_ids())
-        # Commit every array to the device: params restored by Orbax are committed while freshly
-        # initialised ones (and optax's counters) are not, and jit keys its compile cache on
-        # that, so a mixed first call would recompile the update on step 2.
-        self.state, self.opt_state = jax.device_put((state, opt_state), jax.devices()[0])
-        self.metrics = MetricsWriter(self.run_dir, truncate_from=self.step + 1 if resume else None)
+        # Commit every array to its sharding: restored and freshly built arrays then look the same
+        # to jit, so the update compiles once.
+        self.state, self.opt_state = reshard((state, opt_state), (param_sh, opt_sh))
+        truncate = self.step + 1 if resume else None
+        self.metrics = (MetricsWriter(self.run_dir, truncate_from=truncate) if self.primary
+                        else NullMetricsWriter())
         self._prompt_cache: dict[int, list[int]] = {}
+
+    def _check_batch_layout(self) -> None:
+        g = self.cfg.grpo
+        shards = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
+        rows = g.prompts_per_step * g.samples_per_prompt
+        if rows % (g.minibatches * shards):
+            raise MeshConfigError(
+                f"grpo.prompts_per_step * grpo.samples_per_prompt = {rows} rows must split into "
+                f"grpo.minibatches={g.minibatches} minibatches of a multiple of parallel.data x "
+                f"parallel.fsdp = {shards} rows")
+
+    def rollout_state(self, worker: int = 0) -> nnx.State:
+        """Weight sync: the current params in rollout worker ``worker``'s layout (device-to-device
+        ``parallel.reshard.reshard``; nothing moves when the layouts coincide)."""
+        return reshard(self.state, self.rollout_shardings[worker])
+
+    def rollout(self, idx: np.ndarray, prompts: list[list[int]], key: jax.Array,
+                sampling: SamplingParams) -> RolloutResult:
+        """Rollouts of ``prompts`` (``samples_per_prompt`` rows per prompt of ``idx``, in order) over
+        every rollout worker of every process; the result (identical on all processes) is in
+        prompt order.
+
+        Groups are split over the global workers in order (``distributed.process_groups``); worker
+        ``w`` samples with ``fold_in(key, w)`` (``key`` itself when there is one worker), so a run
+        with W workers gives the same rollouts in one process or across hosts.
+        """
+        n = self.cfg.grpo.samples_per_prompt
+        local = len(self.engines)
+        total = local * jax.process_count()
+        results = []
+        for w, groups in enumerate(distributed.process_groups(len(idx), local)):
+            rows = [r for gi in groups for r in range(gi * n, (gi + 1) * n)]
+            global_w = jax.process_index() * local + w
+            wkey = key if total == 1 else jax.random.fold_in(key, global_w)
+            if self.drafter is not None:
+                self.drafter.begin(np.repeat(idx[groups], n).tolist())
+            results.append(self.engines[w].generate(self.rollout_state(w), [prompts[r] for r in rows],
+                                                    sampling, wkey, drafter=self.drafter))
+        return allgather_results(merge_results(results), self.cfg.rollout.max_new_tokens)
 
     def _warm_start_dir(self) -> Optional[Path]:
         if self.cfg.run.init_from:
@@ -186,11 +248,8 @@ class GRPOTrainer:
         key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
         t0 = time.perf_counter()
         r = cfg.rollout
-        if self.drafter is not None:
-            self.drafter.begin(np.repeat(idx, n).tolist())
-        out = self.engine.generate(self.state, prompts, SamplingParams(
-            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-            max_new_tokens=r.max_new_tokens), key, drafter=self.drafter)
+        out = self.rollout(idx, prompts, key, SamplingParams(
+            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens))
         t_rollout = time.perf_counter() - t0
         problems = [self.train_problems[int(i)] for i in idx for _ in range(n)]
         texts = [self.tokenizer.decode(t) for t in out.tokens]
@@ -199,7 +258,8 @@ class GRPOTrainer:
         skipped = np.array([f == "skipped" for f in out.finish_reasons])
         rewards = np.array([0.0 if skip else self.reward_fn(s, p)
                             for s, p, skip in zip(texts, problems, skipped)], np.float32)
-        save_rollouts(self.run_dir, step, np.repeat(idx, n), out.tokens, rewards, out.logprobs)
+        if self.primary:
+            save_rollouts(self.run_dir, step, np.repeat(idx, n), out.tokens, rewards, out.logprobs)
         if self.history is not None:  # write-back, then rebuild those indexes off the critical path
             self.history.update(step, np.repeat(idx, n), [np.asarray(p, np.int32) for p in prompts],
                                 out.tokens, rewards)
@@ -216,10 +276,11 @@ class GRPOTrainer:
         batch.pop("lengths")
         batch["advantages"] = adv.astype(np.float32)
         if self.ref_state is not None:
-            batch["ref_logprobs"] = np.asarray(self.ref_logprob_fn(self.ref_state, batch))
+            ref = self.ref_logprob_fn(self.ref_state, put_global(batch, self.layout.batch))
+            batch["ref_logprobs"] = to_host(ref)
         mb_metrics = []
         for mb in np.array_split(np.arange(len(prompts)), g.minibatches):
-            sub = {k: jnp.asarray(v[mb]) for k, v in batch.items()}
+            sub = put_global({k: v[mb] for k, v in batch.items()}, self.layout.batch)
             self.state, self.opt_state, m = self.step_fn(self.state, self.opt_state, sub)
             mb_metrics.append(jax.device_get(m))
         t_train = time.perf_counter() - t1
@@ -237,6 +298,8 @@ class GRPOTrainer:
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
             "rollout/forward_passes": float(out.stats["forward_passes"]),
+            "rollout/workers": float(out.stats["workers"]),
+            "rollout/max_worker_forward_passes": float(out.stats["max_worker_forward_passes"]),
             "rollout/decode_steps": float(out.stats["decode_steps"]),
             "rollout/generated_tokens": float(out.stats["generated_tokens"]),
             "rollout/tokens_per_forward": float(out.stats["tokens_per_forward"]),
@@ -255,12 +318,13 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ loop
     def evaluate(self, problems=None) -> EvalResult:
         """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
-        return evaluate_run(self.engine, self.state, self.tokenizer,
+        return evaluate_run(self.engine, self.rollout_state(0), self.tokenizer,
                             problems or self.eval_problems, self.cfg)
 
     def record_eval(self, step: int, res: EvalResult, *, before: bool = False) -> None:
         """Log an evaluation's metrics and keep its per-problem results in ``eval/``."""
-        res.save(eval_path(self.run_dir, step))
+        if self.primary:
+            res.save(eval_path(self.run_dir, step))
         if before:
             self.eval_before = res.as_metrics()
         self.metrics.log(step, res.as_metrics(), phase="eval")
