@@ -162,6 +162,22 @@ class ParallelSection:
 
 
 @dataclass
+class SchedSection:
+    """Rollout scheduling over the rollout workers (ARCHITECTURE.md section 6; rhyme_jax/sched/)."""
+
+    mode: str = "fifo"  # fifo (groups split over workers in order) | histopipe
+    pipeline: str = "sync"  # sync (on-policy) | one_step_off (rollout s+1 overlaps update s; staleness 1)
+    tier1: bool = True  # histopipe: ranking groups by predicted length, odd steps ascending / even descending
+    tier2: bool = True  # histopipe: more workers for long groups (binary search on the makespan)
+    migration: bool = True  # histopipe: tails longer than growth x predicted move to an idle worker
+    num_groups: int = 0  # ranking groups; 0 = max(1, workers // 2)
+    length_stat: str = "mean"  # length prediction from the last rollout: mean | max | p90
+    growth: float = 1.5  # migration: generated > growth x predicted length
+    tail_fraction: float = 0.1  # migration: the worker has at most this share of its rows unfinished
+    cost_model: str = ""  # profiled cost model JSON (benchmarks/schedule.py --mode profile); "" = placeholder
+
+
+@dataclass
 class RunConfig:
     """Top-level run configuration (configs/*.yaml)."""
 
@@ -173,6 +189,7 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     spec: SpecSection = field(default_factory=SpecSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    sched: SchedSection = field(default_factory=SchedSection)
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Any:
@@ -215,6 +232,9 @@ _CHOICES = {
     "grpo.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "spec.branch": ("reward", "count"),
     "spec.window": ("aimd", "mimd", "fixed"),
+    "sched.mode": ("fifo", "histopipe"),
+    "sched.pipeline": ("sync", "one_step_off"),
+    "sched.length_stat": ("mean", "max", "p90"),
 }
 
 
@@ -277,6 +297,10 @@ def _validate_parallel(cfg: Any, source: str) -> None:
     for key in ("data", "fsdp", "tensor"):
         if p[key] == 0 or p[key] < -1:
             raise ConfigError(f"{source}: parallel.{key}={p[key]} must be >= 1 or -1 (the devices left)")
+    sc = cfg.sched
+    if sc.num_groups < 0 or sc.growth <= 0 or not 0 < sc.tail_fraction <= 1:
+        raise ConfigError(f"{source}: sched.num_groups >= 0, sched.growth > 0 and 0 < sched.tail_fraction <= 1 "
+                          f"are required")
     if p.rollout_tensor < 1 or p.rollout_workers < 0:
         raise ConfigError(f"{source}: parallel.rollout_tensor >= 1 and parallel.rollout_workers >= 0 "
                           f"are required")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -219,13 +219,16 @@ def case_trainer_layouts():
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-def main(argv: list[str]) -> int:
-    out_path, names = Path(argv[0]), argv[1:] or list(CASES)
+def main(argv: list[str], cases: dict | None = None) -> int:
+    """Run ``cases`` (default: this module's) named in ``argv[1:]`` (default: all) and write the
+    verdicts to ``argv[0]``."""
+    cases = CASES if cases is None else cases
+    out_path, names = Path(argv[0]), argv[1:] or list(cases)
     assert jax.device_count() == 8, f"need 8 fake devices, got {jax.device_count()}"
     results = {}
     for name in names:
         try:
-            ok, detail = CASES[name]()
+            ok, detail = cases[name]()
             results[name] = {"ok": bool(ok), "detail": detail}
         except Exception:  # reported to the parent test with the traceback
             results[name] = {"ok": False, "detail": traceback.format_exc()}

@@ -40,7 +40,8 @@ CONFIG = REPO / "configs" / "tiny_test.yaml"
 STEPS, PROMPTS, SAMPLES = 4, 2, 4  # grpo.steps, prompts_per_step, samples_per_prompt of tiny_test
 PER_STEP = PROMPTS * SAMPLES  # reward calls per GRPO step
 # Metric keys that measure wall time (differ between identical runs).
-TIMING_KEYS = ("time/rollout_s", "time/train_s", "rollout/tokens_per_s")
+TIMING_KEYS = ("time/rollout_s", "time/train_s", "rollout/tokens_per_s", "time/rollout_wait_s",
+               "time/rollout_makespan_s")
 
 
 def parity_reward(text, problem):

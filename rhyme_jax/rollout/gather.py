@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from rhyme_jax.rollout.engine import RolloutResult
+from rhyme_jax.rollout.types import RolloutResult
 
 _FINISH = ("eos", "length", "skipped", "migrated")
 _COUNTS = ("prefill_tokens", "generated_tokens", "decode_steps", "prefill_steps", "preemptions",

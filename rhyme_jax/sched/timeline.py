@@ -15,7 +15,9 @@ Times are seconds (any common origin; the chart shows them relative to each step
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,3 +190,36 @@ def plot_gantt(
     with atomic_write(path, "wb") as fh:
         fh.write(buf.getvalue())
     return path
+
+
+def write_schedule(run_dir: str | Path, step: int, intervals: Sequence[WorkerInterval],
+                   group_finish_s: np.ndarray, plan: Any) -> Path:
+    """Write ``<run_dir>/schedule/step_<step>.json`` atomically: the step's worker intervals
+    (seconds from the step's start), each ranking group's completion time, its workers and rows.
+    A replayed step (after a resume) overwrites its file."""
+    path = Path(run_dir) / "schedule" / f"step_{int(step):06d}.json"
+    row = {"step": int(step), "mode": plan.mode, "ascending": plan.ascending,
+           "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in intervals],
+           "group_finish_s": [float(x) for x in group_finish_s],
+           "group_workers": [int(x) for x in plan.group_workers],
+           "worker_rows": [[int(r) for r in rows] for rows in plan.worker_rows]}
+    with atomic_write(path, "w") as fh:
+        json.dump(row, fh)
+    return path
+
+
+def load_schedule(run_dir: str | Path) -> dict[int, list[WorkerInterval]]:
+    """``{step: intervals}`` from every ``<run_dir>/schedule/step_*.json``.
+
+    Raises:
+      ValueError: a file is not valid JSON of the ``write_schedule`` layout (names the file).
+    """
+    out: dict[int, list[WorkerInterval]] = {}
+    for path in sorted((Path(run_dir) / "schedule").glob("step_*.json")):
+        try:
+            row = json.loads(path.read_text())
+            out[int(row["step"])] = [WorkerInterval(int(w), float(a), float(b), str(k))
+                                     for w, a, b, k in row["intervals"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a schedule file ({exc})") from None
+    return out

@@ -67,9 +67,7 @@ class Drafter:
         self._lock = threading.Lock()
         self._built: dict[int, tuple[HistoryEntry, SuffixIndex]] = {}
         self._pending: dict[int, Future] = {}
-        self._pack = IndexPack.of([])
-        self._slots = np.zeros(0, np.int64)
-        self._window = np.zeros(0, np.int32)
+        self._current = DraftBatch(self, IndexPack.of([]), np.zeros(0, np.int64))
 
     # ---------------------------------------------------------------- indexes
 
@@ -115,10 +113,10 @@ class Drafter:
         return None if built is None else built[1]
 
     # ---------------------------------------------------------------- per batch / per step
-
-    def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Start a rollout batch: request r has prompt id ``prompt_ids[r]``. Resets every window to
-        the policy start; requests whose prompt has no history draft nothing (cold start)."""
+    def batch(self, prompt_ids: Sequence[int]) -> "DraftBatch":
+        """A drafting session for one rollout batch (request r has prompt id ``prompt_ids[r]``):
+        its own windows over this drafter's shared indexes, so concurrent rollout workers each
+        drive their own batch. Requests whose prompt has no history draft nothing (cold start)."""
         pids = [int(p) for p in prompt_ids]
         indexes: list[SuffixIndex] = []
         slot_of: dict[int, int] = {}
@@ -127,9 +125,53 @@ class Drafter:
             if ix is not None:
                 slot_of[pid] = len(indexes)
                 indexes.append(ix)
-        self._pack = IndexPack.of(indexes)
-        self._slots = np.array([slot_of.get(p, -1) for p in pids], dtype=np.int64)
-        self._window = initial_window(self.window_policy, len(pids), self.fixed_window)
+        return DraftBatch(self, IndexPack.of(indexes), np.array([slot_of.get(p, -1) for p in pids], np.int64))
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Start the default batch (``batch``) that ``draft`` / ``observe`` / ``windows`` act on;
+        every window starts at the policy's initial value."""
+        self._current = self.batch(prompt_ids)
+
+    def draft(self, reqs, tails, budgets):
+        """``DraftBatch.draft`` of the batch started by ``begin``."""
+        return self._current.draft(reqs, tails, budgets)
+
+    def observe(self, reqs, drafted, accepted) -> None:
+        """``DraftBatch.observe`` of the batch started by ``begin``."""
+        self._current.observe(reqs, drafted, accepted)
+
+    @property
+    def windows(self) -> Int[np.ndarray, "R"]:
+        """Copy of the current ``int32[R]`` windows of the ``begin`` batch's requests."""
+        return self._current.windows
+
+    def close(self) -> None:
+        """Stop the background build thread (queued builds are dropped, a running one finishes)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Drafter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DraftBatch:
+    """Drafting state of one rollout batch (``Drafter.batch``): which index each request uses
+    and its draft window. The engine calls ``draft`` every decode step and ``observe`` after it.
+
+    Attributes:
+      pattern_max, context_width: from the parent drafter (how many tokens ``tails`` must hold).
+      seconds: host time inside ``draft`` (also added to the parent's ``seconds``).
+    """
+
+    def __init__(self, parent: Drafter, pack: IndexPack, slots: np.ndarray):
+        self.parent = parent
+        self.pattern_max = parent.pattern_max
+        self.context_width = parent.context_width
+        self._pack, self._slots = pack, slots
+        self._window = initial_window(parent.window_policy, slots.size, parent.fixed_window)
+        self.seconds = 0.0
 
     def _reqs(self, reqs) -> np.ndarray:
         r = np.asarray(reqs, dtype=np.int64)
@@ -147,7 +189,7 @@ class Drafter:
         """Drafts of B running requests.
 
         Args:
-          reqs: ``int[B]`` request index (into ``begin``'s prompt ids) of each row.
+          reqs: ``int[B]`` request index (into the batch's prompt ids) of each row.
           tails: ``int[B, P]`` last P tokens of each running sequence (prompt + generated),
             left-padded with -1; ``P >= pattern_max`` (``context_width`` when self-lookup is on:
             the whole row is searched then, the index sees the last ``pattern_max``).
@@ -163,6 +205,7 @@ class Drafter:
           ValueError: shapes or request indices that do not fit (named).
         """
         t0 = time.perf_counter()
+        p = self.parent
         r = self._reqs(reqs)
         budgets = np.asarray(budgets, dtype=np.int64)
         if budgets.shape != r.shape:
@@ -171,16 +214,16 @@ class Drafter:
         if tails.ndim != 2 or tails.shape[0] != r.size:
             raise ValueError(f"tails: expected shape ({r.size}, P), got {tails.shape}")
         max_lens = np.minimum(self._window[r], budgets)
-        if tails.shape[1] < self.pattern_max:
-            raise ValueError(f"tails: need at least pattern_max={self.pattern_max} columns, got {tails.shape[1]}")
-        out, lens = draft_batch(self._pack, self._slots[r], np.ascontiguousarray(tails[:, -self.pattern_max:]),
-                                max_lens, branch=self.branch, min_token_prob=self.min_token_prob,
-                                pattern_max=self.pattern_max, pattern_min=self.pattern_min)
-        if self.self_lookup:
+        if tails.shape[1] < p.pattern_max:
+            raise ValueError(f"tails: need at least pattern_max={p.pattern_max} columns, got {tails.shape[1]}")
+        out, lens = draft_batch(self._pack, self._slots[r], np.ascontiguousarray(tails[:, -p.pattern_max:]),
+                                max_lens, branch=p.branch, min_token_prob=p.min_token_prob,
+                                pattern_max=p.pattern_max, pattern_min=p.pattern_min)
+        if p.self_lookup:
             miss = np.flatnonzero((lens == 0) & (max_lens > 0))
             if miss.size:
-                own, own_lens = self_lookup_drafts(tails[miss], max_lens[miss], pattern_max=self.pattern_max,
-                                                   pattern_min=self.pattern_min, max_draft=K_BUCKETS[-1])
+                own, own_lens = self_lookup_drafts(tails[miss], max_lens[miss], pattern_max=p.pattern_max,
+                                                   pattern_min=p.pattern_min, max_draft=K_BUCKETS[-1])
                 width = max(out.shape[1], int(own_lens.max(initial=0)))
                 if width > out.shape[1]:
                     out = np.concatenate([out, np.zeros((out.shape[0], width - out.shape[1]), out.dtype)], axis=1)
@@ -192,7 +235,9 @@ class Drafter:
         drafts = np.zeros((r.size, k), np.int32)
         w = min(k, out.shape[1])
         drafts[:, :w] = out[:, :w]
-        self.seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        p.seconds += dt
         return drafts, lens
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"],
@@ -205,20 +250,10 @@ class Drafter:
         r = self._reqs(reqs)
         if np.unique(r).size != r.size:
             raise ValueError("reqs: each request may appear once per observe()")
-        self._window[r] = next_window(self.window_policy, self._window[r], drafted, accepted,
-                                      self.fixed_window)
+        p = self.parent
+        self._window[r] = next_window(p.window_policy, self._window[r], drafted, accepted, p.fixed_window)
 
     @property
     def windows(self) -> Int[np.ndarray, "R"]:
         """Copy of the current ``int32[R]`` windows of the batch's requests."""
         return self._window.copy()
-
-    def close(self) -> None:
-        """Stop the background build thread (queued builds are dropped, a running one finishes)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> "Drafter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -30,8 +31,9 @@ from rhyme_jax.parallel import distributed
 from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
 from rhyme_jax.parallel.reshard import put_global, reshard, to_host
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
-from rhyme_jax.rollout.engine import RolloutEngine, RolloutResult, SamplingParams
-from rhyme_jax.rollout.gather import allgather_results, merge_results
+from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.sched.scheduler import RolloutScheduler
+from rhyme_jax.sched.timeline import load_schedule, plot_gantt, write_schedule
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train import checkpoint as ckpt
@@ -152,6 +154,9 @@ class GRPOTrainer:
         self.engines = [make_engine(self.graphdef, self.model_cfg, cfg, eos, mesh=m) for m in self.worker_meshes]
         self.engine = self.engines[0]
         self.rollout_shardings = [param_shardings(state, m) for m in self.worker_meshes]
+        self.scheduler = RolloutScheduler(self.engines, cfg.sched, cfg.rollout.max_new_tokens)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off-rollout")
+        self._prefetch: Optional[tuple[int, Future]] = None
         self.history = HistoryStore(cfg.spec.history_depth) if cfg.spec.enabled else None
         self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
                                       eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
@@ -192,34 +197,43 @@ class GRPOTrainer:
                 f"grpo.minibatches={g.minibatches} minibatches of a multiple of parallel.data x "
                 f"parallel.fsdp = {shards} rows")
 
-    def rollout_state(self, worker: int = 0) -> nnx.State:
-        """Weight sync: the current params in rollout worker ``worker``'s layout (device-to-device
-        ``parallel.reshard.reshard``; nothing moves when the layouts coincide)."""
-        return reshard(self.state, self.rollout_shardings[worker])
+    def rollout_states(self, state: nnx.State | None = None) -> list[nnx.State]:
+        """``state`` (default: the current params) in every local rollout worker's layout."""
+        state = self.state if state is None else state
+        return [reshard(state, sh) for sh in self.rollout_shardings]
 
-    def rollout(self, idx: np.ndarray, prompts: list[list[int]], key: jax.Array,
-                sampling: SamplingParams) -> RolloutResult:
-        """Rollouts of ``prompts`` (``samples_per_prompt`` rows per prompt of ``idx``, in order) over
-        every rollout worker of every process; the result (identical on all processes) is in
-        prompt order.
+    def _rollout_step(self, step: int, state: nnx.State, weights_step: int) -> dict:
+        """Prompts, sampling key and scheduled rollout of GRPO step ``step`` with ``state`` (the
+        params after ``weights_step`` updates). Runs in a background thread under one_step_off."""
+        cfg, g = self.cfg, self.cfg.grpo
+        n, r = g.samples_per_prompt, cfg.rollout
+        idx = prompt_schedule(cfg.run.seed, num_grpo_prompts(cfg, len(self.train_problems)), step,
+                              g.prompts_per_step)
+        prompts = [self._prompt_ids(int(i)) for i in idx for _ in range(n)]
+        key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+        t0 = time.perf_counter()
+        sr = self.scheduler.rollout(step, self.rollout_states(state), idx, prompts, n, SamplingParams(
+            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens),
+            key, history=self.history, drafter=self.drafter)
+        return dict(idx=idx, prompts=prompts, sr=sr, seconds=time.perf_counter() - t0,
+                    weights_step=weights_step)
 
-        Groups are split over the global workers in order (``distributed.process_groups``); worker
-        ``w`` samples with ``fold_in(key, w)`` (``key`` itself when there is one worker), so a run
-        with W workers gives the same rollouts in one process or across hosts.
-        """
-        n = self.cfg.grpo.samples_per_prompt
-        local = len(self.engines)
-        total = local * jax.process_count()
-        results = []
-        for w, groups in enumerate(distributed.process_groups(len(idx), local)):
-            rows = [r for gi in groups for r in range(gi * n, (gi + 1) * n)]
-            global_w = jax.process_index() * local + w
-            wkey = key if total == 1 else jax.random.fold_in(key, global_w)
-            if self.drafter is not None:
-                self.drafter.begin(np.repeat(idx[groups], n).tolist())
-            results.append(self.engines[w].generate(self.rollout_state(w), [prompts[r] for r in rows],
-                                                    sampling, wkey, drafter=self.drafter))
-        return allgather_results(merge_results(results), self.cfg.rollout.max_new_tokens)
+    def _take_rollout(self, step: int) -> tuple[dict, float]:
+        """The rollout of ``step``: the one prefetched under one_step_off, else run now. Returns it
+        and the seconds the trainer waited for it."""
+        t0 = time.perf_counter()
+        pending, self._prefetch = self._prefetch, None
+        if pending is not None and pending[0] == step:
+            return pending[1].result(), time.perf_counter() - t0
+        if pending is not None:
+            pending[1].result()
+        return self._rollout_step(step, self.state, step - 1), time.perf_counter() - t0
+
+    def _wait_prefetch(self) -> None:
+        """Let an in-flight one_step_off rollout finish (its result stays queued) before anything
+        else uses the engines."""
+        if self._prefetch is not None:
+            self._prefetch[1].exception()
 
     def _warm_start_dir(self) -> Optional[Path]:
         if self.cfg.run.init_from:
@@ -239,18 +253,19 @@ class GRPOTrainer:
         return self._prompt_cache[idx]
 
     def train_step(self, step: int) -> dict[str, float]:
-        """Run GRPO step ``step`` (1-based) and return its metrics."""
+        """Run GRPO step ``step`` (1-based) and return its metrics.
+
+        ``sched.pipeline=sync``: the rollout uses the current params (after ``step - 1``
+        updates). ``one_step_off``: after this step's write-back, the rollout of ``step + 1`` starts
+        in the background with the params before this step's update, overlapping the update; so
+        rollout ``s >= 2`` uses the params after ``s - 2`` updates (``rollout/weights_step``,
+        staleness 1). After a resume the first rollout runs synchronously (staleness 0).
+        """
         cfg, g = self.cfg, self.cfg.grpo
         n = g.samples_per_prompt
-        idx = prompt_schedule(cfg.run.seed, num_grpo_prompts(cfg, len(self.train_problems)), step,
-                              g.prompts_per_step)
-        prompts = [self._prompt_ids(int(i)) for i in idx for _ in range(n)]
-        key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-        t0 = time.perf_counter()
-        r = cfg.rollout
-        out = self.rollout(idx, prompts, key, SamplingParams(
-            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens))
-        t_rollout = time.perf_counter() - t0
+        bundle, t_wait = self._take_rollout(step)
+        idx, prompts, sr = bundle["idx"], bundle["prompts"], bundle["sr"]
+        out, t_rollout = sr.result, bundle["seconds"]
         problems = [self.train_problems[int(i)] for i in idx for _ in range(n)]
         texts = [self.tokenizer.decode(t) for t in out.tokens]
         # Prompts over rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty
@@ -264,6 +279,11 @@ class GRPOTrainer:
             self.history.update(step, np.repeat(idx, n), [np.asarray(p, np.int32) for p in prompts],
                                 out.tokens, rewards)
             self.drafter.rebuild(np.unique(idx).tolist())
+        if self.primary:
+            write_schedule(self.run_dir, step, sr.intervals, sr.group_finish_s, sr.plan)
+        if cfg.sched.pipeline == "one_step_off" and step < g.steps:
+            snapshot = jax.tree.map(jnp.copy, self.state)  # the update below donates self.state
+            self._prefetch = (step + 1, self._executor.submit(self._rollout_step, step + 1, snapshot, step - 1))
 
         t1 = time.perf_counter()
         adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, n)),
@@ -295,7 +315,10 @@ class GRPOTrainer:
             "reward/accuracy": float(np.mean(rewards == 1.0)),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "time/rollout_s": t_rollout, "time/train_s": t_train,
+            "time/rollout_s": t_rollout, "time/train_s": t_train, "time/rollout_wait_s": t_wait,
+            "rollout/weights_step": float(bundle["weights_step"]),
+            "rollout/staleness": float(step - 1 - bundle["weights_step"]),
+            **sr.metrics,
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
             "rollout/forward_passes": float(out.stats["forward_passes"]),
             "rollout/workers": float(out.stats["workers"]),
@@ -318,7 +341,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ loop
     def evaluate(self, problems=None) -> EvalResult:
         """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
-        return evaluate_run(self.engine, self.rollout_state(0), self.tokenizer,
+        self._wait_prefetch()
+        return evaluate_run(self.engine, self.rollout_states()[0], self.tokenizer,
                             problems or self.eval_problems, self.cfg)
 
     def record_eval(self, step: int, res: EvalResult, *, before: bool = False) -> None:
@@ -368,6 +392,9 @@ class GRPOTrainer:
             if step % cfg.run.checkpoint_every == 0 or step == total:
                 self.save()
         bar.close()
+        if self.primary:
+            plot_gantt(load_schedule(self.run_dir), self.run_dir / "gantt.png",
+                       num_workers=self.scheduler.local, title=f"rollout workers ({cfg.sched.mode})")
         after = self.evaluate()
         self.record_eval(total, after)
         self.metrics.close()
@@ -375,6 +402,8 @@ class GRPOTrainer:
                 "steps": total, "nonfinite_skipped": self.nonfinite_total}
 
     def close(self) -> None:
+        self._wait_prefetch()
+        self._executor.shutdown(wait=True)
         if self.drafter is not None:
             self.drafter.close()
         self.checkpointer.close()

@@ -1,0 +1,67 @@
+"""Public types of the rollout engine: sampling settings, results, progress, errors.
+
+Kept apart from ``engine.py`` so schedulers and gatherers can use them without the engine's
+machinery; ``rhyme_jax.rollout.engine`` re-exports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings (temperature 0 = greedy; top_k 0 / top_p 1.0 = off)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+class PromptTooLongError(ValueError):
+    """A prompt exceeds ``max_prompt_len`` (message names its index and length)."""
+
+
+class EngineConfigError(ValueError):
+    """Engine construction or call arguments are inconsistent (message names the field)."""
+
+
+@dataclass
+class RolloutResult:
+    """Responses of one ``generate`` call, in prompt order.
+
+    Attributes:
+      tokens: per prompt ``int32[n]`` response ids, EOS included when emitted.
+      logprobs: per prompt ``float32[n]`` behaviour logprobs of those tokens.
+      finish_reasons: ``"eos" | "length" | "skipped" | "migrated"`` (stopped by the monitor).
+      stats: prefill_tokens, generated_tokens, decode_steps (decode forward passes),
+        prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s,
+        drafted_tokens, accepted_tokens, acceptance_rate, drafting_seconds (host time inside
+        the drafter), sequence_steps (forward passes summed over the sequences in them) and
+        tokens_per_forward (generated tokens per sequence forward pass; 1.0 without drafts).
+    """
+
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    finish_reasons: list[str]
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What ``generate``'s ``monitor`` sees after a decode step (host arrays, copies).
+
+    Attributes:
+      running: ``int64[r]`` request indices in slots now.
+      waiting: ``int64[w]`` request indices queued (not admitted, or preempted).
+      generated: ``int64[n]`` response tokens so far per request (prefix included).
+      decode_steps: decode/verify passes run so far in this call.
+    """
+
+    running: np.ndarray
+    waiting: np.ndarray
+    generated: np.ndarray
+    decode_steps: int

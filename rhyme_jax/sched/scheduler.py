@@ -1,0 +1,152 @@
+"""One step's rollout over the rollout workers: plan (fifo or HistoPipe), run, gather, measure.
+
+``RolloutScheduler.rollout`` is what ``GRPOTrainer`` calls each step (ARCHITECTURE.md section 6):
+
+1. predict each prompt's length from the history store (``length_predictor``);
+2. plan rows onto the global workers (``planner.plan_step``: fifo, or tier 1 ranking groups with
+   odd/even order and tier 2 worker counts);
+3. run this process's workers concurrently (``workers.run_workers``) with tail migration when on;
+4. all-gather across processes and put the rows back in step order;
+5. bubble metrics from the workers' busy intervals (``timeline.bubble_metrics``).
+
+Scheduling changes where and when rows run, never the sampling law; under greedy sampling the
+responses are identical with and without HistoPipe (tests/test_sched_workers.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from rhyme_jax.rollout.engine import RolloutEngine, RolloutResult, SamplingParams
+from rhyme_jax.rollout.gather import allgather_results
+from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel
+from rhyme_jax.sched.length_predictor import predict_lengths
+from rhyme_jax.sched.migration import Migrant, TailMigration
+from rhyme_jax.sched.planner import Plan, plan_step
+from rhyme_jax.sched.timeline import WorkerInterval, bubble_metrics
+from rhyme_jax.sched.workers import run_workers
+
+MODES = ("fifo", "histopipe")
+PIPELINES = ("sync", "one_step_off")
+
+
+@dataclass
+class StepRollout:
+    """What one scheduled rollout step returns.
+
+    Attributes:
+      result: every row of the step in row order, except ``deferred`` ones.
+      metrics: ``sched/*`` floats (bubble fraction, earliest-finisher idle, makespan, migrated and
+        deferred shares, predicted makespan, tier-1 direction).
+      intervals: this process's worker busy intervals (seconds from the step's start).
+      deferred: rows stopped for the next step (one_step_off + migration).
+      plan: the planner's output (rows per worker, ranking groups).
+      group_finish_s: ``f64[G]`` completion time of each ranking group (its workers' last end).
+    """
+
+    result: RolloutResult
+    metrics: dict
+    intervals: list[WorkerInterval]
+    deferred: list[Migrant]
+    plan: Plan
+    group_finish_s: np.ndarray
+
+
+class RolloutScheduler:
+    """Rollout workers of this process plus the HistoPipe switches (``sched`` config section).
+
+    Args:
+      engines: one ``RolloutEngine`` per local worker (each on its sub-mesh).
+      cfg: the ``sched`` section: ``mode``, ``pipeline``, ``tier1``, ``tier2``, ``migration``,
+        ``num_groups``, ``length_stat``, ``growth``, ``tail_fraction``, ``cost_model`` (path).
+      max_new_tokens: the cold-start length prediction is half of it.
+
+    Raises:
+      CostModelError: ``sched.cost_model`` names a missing or invalid file.
+    """
+
+    def __init__(self, engines: Sequence[RolloutEngine], cfg: Any, max_new_tokens: int):
+        self.engines = list(engines)
+        self.cfg = cfg
+        self.max_new_tokens = int(max_new_tokens)
+        self.cost_model = CostModel.load(cfg.cost_model) if cfg.cost_model else DEFAULT_COST_MODEL
+        self.local = len(self.engines)
+        self.total = self.local * jax.process_count()
+        self.first = jax.process_index() * self.local
+
+    def plan(self, step: int, prompt_ids: Sequence[int], n: int, history) -> tuple[Plan, np.ndarray]:
+        """The step's plan over all global workers and the ``f64[P]`` length predictions."""
+        c = self.cfg
+        if history is not None and c.mode == "histopipe":
+            pred = predict_lengths(history, np.asarray(prompt_ids), c.length_stat,
+                                   default=self.max_new_tokens / 2)
+        else:
+            pred = np.full(len(prompt_ids), self.max_new_tokens / 2)
+        plan = plan_step(step, pred, n, self.total, self.cost_model, mode=c.mode, tier1=c.tier1,
+                         tier2=c.tier2, num_groups=c.num_groups)
+        return plan, pred
+
+    def rollout(self, step: int, states: Sequence[Any], prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                n: int, sampling: SamplingParams, key: jax.Array, *, history=None, drafter=None,
+                prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+                ) -> StepRollout:
+        """Roll out ``prompts`` (``n`` rows per prompt id of ``prompt_ids``, in order).
+
+        Args:
+          states: the params in each local worker's layout (the weight sync's output).
+          key: the step's key; worker ``w`` of ``W > 1`` uses ``fold_in(key, w)``.
+          prefixes: row -> response begun earlier (deferred rows of one_step_off).
+
+        Returns:
+          ``StepRollout``.
+        """
+        c = self.cfg
+        plan, pred = self.plan(step, prompt_ids, n, history)
+        rows_pred = np.repeat(pred, n)
+        local_rows = plan.worker_rows[self.first:self.first + self.local]
+        keys = [key if self.total == 1 else jax.random.fold_in(key, self.first + w) for w in range(self.local)]
+        migration = None
+        if c.mode == "histopipe" and c.migration and self.local > 1:
+            migration = TailMigration(rows_pred, local_rows, growth=c.growth, tail_fraction=c.tail_fraction)
+        row_ids = np.repeat(np.asarray(prompt_ids), n).tolist()
+        out = run_workers(self.engines, states, local_rows, prompts, row_ids, sampling, keys,
+                          drafter=drafter, migration=migration, prefixes=prefixes)
+        # Rows in step order across processes: gather (worker order), then sort by row.
+        gathered_rows = _allgather_rows(out.rows)
+        result = allgather_results(out.result, self.max_new_tokens)
+        order = np.argsort(gathered_rows, kind="stable")
+        result = RolloutResult([result.tokens[i] for i in order], [result.logprobs[i] for i in order],
+                               [result.finish_reasons[i] for i in order], result.stats)
+        bubble = bubble_metrics(out.intervals, self.local) if out.intervals else {}
+        total_rows = max(len(prompts), 1)
+        metrics = {
+            "sched/bubble_fraction": float(bubble.get("bubble_fraction", 0.0)),
+            "sched/earliest_finisher_idle": float(bubble.get("earliest_finisher_idle", 0.0)),
+            "time/rollout_makespan_s": float(bubble.get("makespan_s", 0.0)),
+            "sched/migrated_share": len(out.migrated) / total_rows,
+            "sched/deferred_share": len(out.deferred) / total_rows,
+            "sched/predicted_makespan_s": float(np.max(plan.predicted_seconds)),
+            "sched/ascending": float(bool(plan.ascending)) if plan.ascending is not None else -1.0,
+        }
+        finish = np.zeros(len(plan.groups))
+        for iv in out.intervals:
+            for g in plan.worker_groups[self.first + iv.worker]:
+                finish[g] = max(finish[g], iv.end)
+        return StepRollout(result, metrics, out.intervals, out.deferred, plan, finish)
+
+
+def _allgather_rows(rows: np.ndarray) -> np.ndarray:
+    """Every process's row indices, concatenated in process order (padding dropped)."""
+    if jax.process_count() == 1:
+        return rows
+    from jax.experimental import multihost_utils
+
+    count = int(np.max(multihost_utils.process_allgather(np.int32(rows.size))))
+    padded = np.full(count, -1, np.int64)
+    padded[:rows.size] = rows
+    allr = multihost_utils.process_allgather(padded).reshape(-1)
+    return allr[allr >= 0]
