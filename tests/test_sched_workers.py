@@ -70,7 +70,7 @@ def test_one_step_off_uses_the_documented_weights(tmp_path):
         assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
 
         def regenerate(step, version):
-            return [t.tolist() for t in tr._rollout_step(step, versions[version], version)["sr"].result.tokens]
+            return [t.tolist() for t in tr.pipeline.run(step, versions[version], version, []).rollout.result.tokens]
 
         assert regenerate(2, 0) == _responses(tr.run_dir, 2)
         assert regenerate(3, 1) == _responses(tr.run_dir, 3)
@@ -91,3 +91,63 @@ def test_sched_config_is_validated():
         load_config(CONFIG, ["sched.pipeline=async"])
     with pytest.raises(ConfigError, match="sched.tail_fraction"):
         load_config(CONFIG, ["sched.tail_fraction=0"])
+
+
+DEFER = ["sched.pipeline=one_step_off", "sched.mode=histopipe", "sched.growth=0.01", "sched.tail_fraction=1.0",
+         "grpo.steps=3", "rollout.max_new_tokens=24"]
+
+
+def _trained(run_dir, steps):
+    """Sorted prompt ids of every trained sample in the saved rollouts of ``steps``."""
+    out = []
+    for step in steps:
+        r = load_rollouts(run_dir, step)
+        out += [int(p) for p in r["prompt_ids"]]
+    return sorted(out)
+
+
+def _scheduled(cfg, steps):
+    n = cfg.grpo.samples_per_prompt
+    return sorted(int(p) for s in steps for p in np.repeat(prompt_schedule(cfg.run.seed, 200, s,
+                                                                            cfg.grpo.prompts_per_step), n))
+
+
+def test_one_step_off_deferral_trains_every_sample_once(tmp_path):
+    """Forced deferral (growth 0.01, tail fraction 1.0): tails of each one_step_off rollout are
+    stopped and their groups carried to the next step, where the partial responses are continued
+    and the complete groups trained. Over the run every prompt's n samples are trained exactly
+    once, also when the run is interrupted and resumed while groups are carried (they are in the
+    checkpoint)."""
+    cfg = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=a", *DEFER])
+    tr = GRPOTrainer(cfg, reward_fn=_reward)
+    try:
+        metrics = []
+        for step in (1, 2, 3):
+            metrics.append(tr.train_step(step))
+            tr.step = step
+    finally:
+        tr.close()
+    carried = [m["rollout/carried_groups"] for m in metrics]
+    assert carried[0] > 0 and carried[2] == 0  # the last step defers nothing
+    assert metrics[0]["sched/deferred_share"] > 0 and metrics[1]["sched/continued_rows"] > 0
+    assert _trained(tr.run_dir, (1, 2, 3)) == _scheduled(cfg, (1, 2, 3))
+    lengths = [len(r) for s in (1, 2, 3) for r in load_rollouts(tr.run_dir, s)["responses"]]
+    assert max(lengths) <= 24
+
+    cfg_b = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=b", *DEFER])
+    first = GRPOTrainer(cfg_b, reward_fn=_reward)
+    try:
+        for step in (1, 2):
+            first.train_step(step)
+            first.step = step
+            first.save()
+        assert first.pipeline.carry, "the interrupted run carries groups into step 3"
+    finally:
+        first.close()
+    second = GRPOTrainer(cfg_b, resume=True, reward_fn=_reward)
+    try:
+        assert second.step == 2 and len(second.pipeline.carry) == len(first.pipeline.carry)
+        second.train_step(3)
+    finally:
+        second.close()
+    assert _trained(second.run_dir, (1, 2, 3)) == _scheduled(cfg_b, (1, 2, 3))

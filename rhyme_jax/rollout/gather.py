@@ -15,7 +15,7 @@ import numpy as np
 from rhyme_jax.rollout.types import RolloutResult
 
 _FINISH = ("eos", "length", "skipped", "migrated")
-_COUNTS = ("prefill_tokens", "generated_tokens", "decode_steps", "prefill_steps", "preemptions",
+COUNT_STATS = ("prefill_tokens", "generated_tokens", "decode_steps", "prefill_steps", "preemptions",
            "skipped", "drafted_tokens", "accepted_tokens", "drafting_seconds", "sequence_steps",
            "forward_passes", "seconds")
 
@@ -38,7 +38,7 @@ def merge_results(results: Sequence[RolloutResult]) -> RolloutResult:
         out.stats.setdefault("workers", 1)
         out.stats.setdefault("max_worker_forward_passes", out.stats["forward_passes"])
         return out
-    stats = {k: sum(r.stats[k] for r in results) for k in _COUNTS}
+    stats = {k: sum(r.stats[k] for r in results) for k in COUNT_STATS}
     stats["workers"] = sum(r.stats.get("workers", 1) for r in results)
     stats["max_worker_forward_passes"] = max(r.stats.get("max_worker_forward_passes", r.stats["forward_passes"])
                                              for r in results)
@@ -67,15 +67,15 @@ def allgather_results(local: RolloutResult, max_new_tokens: int) -> RolloutResul
     fin = np.zeros(rows, np.int32)
     for i, (t, lp, f) in enumerate(zip(local.tokens, local.logprobs, local.finish_reasons)):
         tok[i, :len(t)], lps[i, :len(t)], lens[i], fin[i] = t, lp, len(t), _FINISH.index(f)
-    stats = np.array([local.stats[k] for k in _COUNTS] + [local.stats.get("workers", 1),
+    stats = np.array([local.stats[k] for k in COUNT_STATS] + [local.stats.get("workers", 1),
                      local.stats.get("max_worker_forward_passes", local.stats["forward_passes"])], np.float64)
     g_tok, g_lps, g_lens, g_fin, g_stats = (multihost_utils.process_allgather(x)
                                             for x in (tok, lps, lens, fin, stats))
     parts = []
     for p in range(g_tok.shape[0]):
         keep = np.flatnonzero(g_lens[p] >= 0)
-        st = dict(zip(_COUNTS, g_stats[p][:len(_COUNTS)].tolist()))
-        st["workers"], st["max_worker_forward_passes"] = g_stats[p][len(_COUNTS):].tolist()
+        st = dict(zip(COUNT_STATS, g_stats[p][:len(COUNT_STATS)].tolist()))
+        st["workers"], st["max_worker_forward_passes"] = g_stats[p][len(COUNT_STATS):].tolist()
         parts.append(RolloutResult(
             tokens=[g_tok[p, i, :g_lens[p, i]].copy() for i in keep],
             logprobs=[g_lps[p, i, :g_lens[p, i]].copy() for i in keep],

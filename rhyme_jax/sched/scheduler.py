@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from rhyme_jax.rollout.engine import RolloutEngine, RolloutResult, SamplingParams
-from rhyme_jax.rollout.gather import allgather_results
+from rhyme_jax.rollout.gather import COUNT_STATS, allgather_results
 from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 from rhyme_jax.sched.length_predictor import predict_lengths
 from rhyme_jax.sched.migration import Migrant, TailMigration
@@ -39,11 +39,13 @@ class StepRollout:
     """What one scheduled rollout step returns.
 
     Attributes:
-      result: every row of the step in row order, except ``deferred`` ones.
+      result: the rows ``rows`` (ascending): every row of the step except ``deferred`` ones,
+        then the continued ``extra`` rows (numbered from ``P * n`` on).
       metrics: ``sched/*`` floats (bubble fraction, earliest-finisher idle, makespan, migrated and
         deferred shares, predicted makespan, tier-1 direction).
       intervals: this process's worker busy intervals (seconds from the step's start).
-      deferred: rows stopped for the next step (one_step_off + migration).
+      deferred: row -> (partial tokens, logprobs) of rows stopped for the next step
+        (one_step_off + migration), gathered from every process.
       plan: the planner's output (rows per worker, ranking groups).
       group_finish_s: ``f64[G]`` completion time of each ranking group (its workers' last end).
     """
@@ -51,9 +53,10 @@ class StepRollout:
     result: RolloutResult
     metrics: dict
     intervals: list[WorkerInterval]
-    deferred: list[Migrant]
+    deferred: dict[int, tuple[np.ndarray, np.ndarray]]
     plan: Plan
     group_finish_s: np.ndarray
+    rows: np.ndarray
 
 
 class RolloutScheduler:
@@ -92,28 +95,39 @@ class RolloutScheduler:
 
     def rollout(self, step: int, states: Sequence[Any], prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
                 n: int, sampling: SamplingParams, key: jax.Array, *, history=None, drafter=None,
-                prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
-                ) -> StepRollout:
+                extra: Sequence[tuple[int, Sequence[int], np.ndarray, np.ndarray]] = (),
+                defer: bool = False) -> StepRollout:
         """Roll out ``prompts`` (``n`` rows per prompt id of ``prompt_ids``, in order).
 
         Args:
           states: the params in each local worker's layout (the weight sync's output).
           key: the step's key; worker ``w`` of ``W > 1`` uses ``fold_in(key, w)``.
-          prefixes: row -> response begun earlier (deferred rows of one_step_off).
+          extra: rows carried from the previous step (one_step_off deferral): ``(prompt id,
+            prompt tokens, partial response, its logprobs)``; they become rows ``P * n + e``,
+            go to the workers with the least predicted work, and are never deferred again.
+          defer: stop tails for the next step instead of migrating them (one_step_off).
 
         Returns:
           ``StepRollout``.
         """
         c = self.cfg
         plan, pred = self.plan(step, prompt_ids, n, history)
-        rows_pred = np.repeat(pred, n)
-        local_rows = plan.worker_rows[self.first:self.first + self.local]
+        own = len(prompts)
+        rows_pred = np.concatenate([np.repeat(pred, n), np.full(len(extra), np.inf)])
+        worker_rows = [list(r) for r in plan.worker_rows]
+        by_load = np.argsort(plan.predicted_seconds, kind="stable")
+        for e in range(len(extra)):
+            worker_rows[int(by_load[e % len(by_load)])].append(own + e)
+        local_rows = [np.asarray(r, np.int64) for r in worker_rows[self.first:self.first + self.local]]
         keys = [key if self.total == 1 else jax.random.fold_in(key, self.first + w) for w in range(self.local)]
         migration = None
-        if c.mode == "histopipe" and c.migration and self.local > 1:
-            migration = TailMigration(rows_pred, local_rows, growth=c.growth, tail_fraction=c.tail_fraction)
-        row_ids = np.repeat(np.asarray(prompt_ids), n).tolist()
-        out = run_workers(self.engines, states, local_rows, prompts, row_ids, sampling, keys,
+        if c.mode == "histopipe" and c.migration and (defer or self.local > 1):
+            migration = TailMigration(rows_pred, local_rows, growth=c.growth, tail_fraction=c.tail_fraction,
+                                      defer=defer)
+        all_prompts = list(prompts) + [list(x[1]) for x in extra]
+        row_ids = np.repeat(np.asarray(prompt_ids), n).tolist() + [int(x[0]) for x in extra]
+        prefixes = {own + e: (x[2], x[3]) for e, x in enumerate(extra)}
+        out = run_workers(self.engines, states, local_rows, all_prompts, row_ids, sampling, keys,
                           drafter=drafter, migration=migration, prefixes=prefixes)
         # Rows in step order across processes: gather (worker order), then sort by row.
         gathered_rows = _allgather_rows(out.rows)
@@ -121,6 +135,7 @@ class RolloutScheduler:
         order = np.argsort(gathered_rows, kind="stable")
         result = RolloutResult([result.tokens[i] for i in order], [result.logprobs[i] for i in order],
                                [result.finish_reasons[i] for i in order], result.stats)
+        deferred = _allgather_deferred(out.deferred, self.max_new_tokens)
         bubble = bubble_metrics(out.intervals, self.local) if out.intervals else {}
         total_rows = max(len(prompts), 1)
         metrics = {
@@ -128,7 +143,8 @@ class RolloutScheduler:
             "sched/earliest_finisher_idle": float(bubble.get("earliest_finisher_idle", 0.0)),
             "time/rollout_makespan_s": float(bubble.get("makespan_s", 0.0)),
             "sched/migrated_share": len(out.migrated) / total_rows,
-            "sched/deferred_share": len(out.deferred) / total_rows,
+            "sched/deferred_share": len(deferred) / total_rows,
+            "sched/continued_rows": float(len(extra)),
             "sched/predicted_makespan_s": float(np.max(plan.predicted_seconds)),
             "sched/ascending": float(bool(plan.ascending)) if plan.ascending is not None else -1.0,
         }
@@ -136,7 +152,8 @@ class RolloutScheduler:
         for iv in out.intervals:
             for g in plan.worker_groups[self.first + iv.worker]:
                 finish[g] = max(finish[g], iv.end)
-        return StepRollout(result, metrics, out.intervals, out.deferred, plan, finish)
+        return StepRollout(result, metrics, out.intervals, deferred, plan, finish,
+                           np.sort(gathered_rows).astype(np.int64))
 
 
 def _allgather_rows(rows: np.ndarray) -> np.ndarray:
@@ -150,3 +167,13 @@ def _allgather_rows(rows: np.ndarray) -> np.ndarray:
     padded[:rows.size] = rows
     allr = multihost_utils.process_allgather(padded).reshape(-1)
     return allr[allr >= 0]
+
+
+def _allgather_deferred(local: Sequence[Migrant], max_new_tokens: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Deferred rows of every process: row -> (partial tokens, logprobs)."""
+    rows = np.array([m.row for m in local], np.int64)
+    packed = RolloutResult([m.tokens for m in local], [m.logprobs for m in local], ["migrated"] * len(local),
+                           {k: 0 for k in COUNT_STATS})
+    packed = allgather_results(packed, max_new_tokens)
+    return {int(r): (t, lp) for r, t, lp in zip(_allgather_rows(rows), packed.tokens, packed.logprobs)}
+

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,7 +30,8 @@ from rhyme_jax.parallel import distributed
 from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
 from rhyme_jax.parallel.reshard import put_global, reshard, to_host
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
-from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.rollout.engine import RolloutEngine
+from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler
 from rhyme_jax.sched.timeline import load_schedule, plot_gantt, write_schedule
 from rhyme_jax.spec.drafter import Drafter
@@ -42,6 +42,7 @@ from rhyme_jax.train.grpo_step import TrainShardings, make_grpo_step, make_logpr
 from rhyme_jax.train.losses import group_advantages, response_grid, sequence_batch
 from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.train.optim import make_optimizer
+from rhyme_jax.train.pipeline import RolloutPipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, eos_ids
 from rhyme_jax.train.rollout_log import save_rollouts
 
@@ -155,8 +156,6 @@ class GRPOTrainer:
         self.engine = self.engines[0]
         self.rollout_shardings = [param_shardings(state, m) for m in self.worker_meshes]
         self.scheduler = RolloutScheduler(self.engines, cfg.sched, cfg.rollout.max_new_tokens)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off-rollout")
-        self._prefetch: Optional[tuple[int, Future]] = None
         self.history = HistoryStore(cfg.spec.history_depth) if cfg.spec.enabled else None
         self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
                                       eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
@@ -174,9 +173,17 @@ class GRPOTrainer:
             self.nonfinite_run = int(meta.get("nonfinite_run", 0))
             self.eval_before = meta.get("eval_before")
             blobs = self.checkpointer.restore_blobs(self.step)
-            if self.history is not None and "history" in blobs:
-                self.history = HistoryStore.from_bytes(blobs["history"], source=f"checkpoint step {self.step}")
+        else:
+            blobs = {}
+        if self.history is not None and "history" in blobs:
+            self.history = HistoryStore.from_bytes(blobs["history"], source=f"checkpoint step {self.step}")
         self.drafter = Drafter(cfg.spec, self.history) if self.history is not None else None
+        n_prompts = num_grpo_prompts(cfg, len(self.train_problems))
+        self.pipeline = RolloutPipeline(
+            cfg, self.scheduler, lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
+            self._prompt_ids, self.rollout_states, history=self.history, drafter=self.drafter)
+        if "carry" in blobs:  # one_step_off groups waiting for their deferred samples
+            self.pipeline.carry = carry.from_bytes(blobs["carry"], source=f"checkpoint step {self.step}")
         if self.drafter is not None and len(self.history):
             self.drafter.rebuild(self.history.prompt_ids())
         # Commit every array to its sharding: restored and freshly built arrays then look the same
@@ -202,39 +209,6 @@ class GRPOTrainer:
         state = self.state if state is None else state
         return [reshard(state, sh) for sh in self.rollout_shardings]
 
-    def _rollout_step(self, step: int, state: nnx.State, weights_step: int) -> dict:
-        """Prompts, sampling key and scheduled rollout of GRPO step ``step`` with ``state`` (the
-        params after ``weights_step`` updates). Runs in a background thread under one_step_off."""
-        cfg, g = self.cfg, self.cfg.grpo
-        n, r = g.samples_per_prompt, cfg.rollout
-        idx = prompt_schedule(cfg.run.seed, num_grpo_prompts(cfg, len(self.train_problems)), step,
-                              g.prompts_per_step)
-        prompts = [self._prompt_ids(int(i)) for i in idx for _ in range(n)]
-        key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-        t0 = time.perf_counter()
-        sr = self.scheduler.rollout(step, self.rollout_states(state), idx, prompts, n, SamplingParams(
-            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens),
-            key, history=self.history, drafter=self.drafter)
-        return dict(idx=idx, prompts=prompts, sr=sr, seconds=time.perf_counter() - t0,
-                    weights_step=weights_step)
-
-    def _take_rollout(self, step: int) -> tuple[dict, float]:
-        """The rollout of ``step``: the one prefetched under one_step_off, else run now. Returns it
-        and the seconds the trainer waited for it."""
-        t0 = time.perf_counter()
-        pending, self._prefetch = self._prefetch, None
-        if pending is not None and pending[0] == step:
-            return pending[1].result(), time.perf_counter() - t0
-        if pending is not None:
-            pending[1].result()
-        return self._rollout_step(step, self.state, step - 1), time.perf_counter() - t0
-
-    def _wait_prefetch(self) -> None:
-        """Let an in-flight one_step_off rollout finish (its result stays queued) before anything
-        else uses the engines."""
-        if self._prefetch is not None:
-            self._prefetch[1].exception()
-
     def _warm_start_dir(self) -> Optional[Path]:
         if self.cfg.run.init_from:
             path = Path(self.cfg.run.init_from)
@@ -255,69 +229,55 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         """Run GRPO step ``step`` (1-based) and return its metrics.
 
-        ``sched.pipeline=sync``: the rollout uses the current params (after ``step - 1``
-        updates). ``one_step_off``: after this step's write-back, the rollout of ``step + 1`` starts
-        in the background with the params before this step's update, overlapping the update; so
-        rollout ``s >= 2`` uses the params after ``s - 2`` updates (``rollout/weights_step``,
-        staleness 1). After a resume the first rollout runs synchronously (staleness 0).
+        The rollout comes from ``self.pipeline`` (``train/pipeline.py``): under
+        ``sched.pipeline=sync`` it uses the current params; under ``one_step_off`` it was started
+        during the previous step with the params before that step's update (staleness 1; after a
+        resume the first rollout runs synchronously). Deferred tails (one_step_off + HistoPipe
+        migration) move their group to the next step's batch.
         """
         cfg, g = self.cfg, self.cfg.grpo
         n = g.samples_per_prompt
-        bundle, t_wait = self._take_rollout(step)
-        idx, prompts, sr = bundle["idx"], bundle["prompts"], bundle["sr"]
-        out, t_rollout = sr.result, bundle["seconds"]
-        problems = [self.train_problems[int(i)] for i in idx for _ in range(n)]
-        texts = [self.tokenizer.decode(t) for t in out.tokens]
+        sb, t_wait = self.pipeline.take(step, self.state)
+        sr, t_rollout, groups = sb.rollout, sb.seconds, sb.groups
+        out = sr.result
+        ids = np.array([grp.prompt_idx for grp in groups for _ in range(n)], np.int64)
+        prompts = [grp.prompt.tolist() for grp in groups for _ in range(n)]
+        tokens = [t for grp in groups for t in grp.tokens]
+        logprobs = [lp for grp in groups for lp in grp.logprobs]
+        problems = [self.train_problems[int(i)] for i in ids]
+        texts = [self.tokenizer.decode(t) for t in tokens]
         # Prompts over rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty
         # response: reward 0 without asking the verifier, and no loss (their loss_mask is all 0).
-        skipped = np.array([f == "skipped" for f in out.finish_reasons])
+        skipped = np.array([f == "skipped" for grp in groups for f in grp.finish], bool)
         rewards = np.array([0.0 if skip else self.reward_fn(s, p)
                             for s, p, skip in zip(texts, problems, skipped)], np.float32)
         if self.primary:
-            save_rollouts(self.run_dir, step, np.repeat(idx, n), out.tokens, rewards, out.logprobs)
-        if self.history is not None:  # write-back, then rebuild those indexes off the critical path
-            self.history.update(step, np.repeat(idx, n), [np.asarray(p, np.int32) for p in prompts],
-                                out.tokens, rewards)
-            self.drafter.rebuild(np.unique(idx).tolist())
-        if self.primary:
+            save_rollouts(self.run_dir, step, ids, tokens, rewards, logprobs)
             write_schedule(self.run_dir, step, sr.intervals, sr.group_finish_s, sr.plan)
-        if cfg.sched.pipeline == "one_step_off" and step < g.steps:
-            snapshot = jax.tree.map(jnp.copy, self.state)  # the update below donates self.state
-            self._prefetch = (step + 1, self._executor.submit(self._rollout_step, step + 1, snapshot, step - 1))
+        if self.history is not None:  # write-back, then rebuild those indexes off the critical path
+            self.history.update(step, ids, [np.asarray(p, np.int32) for p in prompts], tokens, rewards)
+            self.drafter.rebuild(np.unique(ids).tolist())
+        self.pipeline.after_write_back(step, self.state)
 
         t1 = time.perf_counter()
-        adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, n)),
-                                          scale_by_std=g.scale_by_std)).reshape(-1)
-        longest = max(len(p) + len(t) for p, t in zip(prompts, out.tokens))
-        T = int(math.ceil(longest / SEQ_BUCKET) * SEQ_BUCKET)
-        batch = sequence_batch(prompts, [t.tolist() for t in out.tokens], self.tokenizer.pad_id,
-                               max_len=T)
-        batch["old_logprobs"] = response_grid(out.logprobs, batch.pop("prompt_lens"), T)
-        batch.pop("lengths")
-        batch["advantages"] = adv.astype(np.float32)
-        if self.ref_state is not None:
-            ref = self.ref_logprob_fn(self.ref_state, put_global(batch, self.layout.batch))
-            batch["ref_logprobs"] = to_host(ref)
-        mb_metrics = []
-        for mb in np.array_split(np.arange(len(prompts)), g.minibatches):
-            sub = put_global({k: v[mb] for k, v in batch.items()}, self.layout.batch)
-            self.state, self.opt_state, m = self.step_fn(self.state, self.opt_state, sub)
-            mb_metrics.append(jax.device_get(m))
+        mb_metrics = self._update(prompts, tokens, logprobs, rewards) if groups else []
         t_train = time.perf_counter() - t1
 
         finite = all(m["finite"] > 0 for m in mb_metrics)
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
         self.nonfinite_total += 0 if finite else 1
-        lengths = np.array([len(t) for t in out.tokens])
-        metrics = {k: float(np.mean([m[k] for m in mb_metrics])) for k in mb_metrics[0]}
+        lengths = np.array([len(t) for t in tokens] or [0])
+        metrics = {k: float(np.mean([m[k] for m in mb_metrics])) for k in (mb_metrics[0] if mb_metrics else {})}
         metrics.update({
+            "rollout/trained_groups": float(len(groups)),
+            "rollout/carried_groups": float(len(sb.carry)),
             "reward/mean": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else float("nan"),
-            "reward/accuracy": float(np.mean(rewards == 1.0)),
+            "reward/accuracy": float(np.mean(rewards == 1.0)) if rewards.size else float("nan"),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/rollout_wait_s": t_wait,
-            "rollout/weights_step": float(bundle["weights_step"]),
-            "rollout/staleness": float(step - 1 - bundle["weights_step"]),
+            "rollout/weights_step": float(sb.weights_step),
+            "rollout/staleness": float(step - 1 - sb.weights_step),
             **sr.metrics,
             "rollout/tokens_per_s": float(out.stats["generated_tokens"] / max(t_rollout, 1e-9)),
             "rollout/forward_passes": float(out.stats["forward_passes"]),
@@ -338,10 +298,39 @@ class GRPOTrainer:
         })
         return metrics
 
+    def _update(self, prompts: list[list[int]], tokens: list[np.ndarray], logprobs: list[np.ndarray],
+                rewards: np.ndarray) -> list[dict]:
+        """``grpo.minibatches`` clipped-surrogate updates on complete groups (n consecutive rows
+        each); returns each minibatch's metrics. Rows are padded to a multiple of minibatches x
+        (data x fsdp) with rows that carry no loss (only carried groups change the row count)."""
+        g = self.cfg.grpo
+        adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, g.samples_per_prompt)),
+                                          scale_by_std=g.scale_by_std)).reshape(-1)
+        longest = max(len(p) + len(t) for p, t in zip(prompts, tokens))
+        T = int(math.ceil(longest / SEQ_BUCKET) * SEQ_BUCKET)
+        batch = sequence_batch(prompts, [t.tolist() for t in tokens], self.tokenizer.pad_id, max_len=T)
+        batch["old_logprobs"] = response_grid(logprobs, batch.pop("prompt_lens"), T)
+        batch.pop("lengths")
+        batch["advantages"] = adv.astype(np.float32)
+        multiple = g.minibatches * int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
+        pad = -len(prompts) % multiple
+        if pad:
+            batch = {k: np.concatenate([v, np.full((pad,) + v.shape[1:], self.tokenizer.pad_id if k == "tokens"
+                                                   else 0, v.dtype)]) for k, v in batch.items()}
+        if self.ref_state is not None:
+            ref = self.ref_logprob_fn(self.ref_state, put_global(batch, self.layout.batch))
+            batch["ref_logprobs"] = to_host(ref)
+        out = []
+        for mb in np.array_split(np.arange(len(prompts) + pad), g.minibatches):
+            sub = put_global({k: v[mb] for k, v in batch.items()}, self.layout.batch)
+            self.state, self.opt_state, m = self.step_fn(self.state, self.opt_state, sub)
+            out.append(jax.device_get(m))
+        return out
+
     # ------------------------------------------------------------------ loop
     def evaluate(self, problems=None) -> EvalResult:
         """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
-        self._wait_prefetch()
+        self.pipeline.wait()
         return evaluate_run(self.engine, self.rollout_states()[0], self.tokenizer,
                             problems or self.eval_problems, self.cfg)
 
@@ -360,7 +349,10 @@ class GRPOTrainer:
                 "rng": [int(x) for x in jax.random.key_data(jax.random.key(self.cfg.run.seed))],
                 "nonfinite_total": self.nonfinite_total, "nonfinite_run": self.nonfinite_run,
                 "eval_before": self.eval_before}
-        blobs = {"history": self.history.to_bytes()} if self.history is not None else None
+        blobs = {"history": self.history.to_bytes()} if self.history is not None else {}
+        if self.pipeline.carry:  # groups whose deferred samples the next rollout continues
+            blobs["carry"] = carry.to_bytes(self.pipeline.carry)
+        blobs = blobs or None
         self.checkpointer.save(self.step, params=self.state, opt_state=self.opt_state, meta=meta, blobs=blobs)
 
     def fit(self) -> dict:
@@ -402,8 +394,7 @@ class GRPOTrainer:
                 "steps": total, "nonfinite_skipped": self.nonfinite_total}
 
     def close(self) -> None:
-        self._wait_prefetch()
-        self._executor.shutdown(wait=True)
+        self.pipeline.close()
         if self.drafter is not None:
             self.drafter.close()
         self.checkpointer.close()
