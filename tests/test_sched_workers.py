@@ -151,3 +151,20 @@ def test_one_step_off_deferral_trains_every_sample_once(tmp_path):
     finally:
         second.close()
     assert _trained(second.run_dir, (1, 2, 3)) == _scheduled(cfg_b, (1, 2, 3))
+
+
+def test_ablation_configs_load_and_switch_one_part_each():
+    """configs/ablations/*.yaml: each loads, has its own run name, and differs from the demo only
+    in the HistoSpec / HistoPipe switches it names (plus workers for HistoPipe)."""
+    base = load_config(ROOT / "configs" / "default.yaml")
+    seen = set()
+    for path in sorted((ROOT / "configs" / "ablations").glob("*.yaml")):
+        cfg = load_config(path)
+        assert cfg.run.name not in seen and cfg.run.name != base.run.name
+        seen.add(cfg.run.name)
+        assert cfg.grpo == base.grpo and cfg.model == base.model and cfg.rollout == base.rollout, path.name
+        if path.name.startswith("histopipe_"):
+            assert cfg.parallel.rollout_workers == 4 and cfg.spec == base.spec, path.name
+        else:
+            assert cfg.sched == base.sched and cfg.spec != base.spec, path.name
+    assert len(seen) == 8
