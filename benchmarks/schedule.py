@@ -173,7 +173,7 @@ def simulate(plan: Plan, lengths: np.ndarray, pred_rows: np.ndarray, cost: CostM
     """
     W = plan.num_workers
     L = [lengths[r].astype(np.int64) for r in plan.worker_rows]
-    finish = np.array([cost.decode_seconds(l) for l in L])
+    finish = np.array([cost.decode_cost(l) for l in L])
     events = []  # (time, source worker, decode step, row mask)
     if migrate:
         for w, l in enumerate(L):

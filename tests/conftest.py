@@ -1,5 +1,9 @@
 """Shared fixtures."""
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import jax
 import pytest
 
@@ -22,3 +26,16 @@ def compile_cache(tmp_path_factory):
     for k, v in old.items():
         jax.config.update(k, v)
     cc.reset_cache()
+
+
+@pytest.fixture(scope="session")
+def schedule_bench():
+    """benchmarks/schedule.py as a module (benchmarks/ is not a package)."""
+    name = "bench_schedule"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses resolve annotations through sys.modules
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

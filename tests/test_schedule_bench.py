@@ -4,8 +4,6 @@ timed (timings belong in the benchmark itself)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,24 +15,14 @@ from rhyme_jax.train.rollout_log import save_rollouts
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
-    """benchmarks/schedule.py as a module (benchmarks/ is not a package)."""
-    if "bench_schedule" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_schedule", ROOT / "benchmarks" / "schedule.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_schedule"] = mod  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_schedule"]
-
-
-def test_profile_grid_is_capped_by_the_engine():
-    bench = _bench()
+def test_profile_grid_is_capped_by_the_engine(schedule_bench):
+    bench = schedule_bench
     assert bench.profile_grid(128, 64) == ([1, 4, 16, 64], [16, 48, 64])
     assert bench.profile_grid(8, 96) == ([1, 4, 8], [16, 48, 96])
 
 
-def test_fit_report_recovers_an_exact_cost_model():
-    bench = _bench()
+def test_fit_report_recovers_an_exact_cost_model(schedule_bench):
+    bench = schedule_bench
     true = CostModel(a=2e-3, b=1e-4, c=5e-3)
     samples = [(t, b, true(t, b)) for b in (1, 4, 16, 64) for t in (16, 48, 64)]
     cm, rows = bench.fit_report(samples)
@@ -59,8 +47,8 @@ def _save_run(run_dir: Path, steps: int = 4, per_step: int = 2, num_prompts: int
     return ids
 
 
-def test_worker_steps_history_is_the_previous_occurrence(tmp_path):
-    bench = _bench()
+def test_worker_steps_history_is_the_previous_occurrence(tmp_path, schedule_bench):
+    bench = schedule_bench
     ids = _save_run(tmp_path)
     out = bench.worker_steps(tmp_path, 3, 2)
     assert [st.step for st, _ in out] == [3, 4]
@@ -74,8 +62,8 @@ def test_worker_steps_history_is_the_previous_occurrence(tmp_path):
         bench.worker_steps(tmp_path / "empty", 1, 1)
 
 
-def test_summarize_workers_medians_and_ratio():
-    bench = _bench()
+def test_summarize_workers_medians_and_ratio(schedule_bench):
+    bench = schedule_bench
 
     def row(bubble, mig=0.0):
         return {"sched/bubble_fraction": bubble, "sched/earliest_finisher_idle": 2 * bubble,
@@ -92,14 +80,14 @@ def test_summarize_workers_medians_and_ratio():
     assert "| tier1 | 15.0% | 2.00x | 30.0% |" in table and "| tier1+tier2+migration | 0.0% | - |" in table
 
 
-def test_workers_mode_without_enough_devices_says_how_to_start(capsys):
-    bench = _bench()
+def test_workers_mode_without_enough_devices_says_how_to_start(capsys, schedule_bench):
+    bench = schedule_bench
     assert bench.main(["--mode", "workers", "--workers", "4096", "--jax-cache", ""]) == 2
     err = capsys.readouterr().err
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=4096" in err
 
 
-def test_profile_without_params_fails_clearly(tmp_path, capsys):
-    bench = _bench()
+def test_profile_without_params_fails_clearly(tmp_path, capsys, schedule_bench):
+    bench = schedule_bench
     assert bench.main(["--mode", "profile", "--init-from", str(tmp_path / "none"), "--jax-cache", ""]) == 2
     assert "rhyme-jax sft" in capsys.readouterr().err

@@ -10,9 +10,9 @@ fixed ``a`` (weights read, launch) plus ``b`` per sequence in the batch (KV read
 per-sequence cost ``c`` (prefill, admission). ``T(., 0) = 0``: a worker with no rows costs nothing.
 
 With ragged lengths the batch shrinks as rows finish; summing ``a + b * live_rows`` over the decode
-steps gives ``decode_seconds`` = ``a * max(L) + b * sum(L) + c * rows`` (``T`` is its upper bound
+steps gives ``decode_cost`` = ``a * max(L) + b * sum(L) + c * rows`` (``T`` is its upper bound
 when every row has the longest length). The planner plans with ``T``; the replay benchmark
-simulates with ``decode_seconds``.
+simulates with ``decode_cost``.
 
 ``fit`` recovers (a, b, c) from measured (tokens, batch, seconds) samples by non-negative least
 squares; ``save``/``load`` keep them as JSON. Measuring the samples (``profile``) lives with the
@@ -75,7 +75,7 @@ class CostModel:
 
     __call__ = seconds
 
-    def decode_seconds(self, lengths) -> float:
+    def decode_cost(self, lengths) -> float:
         """Seconds to generate rows of the given lengths together in one batch, the batch shrinking
         as rows finish: ``sum over decode steps t of (a + b * live_t) + c * rows``
         = ``a * max(L) + b * sum(L) + c * rows`` (0 for no rows).
