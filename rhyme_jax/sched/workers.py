@@ -84,6 +84,7 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
         return out
 
     def work(w):
+        counted = False  # this worker's batch is done (busy count decremented)
         try:
             rows = np.asarray(worker_rows[w], np.int64)
             if rows.size:
@@ -104,6 +105,7 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
                             done[int(r)] = (tok, lp, fin)
             with lock:
                 busy[0] -= 1
+                counted = True
             if migration is None or migration.defer:
                 return
             migration.set_idle(w, True)
@@ -123,7 +125,8 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
         except BaseException as exc:  # re-raised in the caller's thread
             with lock:
                 errors.append(exc)
-                busy[0] -= 1 if busy[0] > 0 else 0
+                if not counted:  # let idle workers stop waiting for this one
+                    busy[0] -= 1
 
     if len(worker_rows) == 1:
         work(0)

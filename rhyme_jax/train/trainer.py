@@ -156,7 +156,9 @@ class GRPOTrainer:
         self.engine = self.engines[0]
         self.rollout_shardings = [param_shardings(state, m) for m in self.worker_meshes]
         self.scheduler = RolloutScheduler(self.engines, cfg.sched, cfg.rollout.max_new_tokens)
-        self.history = HistoryStore(cfg.spec.history_depth) if cfg.spec.enabled else None
+        # The history store feeds HistoSpec's drafts and HistoPipe's length predictions.
+        uses_history = cfg.spec.enabled or cfg.sched.mode == "histopipe"
+        self.history = HistoryStore(cfg.spec.history_depth) if uses_history else None
         self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
                                       eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
                                       temperature=cfg.rollout.temperature, shardings=self.layout)
@@ -177,7 +179,7 @@ class GRPOTrainer:
             blobs = {}
         if self.history is not None and "history" in blobs:
             self.history = HistoryStore.from_bytes(blobs["history"], source=f"checkpoint step {self.step}")
-        self.drafter = Drafter(cfg.spec, self.history) if self.history is not None else None
+        self.drafter = Drafter(cfg.spec, self.history) if cfg.spec.enabled else None
         n_prompts = num_grpo_prompts(cfg, len(self.train_problems))
         self.pipeline = RolloutPipeline(
             cfg, self.scheduler, lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
@@ -256,7 +258,8 @@ class GRPOTrainer:
             write_schedule(self.run_dir, step, sr.intervals, sr.group_finish_s, sr.plan)
         if self.history is not None:  # write-back, then rebuild those indexes off the critical path
             self.history.update(step, ids, [np.asarray(p, np.int32) for p in prompts], tokens, rewards)
-            self.drafter.rebuild(np.unique(ids).tolist())
+            if self.drafter is not None:
+                self.drafter.rebuild(np.unique(ids).tolist())
         self.pipeline.after_write_back(step, self.state)
 
         t1 = time.perf_counter()
