@@ -1,0 +1,408 @@
+"""HistoPipe on a real model (``benchmarks/schedule.py --mode profile | workers``): one worker's
+cost model measured and saved, and the planner's configurations on W real rollout workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rhyme_jax.sched.cost_model import FORM, CostModel  # noqa: E402
+from rhyme_jax.sched.length_predictor import predict_lengths  # noqa: E402
+from rhyme_jax.sched.timeline import plot_gantt  # noqa: E402
+from rhyme_jax.train.atomic import atomic_write  # noqa: E402
+from schedule_replay import StepLengths, load_steps  # noqa: E402
+
+# ------------------------------------------------------------------ real model: profile / workers
+PROFILE_BATCHES = (1, 4, 16, 64)
+PROFILE_TOKENS = (16, 48, 96)
+
+# name -> ``--set`` overrides of the ``sched`` section (mode sync: migration inside the step)
+WORKER_CONFIGS: dict[str, list[str]] = {
+    "fifo": ["sched.mode=fifo"],
+    "tier1": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=false", "sched.migration=false"],
+    "tier1+tier2": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=true", "sched.migration=false"],
+    "tier1+tier2+migration": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=true",
+                              "sched.migration=true"],
+}
+WORKER_FULL = "tier1+tier2+migration"
+# RolloutScheduler metrics summarised per configuration (median over the steps)
+WORKER_METRICS = ("sched/bubble_fraction", "sched/earliest_finisher_idle", "time/rollout_makespan_s",
+                  "sched/migrated_share", "sched/predicted_makespan_s")
+
+
+class BenchSetupError(RuntimeError):
+    """A prerequisite of the profile/workers modes is missing (SFT params, tokenizer, saved
+    rollouts, devices); the message says what to run."""
+
+
+@dataclass
+class Policy:
+    """The demo policy as the trainer builds it: config, tokenizer, train problems, model
+    ``graphdef``/``model_cfg`` and the SFT ``state`` (on the first device)."""
+
+    cfg: object
+    tokenizer: object
+    problems: list
+    graphdef: object
+    model_cfg: object
+    state: object
+
+    def prompt_tokens(self, idx: int) -> list[int]:
+        """Prompt token ids of train problem ``idx``, built as ``GRPOTrainer._prompt_ids`` does."""
+        p = self.problems[int(idx)]
+        return self.tokenizer.encode(self.tokenizer.format_prompt(self.cfg.model.prompt_template, p.question))
+
+
+def _enable_compile_cache(path: str) -> None:
+    """Persistent XLA compilation cache (as benchmarks/rollout.py; warm-up is never timed)."""
+    import jax
+
+    if path:
+        jax.config.update("jax_compilation_cache_dir", str(path))
+
+
+def _require_params(init_from: str) -> None:
+    """Raise ``BenchSetupError`` when ``init_from`` does not exist (checked before any set-up)."""
+    if not Path(init_from).exists():
+        raise BenchSetupError(f"no params at --init-from {init_from}; run `rhyme-jax sft` (the demo) first")
+
+
+def load_policy(config: str, overrides: list[str], init_from: str, run_dir: str) -> Policy:
+    """Config, the run's tokenizer (``<run_dir>/tokenizer.json`` for the demo model; never trained
+    anew, it must match the params), the train problems and the params of ``init_from``
+    (``rhyme_jax.train.checkpoint.load_params``: ``runs/demo/sft`` or a ``checkpoints/<step>``).
+
+    Raises:
+      BenchSetupError: no params at ``init_from`` or no tokenizer file.
+    """
+    from rhyme_jax.config import load_config
+    from rhyme_jax.data import load_problems
+    from rhyme_jax.model.tokenizer import Tokenizer
+    from rhyme_jax.parallel.mesh import train_mesh
+    from rhyme_jax.train.checkpoint import load_params
+    from rhyme_jax.train.policy import build_sharded, tokenizer_file
+
+    _require_params(init_from)
+    cfg = load_config(config, overrides)
+    tok = tokenizer_file(cfg, Path(run_dir))
+    if not tok.is_file():
+        raise BenchSetupError(f"no tokenizer at {tok} (the run that trained --init-from writes it; pass --run-dir)")
+    tokenizer = Tokenizer.from_file(tok)
+    train, _ = load_problems(cfg.data)
+    graphdef, state, model_cfg = build_sharded(cfg, tokenizer, cfg.run.seed, train_mesh(1, 1, 1))
+    state = load_params(init_from, state)
+    return Policy(cfg, tokenizer, train, graphdef, model_cfg, state)
+
+
+def profile_grid(max_slots: int, max_new_tokens: int, batches=PROFILE_BATCHES,
+                 tokens=PROFILE_TOKENS) -> tuple[list[int], list[int]]:
+    """The profile grid: ``batches`` capped at ``rollout.max_slots`` and ``tokens`` capped at
+    ``rollout.max_new_tokens`` (duplicates after capping dropped), ascending."""
+    return (sorted({min(int(b), int(max_slots)) for b in batches}),
+            sorted({min(int(t), int(max_new_tokens)) for t in tokens}))
+
+
+def fit_report(samples) -> tuple[CostModel, list[dict]]:
+    """Fit the cost model to ``(tokens, batch, seconds)`` samples and the fit's relative error at
+    each sample: ``(T(tokens, batch) - seconds) / seconds``."""
+    cm = CostModel.fit(samples)
+    rows = [{"tokens": int(t), "batch": int(b), "measured_s": float(s), "fit_s": float(cm(t, b)),
+             "rel_error": float(cm(t, b) / s - 1.0) if s > 0 else float("nan")} for t, b, s in samples]
+    return cm, rows
+
+
+def format_profile_table(cm: CostModel, rows: list[dict]) -> str:
+    """Markdown table of the measured and fitted seconds per grid point."""
+    lines = [f"Fitted {FORM}: a = {cm.a:.4g} s, b = {cm.b:.4g} s, c = {cm.c:.4g} s", "",
+             "| batch | tokens | measured (s) | fit (s) | relative error |", "|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["tokens"])):
+        lines.append(f"| {r['batch']} | {r['tokens']} | {r['measured_s']:.4f} | {r['fit_s']:.4f} | "
+                     f"{r['rel_error']:+.1%} |")
+    worst = max(abs(r["rel_error"]) for r in rows)
+    lines += ["", f"largest |relative error|: {worst:.1%}"]
+    return "\n".join(lines)
+
+
+
+def run_profile(args) -> int:
+    """``--mode profile``: measure one rollout worker's ``T(tokens, batch)`` and save the fit.
+
+    One engine as the trainer builds it (``make_engine`` with the config's ``rollout`` section) but
+    with ``eos_ids=()``, so every sequence generates exactly ``tokens`` new tokens. The batch is
+    GRPO-shaped: ``ceil(batch / n)`` train prompts with ``n = grpo.samples_per_prompt`` samples each
+    (prompt-prefix sharing as in training). Per grid point: one warm-up ``generate`` (compiles the
+    shapes it needs), then the median wall time of ``--repeats`` calls with fresh keys.
+    """
+    import jax
+
+    from rhyme_jax.parallel.reshard import reshard
+    from rhyme_jax.parallel.rules import param_shardings
+    from rhyme_jax.rollout.batching import seq_buckets
+    from rhyme_jax.rollout.engine import SamplingParams
+    from rhyme_jax.train.trainer import make_engine
+
+    t_start = time.perf_counter()
+    _require_params(args.init_from)
+    _enable_compile_cache(args.jax_cache)
+    pol = load_policy(args.config, args.overrides, args.init_from, args.run_dir)
+    cfg, r = pol.cfg, pol.cfg.rollout
+    engine = make_engine(pol.graphdef, pol.model_cfg, cfg, (), mesh=None)  # no EOS: exact lengths
+    state = reshard(pol.state, param_shardings(pol.state, engine.mesh))
+    batches, tokens = profile_grid(r.max_slots, r.max_new_tokens)
+    n = int(cfg.grpo.samples_per_prompt)
+    dev = jax.devices()[0]
+    print(f"HistoPipe profile: one rollout worker on {dev.platform} ({dev.device_kind}), params {args.init_from}; "
+          f"batches {batches} (decode row buckets {list(seq_buckets(r.max_slots))}), tokens {tokens}, "
+          f"median of {args.repeats} timed calls after one warm-up per shape", flush=True)
+    key = jax.random.key(args.seed)
+    samples, compile_s = [], {}
+    for b in batches:
+        prompts = [pol.prompt_tokens(i) for i in range(-(-b // n)) for _ in range(n)][:b]
+        for t in tokens:
+            sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=t)
+            t0 = time.perf_counter()
+            out = engine.generate(state, prompts, sp, key)
+            compile_s[f"{b}x{t}"] = time.perf_counter() - t0
+            got = int(out.stats["generated_tokens"])
+            if got != b * t:
+                raise RuntimeError(f"profile: batch {b} x {t} tokens generated {got} tokens, expected {b * t} "
+                                   f"(eos_ids=() should make every sequence run to max_new_tokens)")
+            times = []
+            for rep in range(args.repeats):
+                t0 = time.perf_counter()
+                engine.generate(state, prompts, sp, jax.random.fold_in(key, rep + 1))
+                times.append(time.perf_counter() - t0)
+            med = float(np.median(times))
+            samples.append((t, b, med))
+            print(f"  batch {b:3d} tokens {t:3d}: warm-up {compile_s[f'{b}x{t}']:6.2f} s, median {med:.4f} s "
+                  f"({b * t / med:7.0f} tok/s; runs {', '.join(f'{x:.4f}' for x in times)})", flush=True)
+    cm, rows = fit_report(samples)
+    print()
+    print(format_profile_table(cm, rows))
+    out = Path(args.out or "benchmarks/results/cost_model.json")
+    meta = {"source": "benchmarks/schedule.py --mode profile", "platform": dev.platform,
+            "device_kind": dev.device_kind, "jax_version": jax.__version__, "init_from": str(args.init_from),
+            "config": str(args.config), "overrides": list(args.overrides),
+            "model": {k: int(getattr(pol.model_cfg, k)) for k in
+                      ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")},
+            "rollout": {"max_slots": int(r.max_slots), "page_size": int(r.page_size),
+                        "max_new_tokens": int(r.max_new_tokens), "attention_impl": engine.attention_impl,
+                        "temperature": float(r.temperature)},
+            "samples_per_prompt": n, "repeats": int(args.repeats),
+            "samples": [[int(t), int(b), float(s)] for t, b, s in samples],
+            "rel_error": [r_["rel_error"] for r_ in rows], "warmup_s": compile_s,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    cm.save(out, meta=meta)
+    print(f"\nwrote {out} ({time.perf_counter() - t_start:.0f} s in all); use it with "
+          f"`--set sched.cost_model={out}` (trainer) or `--cost-model {out}` (this script)")
+    return 0
+
+
+def worker_steps(run_dir: str | Path, first: int, count: int) -> list[tuple[StepLengths, dict]]:
+    """Steps ``first .. first + count - 1`` of a run's saved rollouts, each with its history: a
+    mapping prompt id -> ``int32[n]`` lengths of that prompt's latest earlier occurrence (what the
+    trainer's history store holds at that step; ``length_predictor`` accepts the mapping).
+
+    Raises:
+      BenchSetupError: no usable saved rollouts, or a wanted step has none.
+    """
+    try:
+        steps, _ = load_steps(run_dir)
+    except ValueError as exc:  # no rollouts, or an unreadable / inconsistent file
+        raise BenchSetupError(str(exc)) from None
+    have = {st.step for st in steps}
+    wanted = list(range(int(first), int(first) + int(count)))
+    missing = [s for s in wanted if s not in have]
+    if missing:
+        raise BenchSetupError(f"{run_dir}: no saved rollouts for steps {missing} (saved: {min(have)}..{max(have)}); "
+                              f"use --start-step/--steps within them")
+    history: dict[int, np.ndarray] = {}
+    out = []
+    for st in sorted(steps, key=lambda s: s.step):
+        if st.step in wanted:
+            out.append((st, dict(history)))
+        for pid, lengths in zip(st.prompt_ids.tolist(), st.lengths):
+            history[int(pid)] = lengths
+    return out
+
+
+def _corr(x, y) -> float:
+    """Pearson correlation (nan when either side is constant)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if x.size < 2 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def summarize_workers(per_step: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration: the median over the steps of each ``WORKER_METRICS`` entry and of the
+    rollout wall time, plus ``bubble_ratio_vs_fifo`` = fifo's median bubble / this median bubble
+    (> 1: fewer bubbles than fifo; None without fifo or with a zero bubble)."""
+    out = {}
+    for name, rows in per_step.items():
+        out[name] = {k: float(np.median([r[k] for r in rows])) for k in (*WORKER_METRICS, "wall_s")}
+        out[name]["steps"] = len(rows)
+    fifo = out.get("fifo", {}).get("sched/bubble_fraction")
+    for a in out.values():
+        b = a["sched/bubble_fraction"]
+        a["bubble_ratio_vs_fifo"] = fifo / b if fifo is not None and b > 0 else None
+    return out
+
+
+def format_workers_table(summary: dict[str, dict]) -> str:
+    """Markdown table of ``summarize_workers``'s medians."""
+    lines = ["| config | bubble fraction | fifo bubble / bubble | earliest-finisher idle | makespan (s) "
+             "| migrated share | predicted makespan (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, a in summary.items():
+        ratio = f"{a['bubble_ratio_vs_fifo']:.2f}x" if a["bubble_ratio_vs_fifo"] else "-"
+        lines.append(f"| {name} | {a['sched/bubble_fraction']:.1%} | {ratio} | "
+                     f"{a['sched/earliest_finisher_idle']:.1%} | {a['time/rollout_makespan_s']:.3f} | "
+                     f"{a['sched/migrated_share']:.2%} | {a['sched/predicted_makespan_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:
+    """Compile every step shape of every engine (``engine.warmup(state, sampling,
+    draft_buckets=(0,))``) before anything is timed; returns the seconds per engine.
+
+    Each engine sits on its own device, so XLA compiles its programs separately (the persistent
+    cache makes later runs cheap). Compilation is mostly single-threaded, so engines are warmed up
+    ``threads`` at a time (0 = one per host CPU core, at most one per engine).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(w):
+        t0 = time.perf_counter()
+        shapes = engines[w].warmup(states[w], sampling, draft_buckets=(0,))
+        dt = time.perf_counter() - t0
+        print(f"  warm-up worker {w}: {shapes} step shapes compiled in {dt:.1f} s", flush=True)
+        return dt
+
+    n = max(1, min(len(engines), threads or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="warmup") as pool:
+        return list(pool.map(one, range(len(engines))))
+
+
+def run_workers_mode(args) -> int:
+    """``--mode workers``: the four configurations on W real rollout workers.
+
+    W engines on ``rollout_meshes(1, W)`` (one device each), the params resharded into each
+    worker's layout, every engine warmed up (compiled) before timing. For each step of
+    ``--start-step .. + --steps`` of ``--run-dir``'s saved rollouts: that step's prompts (n samples
+    each, prompt ids as the trainer built them), the predictions from each prompt's previous
+    occurrence (``worker_steps``), the trainer's key for the step; every configuration of
+    ``WORKER_CONFIGS`` runs ``RolloutScheduler.rollout`` on the same inputs (configurations
+    interleaved per step, so drift of the machine hits all alike). No HistoSpec drafter: only the
+    scheduling differs. Medians over the steps go to a markdown table and JSON.
+    """
+    import jax
+
+    W = int(args.workers)
+    if jax.device_count() < W:
+        raise BenchSetupError(
+            f"--mode workers --workers {W} needs {W} devices (one per worker); JAX sees {jax.device_count()} "
+            f"({jax.default_backend()}). On CPU start it with one fake device per worker:\n"
+            f"  XLA_FLAGS=--xla_force_host_platform_device_count={W} python benchmarks/schedule.py --mode workers "
+            f"--workers {W}")
+    if args.cost_model:
+        CostModel.load(args.cost_model)  # fail early on a bad file
+    from rhyme_jax.config import load_config
+    from rhyme_jax.parallel.mesh import rollout_meshes
+    from rhyme_jax.parallel.reshard import reshard
+    from rhyme_jax.parallel.rules import param_shardings
+    from rhyme_jax.rollout.engine import SamplingParams
+    from rhyme_jax.sched.scheduler import RolloutScheduler
+    from rhyme_jax.train.policy import eos_ids
+    from rhyme_jax.train.trainer import make_engine
+
+    t_start = time.perf_counter()
+    batches = worker_steps(args.run_dir, args.start_step, args.steps)  # fail before building anything
+    _require_params(args.init_from)
+    _enable_compile_cache(args.jax_cache)
+    pol = load_policy(args.config, args.overrides, args.init_from, args.run_dir)
+    cfg, r = pol.cfg, pol.cfg.rollout
+    max_new = int(r.max_new_tokens)
+    meshes = rollout_meshes(1, W)
+    eos = eos_ids(pol.model_cfg, pol.tokenizer)
+    engines = [make_engine(pol.graphdef, pol.model_cfg, cfg, eos, mesh=m) for m in meshes]
+    states = [reshard(pol.state, param_shardings(pol.state, m)) for m in meshes]
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=max_new)
+    cm_set = [f"sched.cost_model={args.cost_model}"] if args.cost_model else []
+    scheds = {name: RolloutScheduler(engines, load_config(args.config, [*args.overrides, *sets, *cm_set]).sched,
+                                     max_new) for name, sets in WORKER_CONFIGS.items()}
+    cost = next(iter(scheds.values())).cost_model
+    cost_src = args.cost_model or cfg.sched.cost_model or "placeholder defaults"
+    print(f"HistoPipe workers: W={W} engines on {jax.default_backend()} devices "
+          f"{[m.devices.ravel()[0].id for m in meshes]} ({os.cpu_count()} host CPU cores), params {args.init_from}, "
+          f"steps {[st.step for st, _ in batches]} of {args.run_dir}, temperature {r.temperature}, "
+          f"max_new_tokens {max_new}; planner cost model a={cost.a:.4g} s, b={cost.b:.4g} s, c={cost.c:.4g} s "
+          f"({cost_src})", flush=True)
+    t0 = time.perf_counter()
+    warm = warm_up(engines, states, sampling, threads=args.warmup_threads)
+    print(f"  warm-up done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    per_step: dict[str, list[dict]] = {name: [] for name in scheds}
+    intervals: dict[str, dict[int, list]] = {name: {} for name in scheds}
+    for st, hist in batches:
+        ids, n = st.prompt_ids, int(st.lengths.shape[1])
+        prompts = [pol.prompt_tokens(int(i)) for i in ids for _ in range(n)]
+        key = jax.random.fold_in(jax.random.key(cfg.run.seed), st.step)
+        pred = predict_lengths(hist, ids, cfg.sched.length_stat, default=max_new / 2)
+        seen = sum(int(p) in hist for p in ids.tolist())
+        print(f"step {st.step}: {len(ids)} prompts x {n} samples, {seen} with history; prediction vs the demo "
+              f"run's own lengths at this step: r = {_corr(pred, st.lengths.mean(1)):.2f}", flush=True)
+        for name, sch in scheds.items():
+            t0 = time.perf_counter()
+            sr = sch.rollout(st.step, states, ids, prompts, n, sampling, key, history=hist)
+            wall = time.perf_counter() - t0
+            lengths = np.array([len(t) for t in sr.result.tokens])
+            row = {"step": st.step, "wall_s": wall, **{k: float(sr.metrics[k]) for k in WORKER_METRICS},
+                   "generated_tokens": int(lengths.sum()), "mean_length": float(lengths.mean()),
+                   "prediction_corr": _corr(pred, lengths.reshape(-1, n).mean(1)),
+                   "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
+                   "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]}
+            per_step[name].append(row)
+            intervals[name][st.step] = sr.intervals
+            print(f"  {name:22s} bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher idle "
+                  f"{row['sched/earliest_finisher_idle']:6.1%}  makespan {row['time/rollout_makespan_s']:6.3f} s  "
+                  f"migrated {row['sched/migrated_share']:5.1%}  rows/worker {row['worker_rows']}  "
+                  f"mean length {row['mean_length']:.1f} (r vs prediction {row['prediction_corr']:.2f})", flush=True)
+
+    summary = summarize_workers(per_step)
+    table = format_workers_table(summary)
+    print(f"\nMedians over {len(batches)} steps (W={W}; wall-clock on {os.cpu_count()} host cores shared by "
+          f"the W worker threads):\n")
+    print(table)
+    out = Path(args.out or "benchmarks/results/schedule_workers.json")
+    doc = {"settings": {"workers": W, "steps": [st.step for st, _ in batches], "run_dir": str(args.run_dir),
+                        "init_from": str(args.init_from), "config": str(args.config),
+                        "overrides": list(args.overrides), "platform": jax.default_backend(),
+                        "device_kind": jax.devices()[0].device_kind, "host_cpus": os.cpu_count(),
+                        "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax_version": jax.__version__,
+                        "cost_model": {"a": cost.a, "b": cost.b, "c": cost.c, "source": cost_src},
+                        "sampling": {"temperature": float(r.temperature), "max_new_tokens": max_new},
+                        "length_stat": cfg.sched.length_stat, "growth": float(cfg.sched.growth),
+                        "tail_fraction": float(cfg.sched.tail_fraction),
+                        "configs": WORKER_CONFIGS, "warmup_s": warm,
+                        "total_s": time.perf_counter() - t_start},
+           "summary": summary, "per_step": per_step}
+    with atomic_write(out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with atomic_write(out.with_suffix(".md"), "w") as fh:
+        fh.write(table + "\n")
+    print(f"\nwrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - t_start:.0f} s in all)")
+    if args.gantt:
+        for name in ("fifo", WORKER_FULL):
+            png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_')}.png")
+            plot_gantt(intervals[name], png, num_workers=W, title=f"{name} ({W} real workers)")
+            print(f"wrote {png}")
+    return 0
