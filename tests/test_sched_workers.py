@@ -116,8 +116,7 @@ def test_one_step_off_deferral_trains_every_sample_once(tmp_path):
     """Forced deferral (growth 0.01, tail fraction 1.0): tails of each one_step_off rollout are
     stopped and their groups carried to the next step, where the partial responses are continued
     and the complete groups trained. Over the run every prompt's n samples are trained exactly
-    once, also when the run is interrupted and resumed while groups are carried (they are in the
-    checkpoint)."""
+    once (across a resume: the slow test below)."""
     cfg = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=a", *DEFER])
     tr = GRPOTrainer(cfg, reward_fn=_reward)
     try:
@@ -134,6 +133,11 @@ def test_one_step_off_deferral_trains_every_sample_once(tmp_path):
     lengths = [len(r) for s in (1, 2, 3) for r in load_rollouts(tr.run_dir, s)["responses"]]
     assert max(lengths) <= 24
 
+
+@pytest.mark.slow
+def test_one_step_off_deferral_survives_a_resume(tmp_path):
+    """The deferral run interrupted after step 2 while groups are carried: the carried groups
+    come back from the checkpoint and every sample is still trained exactly once."""
     cfg_b = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=b", *DEFER])
     first = GRPOTrainer(cfg_b, reward_fn=_reward)
     try:
