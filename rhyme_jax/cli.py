@@ -157,7 +157,8 @@ def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
                             compiles=counter.count)
     counter.stop()
     write_summary(run_dir, summary)
-    print(f"outputs: {run_dir} (metrics.jsonl, tb/, checkpoints/, rollouts/, {plot.name}, summary.md)")
+    print(f"outputs: {run_dir} (metrics.jsonl, tb/, checkpoints/, rollouts/, eval/, schedule/, {plot.name}, "
+          f"gantt.png, summary.md, summary.json)")
     return 0
 
 

@@ -247,7 +247,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
                  key: jax.Array, drafter=None, *, prefixes: Sequence | None = None,
-                 monitor: Callable[["Progress"], Sequence[int]] | None = None) -> RolloutResult:
+                 monitor: Callable[["Progress"], Sequence[int]] | None = None,
+                 on_stop: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> RolloutResult:
         """Generate one response per prompt.
 
         Args:
@@ -266,6 +267,9 @@ class RolloutEngine:
           monitor: optional callback after every decode step with a ``Progress``; it returns the
             request indices to stop now (their slots are freed; finish reason ``"migrated"``,
             partial response returned). HistoPipe's tail migration (``sched/migration.py``).
+          on_stop: called at once for each request the monitor stops, with its partial response
+            ``(request, tokens int32[m], logprobs f32[m])``, so it can continue elsewhere while
+            this call is still decoding the others.
 
         Returns:
           RolloutResult in prompt order.
@@ -444,6 +448,8 @@ class RolloutEngine:
                     else:
                         waiting.remove(r)
                     finish[r] = "migrated"
+                    if on_stop is not None:
+                        on_stop(r, out_tok[r, :n_gen[r]].copy(), out_lp[r, :n_gen[r]].copy())
 
         seconds = time.perf_counter() - t0
         stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]

@@ -35,12 +35,14 @@ class WorkerInterval:
       start, end: seconds, ``end >= start``.
       kind: what the worker did (e.g. ``"rollout"``, ``"migrated"`` for rows received by tail
         migration, ``"prefill"``); the chart colours by kind.
+      source: for a migrated row, the worker it came from (-1 otherwise).
     """
 
     worker: int
     start: float
     end: float
     kind: str = "rollout"
+    source: int = -1
 
     def __post_init__(self):
         if not (np.isfinite(self.start) and np.isfinite(self.end)) or self.end < self.start:

@@ -73,13 +73,22 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
     busy = [len(worker_rows)]
     errors: list[BaseException] = []
 
-    def generate(w, rows, kind, key, pre=None, monitor=None):
+    def stopped(m: Migrant) -> None:
+        """A tail stopped by the monitor: queued for an idle worker now, or kept for next step."""
+        if migration.defer:
+            with lock:
+                deferred.append(m)
+        else:
+            migration.push(m)
+
+    def generate(w, rows, kind, key, pre=None, monitor=None, source=-1):
         batch = drafter.batch([prompt_ids[r] for r in rows]) if drafter is not None else None
         start = time.perf_counter() - t0
+        on_stop = (lambda i, tok, lp: stopped(Migrant(int(rows[i]), tok, lp, w))) if monitor is not None else None
         out = engines[w].generate(states[w], [prompts[r] for r in rows], sampling, key, drafter=batch,
-                                  prefixes=pre, monitor=monitor)
+                                  prefixes=pre, monitor=monitor, on_stop=on_stop)
         with lock:
-            intervals.append(WorkerInterval(w, start, time.perf_counter() - t0, kind))
+            intervals.append(WorkerInterval(w, start, time.perf_counter() - t0, kind, source))
             parts.append(out)
         return out
 
@@ -92,17 +101,9 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
                 monitor = migration.monitor(w) if migration is not None else None
                 out = generate(w, rows, "batch", keys[w], pre if prefixes else None, monitor)
                 for i, r in enumerate(rows):
-                    tok, lp, fin = out.tokens[i], out.logprobs[i], out.finish_reasons[i]
-                    if fin == "migrated":
-                        m = Migrant(int(r), tok, lp, w)
-                        if migration.defer:
-                            with lock:
-                                deferred.append(m)
-                        else:
-                            migration.push(m)
-                    else:
+                    if out.finish_reasons[i] != "migrated":  # migrated ones went out via on_stop
                         with lock:
-                            done[int(r)] = (tok, lp, fin)
+                            done[int(r)] = (out.tokens[i], out.logprobs[i], out.finish_reasons[i])
             with lock:
                 busy[0] -= 1
                 counted = True
@@ -118,7 +119,7 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
                     time.sleep(_POLL_S)
                     continue
                 out = generate(w, np.array([m.row]), "migrated", jax.random.fold_in(keys[w], m.row),
-                               [(m.tokens, m.logprobs)])
+                               [(m.tokens, m.logprobs)], source=m.source)
                 with lock:
                     done[m.row] = (out.tokens[0], out.logprobs[0], out.finish_reasons[0])
             migration.set_idle(w, False)

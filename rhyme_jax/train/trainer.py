@@ -126,6 +126,11 @@ class GRPOTrainer:
         self.cfg, self.reward_fn = cfg, reward_fn
         distributed.initialize(cfg.parallel)  # no-op unless multi-host is configured
         self.primary = jax.process_index() == 0  # only process 0 writes files (Orbax: all save)
+        # Layouts first: a mesh that does not fit the devices fails before anything is written.
+        p, g = cfg.parallel, cfg.grpo
+        self.mesh = train_mesh(p.data, p.fsdp, p.tensor)
+        self._check_batch_layout()
+        self.worker_meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers)
         self.run_dir = run_dir_of(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.primary:
@@ -133,9 +138,6 @@ class GRPOTrainer:
         self.train_problems, self.eval_problems = load_problems(cfg.data)
         self.tokenizer = build_tokenizer(cfg, self.run_dir, self.train_problems)
         # Train layout: params and optimizer state created directly in their shardings.
-        p, g = cfg.parallel, cfg.grpo
-        self.mesh = train_mesh(p.data, p.fsdp, p.tensor)
-        self._check_batch_layout()
         self.graphdef, state, self.model_cfg = build_sharded(cfg, self.tokenizer, cfg.run.seed, self.mesh)
         param_sh = param_shardings(state, self.mesh)
         warm = self._warm_start_dir()
@@ -151,7 +153,6 @@ class GRPOTrainer:
         self.ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
         # Rollout layout: data-parallel workers, each an engine on its own sub-mesh.
         eos = eos_ids(self.model_cfg, self.tokenizer)
-        self.worker_meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers)
         self.engines = [make_engine(self.graphdef, self.model_cfg, cfg, eos, mesh=m) for m in self.worker_meshes]
         self.engine = self.engines[0]
         self.rollout_shardings = [param_shardings(state, m) for m in self.worker_meshes]
