@@ -36,7 +36,7 @@ from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.sampling import sampling_mode
 from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
-    EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams)
+    EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
 
 _WHERE = "rhyme_jax/rollout/engine.py"
 
@@ -453,10 +453,8 @@ class RolloutEngine:
 
         seconds = time.perf_counter() - t0
         stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]
-        stats["acceptance_rate"] = stats["accepted_tokens"] / max(stats["drafted_tokens"], 1)
-        stats["tokens_per_forward"] = stats["generated_tokens"] / max(stats["sequence_steps"], 1)
         stats["seconds"] = seconds
-        stats["tokens_per_s"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
+        derive_rates(stats)
         return RolloutResult(
             tokens=[out_tok[i, : n_gen[i]].copy() for i in range(n)],
             logprobs=[out_lp[i, : n_gen[i]].copy() for i in range(n)],

@@ -12,19 +12,12 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from rhyme_jax.rollout.types import RolloutResult
+from rhyme_jax.rollout.types import RolloutResult, derive_rates
 
 _FINISH = ("eos", "length", "skipped", "migrated")
 COUNT_STATS = ("prefill_tokens", "generated_tokens", "decode_steps", "prefill_steps", "preemptions",
            "skipped", "drafted_tokens", "accepted_tokens", "drafting_seconds", "sequence_steps",
            "forward_passes", "seconds")
-
-
-def _derived(stats: dict) -> dict:
-    stats["acceptance_rate"] = stats["accepted_tokens"] / max(stats["drafted_tokens"], 1)
-    stats["tokens_per_forward"] = stats["generated_tokens"] / max(stats["sequence_steps"], 1)
-    stats["tokens_per_s"] = stats["generated_tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
-    return stats
 
 
 def merge_results(results: Sequence[RolloutResult]) -> RolloutResult:
@@ -45,7 +38,7 @@ def merge_results(results: Sequence[RolloutResult]) -> RolloutResult:
     return RolloutResult(tokens=[t for r in results for t in r.tokens],
                          logprobs=[lp for r in results for lp in r.logprobs],
                          finish_reasons=[f for r in results for f in r.finish_reasons],
-                         stats=_derived(stats))
+                         stats=derive_rates(stats))
 
 
 def allgather_results(local: RolloutResult, max_new_tokens: int) -> RolloutResult:
@@ -79,5 +72,5 @@ def allgather_results(local: RolloutResult, max_new_tokens: int) -> RolloutResul
         parts.append(RolloutResult(
             tokens=[g_tok[p, i, :g_lens[p, i]].copy() for i in keep],
             logprobs=[g_lps[p, i, :g_lens[p, i]].copy() for i in keep],
-            finish_reasons=[_FINISH[g_fin[p, i]] for i in keep], stats=_derived(st)))
+            finish_reasons=[_FINISH[g_fin[p, i]] for i in keep], stats=derive_rates(st)))
     return merge_results(parts)

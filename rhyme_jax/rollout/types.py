@@ -65,3 +65,13 @@ class Progress:
     waiting: np.ndarray
     generated: np.ndarray
     decode_steps: int
+
+
+def derive_rates(stats: dict) -> dict:
+    """Fill the rates of a ``RolloutResult.stats`` from its counts (in place; also returned):
+    ``acceptance_rate`` = accepted / drafted tokens, ``tokens_per_forward`` = generated tokens per
+    sequence forward pass, ``tokens_per_s`` = generated tokens / ``seconds``."""
+    stats["acceptance_rate"] = stats["accepted_tokens"] / max(stats["drafted_tokens"], 1)
+    stats["tokens_per_forward"] = stats["generated_tokens"] / max(stats["sequence_steps"], 1)
+    stats["tokens_per_s"] = stats["generated_tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
+    return stats

@@ -197,9 +197,14 @@ class GRPOTrainer:
                         else NullMetricsWriter())
         self._prompt_cache: dict[int, list[int]] = {}
 
+    @property
+    def batch_shards(self) -> int:
+        """Row shards of a train batch: ``parallel.data x parallel.fsdp``."""
+        return int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
+
     def _check_batch_layout(self) -> None:
         g = self.cfg.grpo
-        shards = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
+        shards = self.batch_shards
         rows = g.prompts_per_step * g.samples_per_prompt
         if rows % (g.minibatches * shards):
             raise MeshConfigError(
@@ -316,7 +321,7 @@ class GRPOTrainer:
         batch["old_logprobs"] = response_grid(logprobs, batch.pop("prompt_lens"), T)
         batch.pop("lengths")
         batch["advantages"] = adv.astype(np.float32)
-        multiple = g.minibatches * int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
+        multiple = g.minibatches * self.batch_shards
         pad = -len(prompts) % multiple
         if pad:
             batch = {k: np.concatenate([v, np.full((pad,) + v.shape[1:], self.tokenizer.pad_id if k == "tokens"
