@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                          "sched.tail_fraction=...)")
     rp.add_argument("--include-cold", action="store_true", help="also replay steps without any history")
     rp.add_argument("--train-share", type=float, default=0.15,
-                    help="training share of a step for the one-step-off columns (paper: rollout is 84-91%%)")
+                    help="training share of a step: replay one-step-off columns, workers cross-step update sleep "
+                         "(paper: rollout is 84-91%%)")
     mp = ap.add_argument_group("profile and workers (real model)")
     mp.add_argument("--config", default="configs/default.yaml", help="run config (the demo's)")
     mp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -34,6 +34,14 @@ WORKER_CONFIGS: dict[str, list[str]] = {
                               "sched.migration=true"],
 }
 WORKER_FULL = "tier1+tier2+migration"
+# Cross-step worker queues (sched.pipeline=one_step_off, sched.cross_step=true): steps chained,
+# each worker starting its part of step s + 1 when its part of step s is done. No migration: a
+# one_step_off tail would be deferred, and this benchmark does not train the carried groups.
+CROSS_STEP_CONFIGS: dict[str, list[str]] = {
+    "fifo cross-step": ["sched.mode=fifo", "sched.pipeline=one_step_off", "sched.cross_step=true"],
+    "tier1+tier2 cross-step": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=true",
+                               "sched.migration=false", "sched.pipeline=one_step_off", "sched.cross_step=true"],
+}
 # RolloutScheduler metrics summarised per configuration (median over the steps)
 WORKER_METRICS = ("sched/bubble_fraction", "sched/earliest_finisher_idle", "time/rollout_makespan_s",
                   "sched/migrated_share", "sched/predicted_makespan_s")
@@ -292,6 +300,37 @@ def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:
         return list(pool.map(one, range(len(engines))))
 
 
+def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float) -> tuple[list[dict], dict]:
+    """The steps of ``batches`` through cross-step worker queues as the trainer drives them:
+    steps 1 and 2 queued at once; then for each step, collect it, wait ``train_s`` seconds (the
+    update, simulated by a sleep: the CPU is not used), queue step s + 2. Same weights throughout
+    (no training). Returns the per-step rows (the ``WORKER_METRICS`` of each step's timeline
+    window; ``wall_s`` = the window) and the intervals by step."""
+    import jax
+
+    def submit(i):
+        st, hist = batches[i]
+        n = int(st.lengths.shape[1])
+        prompts = [pol.prompt_tokens(int(p)) for p in st.prompt_ids for _ in range(n)]
+        key = jax.random.fold_in(jax.random.key(cfg.run.seed), st.step)
+        return sch.submit(st.step, states, st.prompt_ids, prompts, n, sampling, key, history=hist, queued=True)
+
+    pending = [submit(i) for i in range(min(2, len(batches)))]
+    rows, ivs = [], {}
+    for i, (st, _) in enumerate(batches):
+        sr = sch.collect(pending.pop(0))
+        lengths = np.array([len(t) for t in sr.result.tokens])
+        rows.append({"step": st.step, "wall_s": float(sr.metrics["time/rollout_makespan_s"]),
+                     **{k: float(sr.metrics[k]) for k in WORKER_METRICS}, "generated_tokens": int(lengths.sum()),
+                     "mean_length": float(lengths.mean()), "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
+                     "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]})
+        ivs[st.step] = sr.intervals
+        time.sleep(train_s)
+        if i + 2 < len(batches):
+            pending.append(submit(i + 2))
+    return rows, ivs
+
+
 def run_workers_mode(args) -> int:
     """``--mode workers``: the four configurations on W real rollout workers.
 
@@ -302,7 +341,10 @@ def run_workers_mode(args) -> int:
     occurrence (``worker_steps``), the trainer's key for the step; every configuration of
     ``WORKER_CONFIGS`` runs ``RolloutScheduler.rollout`` on the same inputs (configurations
     interleaved per step, so drift of the machine hits all alike). No HistoSpec drafter: only the
-    scheduling differs. Medians over the steps go to a markdown table and JSON.
+    scheduling differs. Then each of ``CROSS_STEP_CONFIGS`` runs the same steps chained through
+    cross-step worker queues (``cross_step_chain``; the update between steps is a sleep of
+    ``--train-share`` of a step at fifo's median makespan). Medians over the steps go to a
+    markdown table and JSON.
     """
     import jax
 
@@ -377,6 +419,17 @@ def run_workers_mode(args) -> int:
                   f"migrated {row['sched/migrated_share']:5.1%}  rows/worker {row['worker_rows']}  "
                   f"mean length {row['mean_length']:.1f} (r vs prediction {row['prediction_corr']:.2f})", flush=True)
 
+    fifo_span = float(np.median([r["time/rollout_makespan_s"] for r in per_step["fifo"]]))
+    train_s = args.train_share / (1.0 - args.train_share) * fifo_span
+    for name, sets in CROSS_STEP_CONFIGS.items():
+        sch = RolloutScheduler(engines, load_config(args.config, [*args.overrides, *sets, *cm_set]).sched, max_new)
+        per_step[name], intervals[name] = cross_step_chain(sch, batches, pol, states, sampling, cfg, train_s=train_s)
+        sch.close()
+        for row in per_step[name]:
+            print(f"  {name:22s} step {row['step']}: bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher "
+                  f"idle {row['sched/earliest_finisher_idle']:6.1%}  window {row['time/rollout_makespan_s']:6.3f} s",
+                  flush=True)
+
     summary = summarize_workers(per_step)
     table = format_workers_table(summary)
     print(f"\nMedians over {len(batches)} steps (W={W}; wall-clock on {os.cpu_count()} host cores shared by "
@@ -392,7 +445,8 @@ def run_workers_mode(args) -> int:
                         "sampling": {"temperature": float(r.temperature), "max_new_tokens": max_new},
                         "length_stat": cfg.sched.length_stat, "growth": float(cfg.sched.growth),
                         "tail_fraction": float(cfg.sched.tail_fraction),
-                        "configs": WORKER_CONFIGS, "warmup_s": warm,
+                        "configs": {**WORKER_CONFIGS, **CROSS_STEP_CONFIGS}, "warmup_s": warm,
+                        "cross_step_train_s": train_s,
                         "total_s": time.perf_counter() - t_start},
            "summary": summary, "per_step": per_step}
     with atomic_write(out, "w") as fh:
@@ -401,7 +455,7 @@ def run_workers_mode(args) -> int:
         fh.write(table + "\n")
     print(f"\nwrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - t_start:.0f} s in all)")
     if args.gantt:
-        for name in ("fifo", WORKER_FULL):
+        for name in ("fifo", WORKER_FULL, *CROSS_STEP_CONFIGS):
             png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_')}.png")
             plot_gantt(intervals[name], png, num_workers=W, title=f"{name} ({W} real workers)")
             print(f"wrote {png}")

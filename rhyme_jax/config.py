@@ -167,6 +167,7 @@ class SchedSection:
 
     mode: str = "fifo"  # fifo (groups split over workers in order) | histopipe
     pipeline: str = "sync"  # sync (on-policy) | one_step_off (rollout s+1 overlaps update s; staleness 1)
+    cross_step: bool = False  # one_step_off: per-worker queues, a worker starts step s+1 when its part of s is done
     tier1: bool = True  # histopipe: ranking groups by predicted length, odd steps ascending / even descending
     tier2: bool = True  # histopipe: more workers for long groups (binary search on the makespan)
     migration: bool = True  # histopipe: tails longer than growth x predicted move to an idle worker
@@ -301,6 +302,9 @@ def _validate_parallel(cfg: Any, source: str) -> None:
     if sc.num_groups < 0 or sc.growth <= 0 or not 0 < sc.tail_fraction <= 1:
         raise ConfigError(f"{source}: sched.num_groups >= 0, sched.growth > 0 and 0 < sched.tail_fraction <= 1 "
                           f"are required")
+    if sc.cross_step and sc.pipeline != "one_step_off":
+        raise ConfigError(f"{source}: sched.cross_step=true needs sched.pipeline=one_step_off "
+                          f"(got sched.pipeline={sc.pipeline!r})")
     if p.rollout_tensor < 1 or p.rollout_workers < 0:
         raise ConfigError(f"{source}: parallel.rollout_tensor >= 1 and parallel.rollout_workers >= 0 "
                           f"are required")

@@ -51,23 +51,28 @@ def _responses(run_dir, step):
     return [r.tolist() for r in load_rollouts(run_dir, step)["responses"]]
 
 
-def test_one_step_off_uses_the_documented_weights(tmp_path):
+@pytest.mark.parametrize("cross_step", [False, True])
+def test_one_step_off_uses_the_documented_weights(tmp_path, cross_step):
     """one_step_off: rollout s >= 2 is sampled with the params after s - 2 updates (metrics
     rollout/weights_step, staleness 1): regenerating step 2 with the initial params and step 3
     with the params after one update reproduces the saved rollouts token for token, and the
-    other version does not. Every step trains each of its prompts' n samples exactly once."""
-    cfg = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "sched.pipeline=one_step_off", "grpo.steps=3",
+    other version does not. Every step trains each of its prompts' n samples exactly once.
+    With cross-step worker queues (rollout s + 2 queued right after update s) the same holds."""
+    steps = 4 if cross_step else 3
+    cfg = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "sched.pipeline=one_step_off", f"grpo.steps={steps}",
+                               f"sched.cross_step={str(cross_step).lower()}",
                                "grpo.learning_rate=0.05", "rollout.max_new_tokens=24"])
     tr = GRPOTrainer(cfg, reward_fn=_reward)
     try:
         versions = [jax.tree.map(np.array, tr.state)]
         metrics = []
-        for step in (1, 2, 3):
+        for step in range(1, steps + 1):
             metrics.append(tr.train_step(step))
             tr.step = step
             versions.append(jax.tree.map(np.array, tr.state))
-        assert [m["rollout/weights_step"] for m in metrics] == [0.0, 0.0, 1.0]
-        assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+        assert [m["rollout/weights_step"] for m in metrics] == [0.0, 0.0, 1.0, 2.0][:steps]
+        assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0, 1.0][:steps]
+        assert [m["sched/cross_step"] for m in metrics] == [float(cross_step)] * steps
 
         def regenerate(step, version):
             return [t.tolist() for t in tr.pipeline.run(step, versions[version], version, []).rollout.result.tokens]
@@ -75,8 +80,10 @@ def test_one_step_off_uses_the_documented_weights(tmp_path):
         assert regenerate(2, 0) == _responses(tr.run_dir, 2)
         assert regenerate(3, 1) == _responses(tr.run_dir, 3)
         assert regenerate(3, 2) != _responses(tr.run_dir, 3)  # the on-policy weights differ
+        if cross_step:
+            assert regenerate(4, 2) == _responses(tr.run_dir, 4)
         n = cfg.grpo.samples_per_prompt
-        for step in (1, 2, 3):
+        for step in range(1, steps + 1):
             ids = load_rollouts(tr.run_dir, step)["prompt_ids"]
             want = prompt_schedule(cfg.run.seed, 200, step, cfg.grpo.prompts_per_step)
             np.testing.assert_array_equal(ids, np.repeat(want, n))
@@ -91,6 +98,8 @@ def test_sched_config_is_validated():
         load_config(CONFIG, ["sched.pipeline=async"])
     with pytest.raises(ConfigError, match="sched.tail_fraction"):
         load_config(CONFIG, ["sched.tail_fraction=0"])
+    with pytest.raises(ConfigError, match="sched.cross_step=true needs sched.pipeline=one_step_off"):
+        load_config(CONFIG, ["sched.cross_step=true"])
 
 
 DEFER = ["sched.pipeline=one_step_off", "sched.mode=histopipe", "sched.growth=0.01", "sched.tail_fraction=1.0",
@@ -134,27 +143,56 @@ def test_one_step_off_deferral_trains_every_sample_once(tmp_path):
     assert max(lengths) <= 24
 
 
+def test_cross_step_deferral_trains_every_sample_once(tmp_path):
+    """Cross-step queues with forced deferral over 4 steps: rollout s + 1 is already queued when
+    step s's tails are stopped, so their groups are continued by rollout s + 2 and trained then;
+    the last two steps defer nothing, and every prompt's n samples are trained exactly once."""
+    cfg = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=c", *DEFER, "grpo.steps=4",
+                               "sched.cross_step=true"])
+    tr = GRPOTrainer(cfg, reward_fn=_reward)
+    try:
+        metrics = []
+        for step in (1, 2, 3, 4):
+            metrics.append(tr.train_step(step))
+            tr.step = step
+            if step == 2:  # a checkpoint here keeps the groups queued rollouts 3 and 4 continue
+                carried = metrics[0]["rollout/carried_groups"] + metrics[1]["rollout/carried_groups"]
+                assert len(tr.pipeline.pending_carry()) == carried > 0
+    finally:
+        tr.close()
+    assert metrics[0]["sched/deferred_share"] > 0 and metrics[1]["sched/continued_rows"] == 0
+    assert metrics[2]["sched/continued_rows"] > 0 and metrics[2]["sched/deferred_share"] == 0
+    assert _trained(tr.run_dir, (1, 2, 3, 4)) == _scheduled(cfg, (1, 2, 3, 4))
+
+
 @pytest.mark.slow
-def test_one_step_off_deferral_survives_a_resume(tmp_path):
+@pytest.mark.parametrize("cross_step", [False, True])
+def test_one_step_off_deferral_survives_a_resume(tmp_path, cross_step):
     """The deferral run interrupted after step 2 while groups are carried: the carried groups
-    come back from the checkpoint and every sample is still trained exactly once."""
-    cfg_b = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=b", *DEFER])
+    (with cross-step queues also those the queued rollouts were continuing) come back from the
+    checkpoint and every sample is still trained exactly once."""
+    steps = 4 if cross_step else 3
+    cfg_b = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "run.name=b", *DEFER, f"grpo.steps={steps}",
+                                 f"sched.cross_step={str(cross_step).lower()}"])
     first = GRPOTrainer(cfg_b, reward_fn=_reward)
     try:
         for step in (1, 2):
             first.train_step(step)
             first.step = step
             first.save()
-        assert first.pipeline.carry, "the interrupted run carries groups into step 3"
+        pending = first.pipeline.pending_carry()
+        assert pending, "the interrupted run carries groups into step 3"
     finally:
         first.close()
     second = GRPOTrainer(cfg_b, resume=True, reward_fn=_reward)
     try:
-        assert second.step == 2 and len(second.pipeline.carry) == len(first.pipeline.carry)
-        second.train_step(3)
+        assert second.step == 2 and len(second.pipeline.carry) == len(pending)
+        for step in range(3, steps + 1):
+            second.train_step(step)
+            second.step = step
     finally:
         second.close()
-    assert _trained(second.run_dir, (1, 2, 3)) == _scheduled(cfg_b, (1, 2, 3))
+    assert _trained(second.run_dir, range(1, steps + 1)) == _scheduled(cfg_b, range(1, steps + 1))
 
 
 def test_ablation_configs_load_and_switch_one_part_each():
@@ -171,4 +209,4 @@ def test_ablation_configs_load_and_switch_one_part_each():
             assert cfg.parallel.rollout_workers == 4 and cfg.spec == base.spec, path.name
         else:
             assert cfg.sched == base.sched and cfg.spec != base.spec, path.name
-    assert len(seen) == 8
+    assert len(seen) == 9

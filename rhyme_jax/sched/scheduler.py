@@ -15,6 +15,7 @@ responses are identical with and without HistoPipe (tests/test_sched_workers.py)
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,8 +28,8 @@ from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 from rhyme_jax.sched.length_predictor import predict_lengths
 from rhyme_jax.sched.migration import Migrant, TailMigration
 from rhyme_jax.sched.planner import Plan, plan_step
-from rhyme_jax.sched.timeline import WorkerInterval, bubble_metrics
-from rhyme_jax.sched.workers import run_workers
+from rhyme_jax.sched.timeline import NEXT_STEP, WorkerInterval, bubble_metrics
+from rhyme_jax.sched.workers import StepWork, WorkerQueues, run_now
 
 MODES = ("fifo", "histopipe")
 PIPELINES = ("sync", "one_step_off")
@@ -80,6 +81,10 @@ class RolloutScheduler:
         self.local = len(self.engines)
         self.total = self.local * jax.process_count()
         self.first = jax.process_index() * self.local
+        self.queues: WorkerQueues | None = None  # cross-step worker queues, made on first use
+        self._queued: list[PendingRollout] = []  # queued steps not yet collected, in order
+        self._origin = time.perf_counter()  # clock of queued steps' intervals
+        self._last_end = -np.inf  # end of the last collected queued step (scheduler clock)
 
     def plan(self, step: int, prompt_ids: Sequence[int], n: int, history) -> tuple[Plan, np.ndarray]:
         """The step's plan over all global workers and the ``f64[P]`` length predictions."""
@@ -97,7 +102,7 @@ class RolloutScheduler:
                 n: int, sampling: SamplingParams, key: jax.Array, *, history=None, drafter=None,
                 extra: Sequence[tuple[int, Sequence[int], np.ndarray, np.ndarray]] = (),
                 defer: bool = False) -> StepRollout:
-        """Roll out ``prompts`` (``n`` rows per prompt id of ``prompt_ids``, in order).
+        """Roll out ``prompts`` (``n`` rows per prompt id of ``prompt_ids``, in order) now.
 
         Args:
           states: the params in each local worker's layout (the weight sync's output).
@@ -109,6 +114,20 @@ class RolloutScheduler:
 
         Returns:
           ``StepRollout``.
+        """
+        return self.collect(self.submit(step, states, prompt_ids, prompts, n, sampling, key, history=history,
+                                        drafter=drafter, extra=extra, defer=defer))
+
+    def submit(self, step: int, states: Sequence[Any], prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+               n: int, sampling: SamplingParams, key: jax.Array, *, history=None, drafter=None,
+               extra: Sequence[tuple[int, Sequence[int], np.ndarray, np.ndarray]] = (),
+               defer: bool = False, queued: bool = False) -> "PendingRollout":
+        """Plan a step (arguments as ``rollout``) and start it.
+
+        ``queued=False`` runs it to the end before returning (one thread per worker).
+        ``queued=True`` (``sched.cross_step``) puts each worker's part on that worker's queue
+        (``WorkerQueues``) behind its part of the steps submitted before, and returns at once;
+        ``collect`` waits for it. Queued steps must be collected in submission order.
         """
         c = self.cfg
         plan, pred = self.plan(step, prompt_ids, n, history)
@@ -127,8 +146,38 @@ class RolloutScheduler:
         all_prompts = list(prompts) + [list(x[1]) for x in extra]
         row_ids = np.repeat(np.asarray(prompt_ids), n).tolist() + [int(x[0]) for x in extra]
         prefixes = {own + e: (x[2], x[3]) for e, x in enumerate(extra)}
-        out = run_workers(self.engines, states, local_rows, all_prompts, row_ids, sampling, keys,
-                          drafter=drafter, migration=migration, prefixes=prefixes)
+        job = StepWork(self.engines, states, local_rows, all_prompts, row_ids, sampling, keys, drafter=drafter,
+                       migration=migration, prefixes=prefixes, origin=self._origin if queued else None)
+        pending = PendingRollout(step, plan, job, own, len(extra), time.perf_counter() - self._origin)
+        if queued:
+            if self.queues is None:
+                self.queues = WorkerQueues(self.local)
+            pending.futures = self.queues.submit(job)
+            self._queued.append(pending)
+        else:
+            run_now(job)
+        return pending
+
+    def collect(self, pending: "PendingRollout") -> StepRollout:
+        """Wait for a submitted step, gather it across processes and measure it.
+
+        A queued step is measured over its window of the workers' continuous timeline: from its
+        submission (or the previous queued step's end, if later) to its own end; time a worker
+        spends in that window on the next queued step counts as busy (kind ``"next step"``).
+        Intervals are returned relative to the window start.
+
+        Raises:
+          ValueError: a queued step collected out of submission order.
+          The first exception a worker raised.
+        """
+        if pending.futures is not None:
+            if not self._queued or self._queued[0] is not pending:
+                raise ValueError(f"RolloutScheduler.collect: queued step {pending.step} collected out of order")
+            for f in pending.futures:
+                f.result()
+            self._queued.pop(0)
+        out = pending.job.result()
+        plan, own = pending.plan, pending.own
         # Rows in step order across processes: gather (worker order), then sort by row.
         gathered_rows = _allgather_rows(out.rows)
         result = allgather_results(out.result, self.max_new_tokens)
@@ -136,24 +185,73 @@ class RolloutScheduler:
         result = RolloutResult([result.tokens[i] for i in order], [result.logprobs[i] for i in order],
                                [result.finish_reasons[i] for i in order], result.stats)
         deferred = _allgather_deferred(out.deferred, self.max_new_tokens)
-        bubble = bubble_metrics(out.intervals, self.local) if out.intervals else {}
-        total_rows = max(len(prompts), 1)
+        intervals = out.intervals
+        if pending.futures is not None:
+            intervals, bubble = self._window(pending, intervals)
+        else:
+            bubble = bubble_metrics(intervals, self.local) if intervals else {}
+        total_rows = max(own, 1)
         metrics = {
             "sched/bubble_fraction": float(bubble.get("bubble_fraction", 0.0)),
             "sched/earliest_finisher_idle": float(bubble.get("earliest_finisher_idle", 0.0)),
             "time/rollout_makespan_s": float(bubble.get("makespan_s", 0.0)),
             "sched/migrated_share": len(out.migrated) / total_rows,
             "sched/deferred_share": len(deferred) / total_rows,
-            "sched/continued_rows": float(len(extra)),
+            "sched/continued_rows": float(pending.extra),
             "sched/predicted_makespan_s": float(np.max(plan.predicted_seconds)),
             "sched/ascending": float(bool(plan.ascending)) if plan.ascending is not None else -1.0,
+            "sched/cross_step": float(pending.futures is not None),
         }
         finish = np.zeros(len(plan.groups))
-        for iv in out.intervals:
-            for g in plan.worker_groups[self.first + iv.worker]:
-                finish[g] = max(finish[g], iv.end)
-        return StepRollout(result, metrics, out.intervals, deferred, plan, finish,
+        for iv in intervals:
+            if iv.kind != NEXT_STEP:
+                for g in plan.worker_groups[self.first + iv.worker]:
+                    finish[g] = max(finish[g], iv.end)
+        return StepRollout(result, metrics, intervals, deferred, plan, finish,
                            np.sort(gathered_rows).astype(np.int64))
+
+    def _window(self, pending: "PendingRollout", intervals: list[WorkerInterval]) -> tuple[list, dict]:
+        """A queued step's intervals in its timeline window (relative to the window start) and
+        its bubble metrics (``timeline.bubble_metrics`` with ``window=``)."""
+        start = max(pending.submitted, self._last_end)
+        end = max([start] + [iv.end for iv in intervals])
+        self._last_end = max(self._last_end, end)
+        ivs = [iv for iv in intervals if iv.end > start]
+        nxt = self._queued[0].job if self._queued else None
+        if nxt is not None:  # the next step's work done in this window
+            for w in range(self.local):
+                began = nxt.started[w]
+                if began is None or began >= end or not len(nxt.worker_rows[w]):
+                    continue
+                mine = [iv for iv in list(nxt.intervals) if iv.worker == w]
+                stop = max([iv.end for iv in mine], default=end) if any(iv.kind == "batch" for iv in mine) else end
+                ivs.append(WorkerInterval(w, began, min(max(stop, began), end), NEXT_STEP))
+        shifted = [WorkerInterval(iv.worker, max(iv.start, start) - start, min(iv.end, end) - start, iv.kind,
+                                  iv.source) for iv in ivs if min(iv.end, end) >= max(iv.start, start)]
+        if not shifted:
+            return [], {}
+        return shifted, bubble_metrics(shifted, self.local, window=(0.0, end - start))
+
+    def close(self) -> None:
+        """Stop the cross-step worker queues (queued jobs finish first)."""
+        if self.queues is not None:
+            self.queues.close()
+            self.queues = None
+
+
+@dataclass
+class PendingRollout:
+    """A submitted step (``RolloutScheduler.submit``): its plan, its per-worker job, the row
+    counts, the submission time (seconds on the scheduler's clock) and, when queued, the workers'
+    futures."""
+
+    step: int
+    plan: Plan
+    job: StepWork
+    own: int
+    extra: int
+    submitted: float
+    futures: list | None = None
 
 
 def _allgather_rows(rows: np.ndarray) -> np.ndarray:

@@ -6,7 +6,9 @@ ARCHITECTURE.md s.6 metrics (RhymeRL, arXiv 2508.18588, s.5): over a step's make
 * **bubble fraction** = idle worker-time / total worker-time (``W * makespan``);
 * **earliest-finisher idle** = idle share of the worker that finishes first,
   ``(window end - its last end) / makespan`` (a worker with no interval counts as finishing at the
-  window start: idle 1.0);
+  window start: idle 1.0); with cross-step worker queues (``window=``) its last end is that of
+  its own step's work, and the time it then spends on the next step's rows (intervals of kind
+  ``"next step"``) is not idle;
 * per-worker busy seconds (overlapping intervals of one worker are merged, not double counted).
 
 Times are seconds (any common origin; the chart shows them relative to each step's start).
@@ -24,6 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from rhyme_jax.train.atomic import atomic_write
+
+
+NEXT_STEP = "next step"  # kind of an interval spent on the next step's rows (cross-step queues)
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,17 @@ def _merged_length(spans: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def bubble_metrics(intervals: Sequence[WorkerInterval], num_workers: int) -> dict:
+def bubble_metrics(intervals: Sequence[WorkerInterval], num_workers: int,
+                   window: tuple[float, float] | None = None) -> dict:
     """Bubble metrics of one step's intervals.
 
     Args:
       intervals: the step's ``WorkerInterval`` records (at least one).
       num_workers: W; workers without an interval count as idle for the whole window.
+      window: ``(start, end)`` seconds to measure over instead of ``[min start, max end]``
+        (cross-step queues: the step's window of the continuous timeline); intervals are clipped
+        to it. The earliest finisher is then the worker whose last interval of kind other than
+        ``"next step"`` ends first.
 
     Returns:
       ``{"makespan_s", "bubble_fraction", "earliest_finisher", "earliest_finisher_idle",
@@ -83,18 +93,28 @@ def bubble_metrics(intervals: Sequence[WorkerInterval], num_workers: int) -> dic
     W = int(num_workers)
     if any(iv.worker >= W for iv in intervals):
         raise ValueError(f"bubble_metrics: a worker index is >= num_workers={W}")
-    t0 = min(iv.start for iv in intervals)
-    t1 = max(iv.end for iv in intervals)
+    if window is None:
+        t0, t1 = min(iv.start for iv in intervals), max(iv.end for iv in intervals)
+    else:
+        t0, t1 = float(window[0]), float(window[1])
+        if not t1 >= t0:
+            raise ValueError(f"bubble_metrics: window end {t1} < start {t0}")
     makespan = t1 - t0
     spans: list[list[tuple[float, float]]] = [[] for _ in range(W)]
+    own: list[list[float]] = [[] for _ in range(W)]
     for iv in intervals:
-        spans[iv.worker].append((iv.start, iv.end))
+        a, b = max(iv.start, t0), min(iv.end, t1)
+        if b >= a:
+            spans[iv.worker].append((a, b))
+            if iv.kind != NEXT_STEP:
+                own[iv.worker].append(b)
     busy = np.array([_merged_length(s) for s in spans])
-    finish = np.array([max((e for _, e in s), default=t0) - t0 for s in spans])
+    finish = np.array([max(e, default=t0) - t0 for e in own])
     first = int(np.argmin(finish))
     if makespan > 0:
         bubble = float(1.0 - busy.sum() / (W * makespan))
-        ef_idle = float((makespan - finish[first]) / makespan)
+        after = _merged_length([(max(a, t0 + finish[first]), b) for a, b in spans[first] if b > t0 + finish[first]])
+        ef_idle = float((makespan - finish[first] - after) / makespan)
     else:
         bubble = ef_idle = 0.0
     return {
@@ -118,7 +138,8 @@ def select_steps(steps: Sequence[int], max_steps: int) -> list[int]:
     return steps[:head] + steps[len(steps) - (max_steps - head):]
 
 
-_COLOURS = {"rollout": "#4C72B0", "batch": "#4C72B0", "migrated": "#DD8452", "prefill": "#55A868", "train": "#8172B2"}
+_COLOURS = {"rollout": "#4C72B0", "batch": "#4C72B0", "migrated": "#DD8452", "prefill": "#55A868",
+            "train": "#8172B2", NEXT_STEP: "#A6BDDB"}
 
 
 def plot_gantt(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -46,6 +47,118 @@ class WorkersResult:
     deferred: list[Migrant] = field(default_factory=list)
 
 
+class StepWork:
+    """One step's rollout over this process's workers, as one job per worker.
+
+    ``work(w)`` runs worker ``w``'s rows (then, in sync migration, continues migrated tails until
+    every worker is done); ``run_workers`` runs the jobs on one thread each and joins, and
+    ``WorkerQueues`` runs them on per-worker queues so a worker goes on to the next step's job as
+    soon as its own part is done (cross-step). ``result()`` assembles the ``WorkersResult`` once
+    every job has finished.
+
+    Args:
+      engines, states, worker_rows, prompts, prompt_ids, sampling, keys, drafter, migration,
+        prefixes: as for ``run_workers``.
+      origin: ``time.perf_counter()`` value the intervals are measured from (default: now).
+    """
+
+    def __init__(self, engines: Sequence[RolloutEngine], states: Sequence[Any], worker_rows: Sequence[np.ndarray],
+                 prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], sampling: SamplingParams,
+                 keys: Sequence[jax.Array], *, drafter=None, migration: TailMigration | None = None,
+                 prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, origin: float | None = None):
+        self.engines, self.states, self.worker_rows = engines, states, worker_rows
+        self.prompts, self.prompt_ids, self.sampling, self.keys = prompts, prompt_ids, sampling, keys
+        self.drafter, self.migration, self.prefixes = drafter, migration, prefixes or {}
+        self.t0 = time.perf_counter() if origin is None else float(origin)
+        self.started: list[float | None] = [None] * len(worker_rows)  # job start per worker (from t0)
+        self.done: dict[int, tuple[np.ndarray, np.ndarray, str]] = {}
+        self.parts: list[RolloutResult] = []
+        self.intervals: list[WorkerInterval] = []
+        self.deferred: list[Migrant] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._busy = len(worker_rows)
+
+    def _stopped(self, m: Migrant) -> None:
+        """A tail stopped by the monitor: queued for an idle worker now, or kept for next step."""
+        if self.migration.defer:
+            with self._lock:
+                self.deferred.append(m)
+        else:
+            self.migration.push(m)
+
+    def _generate(self, w, rows, kind, key, pre=None, monitor=None, source=-1):
+        batch = self.drafter.batch([self.prompt_ids[r] for r in rows]) if self.drafter is not None else None
+        start = time.perf_counter() - self.t0
+        on_stop = ((lambda i, tok, lp: self._stopped(Migrant(int(rows[i]), tok, lp, w)))
+                   if monitor is not None else None)
+        out = self.engines[w].generate(self.states[w], [self.prompts[r] for r in rows], self.sampling, key,
+                                       drafter=batch, prefixes=pre, monitor=monitor, on_stop=on_stop)
+        with self._lock:
+            self.intervals.append(WorkerInterval(w, start, time.perf_counter() - self.t0, kind, source))
+            self.parts.append(out)
+        return out
+
+    def work(self, w: int) -> None:
+        """Worker ``w``'s job; an exception is kept for ``result()`` (and lets idle workers stop
+        waiting for this one)."""
+        self.started[w] = time.perf_counter() - self.t0
+        migration = self.migration
+        counted = False  # this worker's batch is done (busy count decremented)
+        try:
+            rows = np.asarray(self.worker_rows[w], np.int64)
+            if rows.size:
+                pre = [self.prefixes.get(int(r), (np.zeros(0, np.int32), np.zeros(0, np.float32))) for r in rows]
+                monitor = migration.monitor(w) if migration is not None else None
+                out = self._generate(w, rows, "batch", self.keys[w], pre if self.prefixes else None, monitor)
+                for i, r in enumerate(rows):
+                    if out.finish_reasons[i] != "migrated":  # migrated ones went out via on_stop
+                        with self._lock:
+                            self.done[int(r)] = (out.tokens[i], out.logprobs[i], out.finish_reasons[i])
+            with self._lock:
+                self._busy -= 1
+                counted = True
+            if migration is None or migration.defer:
+                return
+            migration.set_idle(w, True)
+            while True:  # idle: continue migrated tails until every worker is done
+                m = migration.take(w)
+                if m is None:
+                    with self._lock:
+                        if self._busy == 0 and not migration.queue:
+                            break
+                    time.sleep(_POLL_S)
+                    continue
+                out = self._generate(w, np.array([m.row]), "migrated", jax.random.fold_in(self.keys[w], m.row),
+                                     [(m.tokens, m.logprobs)], source=m.source)
+                with self._lock:
+                    self.done[m.row] = (out.tokens[0], out.logprobs[0], out.finish_reasons[0])
+            migration.set_idle(w, False)
+        except BaseException as exc:  # re-raised by result() in the caller's thread
+            with self._lock:
+                self.errors.append(exc)
+                if not counted:
+                    self._busy -= 1
+
+    def result(self) -> WorkersResult:
+        """The step's ``WorkersResult`` (call after every ``work(w)`` returned).
+
+        Raises:
+          The first exception a worker raised.
+        """
+        if self.errors:
+            raise self.errors[0]
+        rows = np.array(sorted(self.done), np.int64)
+        stats = merge_results(self.parts).stats if self.parts else {}
+        done = self.done
+        result = RolloutResult(tokens=[done[r][0] for r in rows], logprobs=[done[r][1] for r in rows],
+                               finish_reasons=[done[r][2] for r in rows], stats=stats)
+        result.stats["workers"] = len(self.worker_rows)
+        m = self.migration
+        return WorkersResult(result, rows, sorted(self.intervals, key=lambda i: (i.worker, i.start)),
+                             migrated=sorted(m.moved) if m is not None else [], deferred=self.deferred)
+
+
 def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_rows: Sequence[np.ndarray],
                 prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], sampling: SamplingParams,
                 keys: Sequence[jax.Array], *, drafter=None, migration: TailMigration | None = None,
@@ -63,88 +176,46 @@ def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_
       ``WorkersResult``. A migrated row continues on the idle worker with that worker's key
       folded with the row, so under greedy sampling its tokens are those it would have had.
     """
-    prefixes = prefixes or {}
-    t0 = time.perf_counter()
-    done: dict[int, tuple[np.ndarray, np.ndarray, str]] = {}
-    parts: list[RolloutResult] = []
-    intervals: list[WorkerInterval] = []
-    deferred: list[Migrant] = []
-    lock = threading.Lock()
-    busy = [len(worker_rows)]
-    errors: list[BaseException] = []
+    job = StepWork(engines, states, worker_rows, prompts, prompt_ids, sampling, keys, drafter=drafter,
+                   migration=migration, prefixes=prefixes)
+    run_now(job)
+    return job.result()
 
-    def stopped(m: Migrant) -> None:
-        """A tail stopped by the monitor: queued for an idle worker now, or kept for next step."""
-        if migration.defer:
-            with lock:
-                deferred.append(m)
-        else:
-            migration.push(m)
 
-    def generate(w, rows, kind, key, pre=None, monitor=None, source=-1):
-        batch = drafter.batch([prompt_ids[r] for r in rows]) if drafter is not None else None
-        start = time.perf_counter() - t0
-        on_stop = (lambda i, tok, lp: stopped(Migrant(int(rows[i]), tok, lp, w))) if monitor is not None else None
-        out = engines[w].generate(states[w], [prompts[r] for r in rows], sampling, key, drafter=batch,
-                                  prefixes=pre, monitor=monitor, on_stop=on_stop)
-        with lock:
-            intervals.append(WorkerInterval(w, start, time.perf_counter() - t0, kind, source))
-            parts.append(out)
-        return out
+def run_now(job: StepWork) -> None:
+    """Run a step's worker jobs to the end: one thread per worker when there are several."""
+    W = len(job.worker_rows)
+    if W == 1:
+        job.work(0)
+        return
+    threads = [threading.Thread(target=job.work, args=(w,), name=f"rollout-worker-{w}") for w in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
-    def work(w):
-        counted = False  # this worker's batch is done (busy count decremented)
-        try:
-            rows = np.asarray(worker_rows[w], np.int64)
-            if rows.size:
-                pre = [prefixes.get(int(r), (np.zeros(0, np.int32), np.zeros(0, np.float32))) for r in rows]
-                monitor = migration.monitor(w) if migration is not None else None
-                out = generate(w, rows, "batch", keys[w], pre if prefixes else None, monitor)
-                for i, r in enumerate(rows):
-                    if out.finish_reasons[i] != "migrated":  # migrated ones went out via on_stop
-                        with lock:
-                            done[int(r)] = (out.tokens[i], out.logprobs[i], out.finish_reasons[i])
-            with lock:
-                busy[0] -= 1
-                counted = True
-            if migration is None or migration.defer:
-                return
-            migration.set_idle(w, True)
-            while True:  # idle: continue migrated tails until every worker is done
-                m = migration.take(w)
-                if m is None:
-                    with lock:
-                        if busy[0] == 0 and not migration.queue:
-                            break
-                    time.sleep(_POLL_S)
-                    continue
-                out = generate(w, np.array([m.row]), "migrated", jax.random.fold_in(keys[w], m.row),
-                               [(m.tokens, m.logprobs)], source=m.source)
-                with lock:
-                    done[m.row] = (out.tokens[0], out.logprobs[0], out.finish_reasons[0])
-            migration.set_idle(w, False)
-        except BaseException as exc:  # re-raised in the caller's thread
-            with lock:
-                errors.append(exc)
-                if not counted:  # let idle workers stop waiting for this one
-                    busy[0] -= 1
 
-    if len(worker_rows) == 1:
-        work(0)
-    else:
-        threads = [threading.Thread(target=work, args=(w,), name=f"rollout-worker-{w}")
-                   for w in range(len(worker_rows))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]
-    rows = np.array(sorted(done), np.int64)
-    stats = merge_results(parts).stats if parts else {}
-    result = RolloutResult(tokens=[done[r][0] for r in rows], logprobs=[done[r][1] for r in rows],
-                           finish_reasons=[done[r][2] for r in rows], stats=stats)
-    result.stats["workers"] = len(worker_rows)
-    return WorkersResult(result, rows, sorted(intervals, key=lambda i: (i.worker, i.start)),
-                         migrated=sorted(migration.moved) if migration is not None else [],
-                         deferred=deferred)
+class WorkerQueues:
+    """Cross-step worker queues: one single-thread executor per local rollout worker, so each
+    worker runs its jobs in submission order and starts its part of step s + 1 as soon as its
+    part of step s is done, without waiting for the other workers (``sched.cross_step``; the
+    tier-1 odd/even order then pays off across steps, ARCHITECTURE.md section 6).
+
+    Args:
+      num_workers: local workers W.
+    """
+
+    def __init__(self, num_workers: int):
+        self.pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-worker-{w}")
+                      for w in range(int(num_workers))]
+
+    def submit(self, job: StepWork) -> list[Future]:
+        """Queue ``job.work(w)`` on worker ``w``'s executor for every worker; returns the futures."""
+        if len(job.worker_rows) != len(self.pools):
+            raise ValueError(f"WorkerQueues: job has {len(job.worker_rows)} workers, queues {len(self.pools)}")
+        return [pool.submit(job.work, w) for w, pool in enumerate(self.pools)]
+
+    def close(self) -> None:
+        """Let queued jobs finish, then stop the threads."""
+        for pool in self.pools:
+            pool.shutdown(wait=True)

@@ -7,6 +7,13 @@ overlaps the update; rollout s >= 2 then uses the params after s - 2 updates (st
 as ``rollout/weights_step`` and ``rollout/staleness``). With HistoPipe migration on, tails of a
 one_step_off rollout are deferred to the next step instead of migrated; their groups are carried
 (``sched/carry.py``) and trained one step later. ARCHITECTURE.md section 6.
+
+``one_step_off`` with ``sched.cross_step=true``: the same weights (rollout s + 2 is queued right
+after update s, with those params), but no barrier between rollouts: each worker runs its part
+of every step from its own queue (``sched.workers.WorkerQueues``), so a worker that finishes its
+part of step s goes on to step s + 1 while the others still run step s. The plan and drafts of
+step s + 1 then use the history written back up to step s - 1, and deferred tails of step s are
+continued by rollout s + 2 (trained two steps later).
 """
 
 from __future__ import annotations
@@ -70,39 +77,78 @@ class RolloutPipeline:
         self.carry: list[carry.Group] = []  # groups waiting for the next rollout (checkpointed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off-rollout")
         self._prefetch: Optional[tuple[int, Future]] = None
+        self._queued: list[_Started] = []  # cross-step: submitted rollouts not yet taken, in order
 
     @property
     def one_step_off(self) -> bool:
         return self.cfg.sched.pipeline == "one_step_off"
 
-    def run(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group]) -> StepBatch:
-        """Roll out step ``step`` with ``state`` (params after ``weights_step`` updates),
-        continuing the deferred samples of ``carried``."""
+    @property
+    def cross_step(self) -> bool:
+        """one_step_off with cross-step worker queues (``sched.cross_step``)."""
+        return self.one_step_off and bool(self.cfg.sched.cross_step)
+
+    def _start(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group],
+               queued: bool = False) -> "_Started":
+        """Plan and submit step ``step``'s rollout (``RolloutScheduler.submit``)."""
         cfg, g, r = self.cfg, self.cfg.grpo, self.cfg.rollout
         n = g.samples_per_prompt
         idx = self.schedule(step)
         prompts = [list(self.prompt_tokens(int(i))) for i in idx for _ in range(n)]
         key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
         ex = carry.extras(carried)
+        last_defer = g.steps - (1 if self.cross_step else 0)  # carried groups need a later rollout
         t0 = time.perf_counter()
-        sr = self.scheduler.rollout(
+        pending = self.scheduler.submit(
             step, self.rollout_states(state), idx, prompts, n,
             SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens),
             key, history=self.history, drafter=self.drafter,
             extra=[(carried[gi].prompt_idx, prompt, tok, lps) for gi, _, prompt, tok, lps in ex],
-            defer=self.one_step_off and step < g.steps)
-        seconds = time.perf_counter() - t0
-        own = sr.rows < len(prompts)
-        groups = carry.split_step(step, idx, prompts, n, sr.rows[own], _subset(sr.result, np.flatnonzero(own)),
-                                  sr.deferred)
-        done = carry.complete(carried, [(gi, i) for gi, i, *_ in ex], sr.result, np.flatnonzero(~own))
-        return StepBatch(step, weights_step, done + [grp for grp in groups if grp.complete],
+            defer=self.one_step_off and step < last_defer, queued=queued)
+        started = _Started(step, weights_step, list(carried), idx, prompts, ex, t0, pending)
+        if queued:
+            self._queued.append(started)
+        return started
+
+    def _finish(self, st: "_Started") -> StepBatch:
+        """Collect a started rollout and split it into trainable and carried groups."""
+        sr = self.scheduler.collect(st.pending)
+        seconds = (sr.metrics["time/rollout_makespan_s"] if st.pending.futures is not None
+                   else time.perf_counter() - st.t0)
+        n = self.cfg.grpo.samples_per_prompt
+        own = sr.rows < len(st.prompts)
+        groups = carry.split_step(st.step, st.idx, st.prompts, n, sr.rows[own],
+                                  _subset(sr.result, np.flatnonzero(own)), sr.deferred)
+        done = carry.complete(st.carried, [(gi, i) for gi, i, *_ in st.ex], sr.result, np.flatnonzero(~own))
+        return StepBatch(st.step, st.weights_step, done + [grp for grp in groups if grp.complete],
                          [grp for grp in groups if not grp.complete], sr, seconds)
 
+    def run(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group]) -> StepBatch:
+        """Roll out step ``step`` with ``state`` (params after ``weights_step`` updates),
+        continuing the deferred samples of ``carried``. With cross-step queues, queued rollouts
+        finish first (a worker's engine runs one batch at a time)."""
+        self._wait_queued()
+        return self._finish(self._start(step, state, weights_step, carried))
+
     def take(self, step: int, state: Any) -> tuple[StepBatch, float]:
-        """Step ``step``'s batch: the prefetched one under one_step_off, else rolled out now with
-        ``state`` (after ``step - 1`` updates). Returns it and the seconds spent waiting."""
+        """Step ``step``'s batch: the prefetched (or queued) one under one_step_off, else rolled
+        out now with ``state`` (after ``step - 1`` updates). Returns it and the seconds spent
+        waiting."""
         t0 = time.perf_counter()
+        if self.cross_step:
+            if not (self._queued and self._queued[0].step == step):
+                carried = self.pending_carry()  # none are lost if the queue is out of step
+                self._wait_queued()
+                for st in self._queued:
+                    self.scheduler.collect(st.pending)
+                self._queued = []
+                self._start(step, state, step - 1, carried, queued=True)
+                if step < self.cfg.grpo.steps:
+                    self._start(step + 1, _snapshot(state), step - 1, [], queued=True)
+                self.carry = []
+            batch = self._finish(self._queued.pop(0))
+            self.carry = self.carry + batch.carry  # continued by the next rollout submitted
+            return batch, time.perf_counter() - t0
         pending, self._prefetch = self._prefetch, None
         if pending is not None and pending[0] == step:
             batch = pending[1].result()
@@ -115,17 +161,59 @@ class RolloutPipeline:
 
     def after_write_back(self, step: int, state: Any) -> None:
         """one_step_off: start step ``step + 1``'s rollout now with a copy of ``state`` (the params
-        before step ``step``'s update) and the groups this step carried."""
-        if self.one_step_off and step < self.cfg.grpo.steps:
-            snapshot = jax.tree.map(lambda x: x.copy(), state)
-            self._prefetch = (step + 1, self._executor.submit(self.run, step + 1, snapshot, step - 1, self.carry))
+        before step ``step``'s update) and the groups this step carried. (With cross-step queues
+        that rollout is already queued: see ``after_update``.)"""
+        if self.one_step_off and not self.cross_step and step < self.cfg.grpo.steps:
+            self._prefetch = (step + 1, self._executor.submit(self.run, step + 1, _snapshot(state), step - 1,
+                                                              self.carry))
+
+    def after_update(self, step: int, state: Any) -> None:
+        """Cross-step queues: queue step ``step + 2``'s rollout with a copy of ``state`` (the params
+        after update ``step``; staleness 1) behind step ``step + 1``'s on every worker, with the
+        groups carried so far."""
+        if self.cross_step and step + 2 <= self.cfg.grpo.steps:
+            self._start(step + 2, _snapshot(state), step, self.carry, queued=True)
+            self.carry = []
+
+    def pending_carry(self) -> list[carry.Group]:
+        """Carried groups not yet trained: those queued rollouts continue, then those waiting for
+        the next rollout (what a checkpoint keeps; after a resume the first rollout continues
+        all of them)."""
+        return [grp for st in self._queued for grp in st.carried] + list(self.carry)
 
     def wait(self) -> None:
-        """Let an in-flight prefetch finish (its result stays queued) before the engines are
-        used for anything else (evaluation)."""
+        """Let in-flight rollouts finish (their results stay queued) before the engines are used
+        for anything else (evaluation)."""
         if self._prefetch is not None:
             self._prefetch[1].exception()
+        self._wait_queued()
+
+    def _wait_queued(self) -> None:
+        for st in self._queued:
+            for f in st.pending.futures:
+                f.exception()
 
     def close(self) -> None:
         self.wait()
         self._executor.shutdown(wait=True)
+        self.scheduler.close()
+
+
+def _snapshot(state: Any) -> Any:
+    """A copy of the params: the next update donates the live buffers."""
+    return jax.tree.map(lambda x: x.copy(), state)
+
+
+@dataclass
+class _Started:
+    """A submitted rollout: its step, weights version, the carried groups it continues, its
+    prompts (``idx``, ``prompts``, carried extras ``ex``), start time and scheduler handle."""
+
+    step: int
+    weights_step: int
+    carried: list
+    idx: np.ndarray
+    prompts: list
+    ex: list
+    t0: float
+    pending: Any

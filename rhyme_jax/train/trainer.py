@@ -271,6 +271,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         mb_metrics = self._update(prompts, tokens, logprobs, rewards) if groups else []
         t_train = time.perf_counter() - t1
+        self.pipeline.after_update(step, self.state)
 
         finite = all(m["finite"] > 0 for m in mb_metrics)
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
@@ -359,8 +360,9 @@ class GRPOTrainer:
                 "nonfinite_total": self.nonfinite_total, "nonfinite_run": self.nonfinite_run,
                 "eval_before": self.eval_before}
         blobs = {"history": self.history.to_bytes()} if self.history is not None else {}
-        if self.pipeline.carry:  # groups whose deferred samples the next rollout continues
-            blobs["carry"] = carry.to_bytes(self.pipeline.carry)
+        pending = self.pipeline.pending_carry()
+        if pending:  # groups whose deferred samples a later rollout continues
+            blobs["carry"] = carry.to_bytes(pending)
         blobs = blobs or None
         self.checkpointer.save(self.step, params=self.state, opt_state=self.opt_state, meta=meta, blobs=blobs)
 
