@@ -254,11 +254,17 @@ def _corr(x, y) -> float:
 def summarize_workers(per_step: dict[str, list[dict]]) -> dict[str, dict]:
     """Per configuration: the median over the steps of each ``WORKER_METRICS`` entry and of the
     rollout wall time, plus ``bubble_ratio_vs_fifo`` = fifo's median bubble / this median bubble
-    (> 1: fewer bubbles than fifo; None without fifo or with a zero bubble)."""
+    (> 1: fewer bubbles than fifo; None without fifo or with a zero bubble), the pooled bubble
+    fraction (idle worker-seconds over all steps / worker-seconds of all step windows) and the
+    summed makespan."""
     out = {}
     for name, rows in per_step.items():
         out[name] = {k: float(np.median([r[k] for r in rows])) for k in (*WORKER_METRICS, "wall_s")}
         out[name]["steps"] = len(rows)
+        span = sum(r["time/rollout_makespan_s"] for r in rows)
+        out[name]["pooled_bubble_fraction"] = (sum(r["sched/bubble_fraction"] * r["time/rollout_makespan_s"]
+                                                   for r in rows) / span if span else 0.0)
+        out[name]["total_makespan_s"] = span
     fifo = out.get("fifo", {}).get("sched/bubble_fraction")
     for a in out.values():
         b = a["sched/bubble_fraction"]
@@ -268,13 +274,15 @@ def summarize_workers(per_step: dict[str, list[dict]]) -> dict[str, dict]:
 
 def format_workers_table(summary: dict[str, dict]) -> str:
     """Markdown table of ``summarize_workers``'s medians."""
-    lines = ["| config | bubble fraction | fifo bubble / bubble | earliest-finisher idle | makespan (s) "
-             "| migrated share | predicted makespan (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| config | bubble fraction | fifo bubble / bubble | pooled bubble | earliest-finisher idle "
+             "| makespan (s) | summed makespan (s) | migrated share | predicted makespan (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, a in summary.items():
         ratio = f"{a['bubble_ratio_vs_fifo']:.2f}x" if a["bubble_ratio_vs_fifo"] else "-"
-        lines.append(f"| {name} | {a['sched/bubble_fraction']:.1%} | {ratio} | "
+        lines.append(f"| {name} | {a['sched/bubble_fraction']:.1%} | {ratio} | {a['pooled_bubble_fraction']:.1%} | "
                      f"{a['sched/earliest_finisher_idle']:.1%} | {a['time/rollout_makespan_s']:.3f} | "
-                     f"{a['sched/migrated_share']:.2%} | {a['sched/predicted_makespan_s']:.3f} |")
+                     f"{a['total_makespan_s']:.3f} | {a['sched/migrated_share']:.2%} | "
+                     f"{a['sched/predicted_makespan_s']:.3f} |")
     return "\n".join(lines)
 
 
@@ -456,7 +464,7 @@ def run_workers_mode(args) -> int:
     print(f"\nwrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - t_start:.0f} s in all)")
     if args.gantt:
         for name in ("fifo", WORKER_FULL, *CROSS_STEP_CONFIGS):
-            png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_')}.png")
+            png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_').replace(' ', '_')}.png")
             plot_gantt(intervals[name], png, num_workers=W, title=f"{name} ({W} real workers)")
             print(f"wrote {png}")
     return 0

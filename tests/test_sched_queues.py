@@ -89,3 +89,20 @@ def test_bubble_metrics_in_a_window():
     assert m["earliest_finisher"] == 0 and m["earliest_finisher_idle"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="window"):
         bubble_metrics(ivs, 3, window=(1.0, 0.0))
+
+
+def test_training_update_in_a_window_is_not_a_bubble():
+    """Workers and the trainer share the devices: a recorded update is busy time for every worker
+    in the queued step's window (kind "train")."""
+    sch = RolloutScheduler([SleepEngine(), SleepEngine()], Sched(), 4)
+    try:
+        pending = _submit(sch, 1, [50, 600], queued=True)
+        now = time.perf_counter()
+        sch.record_update(now + 0.05, now + 0.45)  # worker 0 would idle from ~50 ms to 600 ms
+        r = sch.collect(pending)
+    finally:
+        sch.close()
+    train = [iv for iv in r.intervals if iv.kind == "train"]
+    assert sorted(iv.worker for iv in train) == [0, 1]
+    assert train[0].end - train[0].start == pytest.approx(0.4, abs=0.02)
+    assert r.metrics["sched/bubble_fraction"] < 0.25  # 1 - (0.6 + 0.45) / 1.2 nominal; 46% without

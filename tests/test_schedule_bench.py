@@ -65,19 +65,21 @@ def test_worker_steps_history_is_the_previous_occurrence(tmp_path, schedule_benc
 def test_summarize_workers_medians_and_ratio(schedule_bench):
     bench = schedule_bench
 
-    def row(bubble, mig=0.0):
+    def row(bubble, mig=0.0, span=1.0):
         return {"sched/bubble_fraction": bubble, "sched/earliest_finisher_idle": 2 * bubble,
-                "time/rollout_makespan_s": 1.0, "sched/migrated_share": mig,
+                "time/rollout_makespan_s": span, "sched/migrated_share": mig,
                 "sched/predicted_makespan_s": 0.5, "wall_s": 1.1}
 
-    per_step = {"fifo": [row(0.2), row(0.3), row(0.4)], "tier1": [row(0.1), row(0.15), row(0.5)],
+    per_step = {"fifo": [row(0.2), row(0.3), row(0.4, span=2.0)], "tier1": [row(0.1), row(0.15), row(0.5)],
                 "tier1+tier2+migration": [row(0.0, 0.01)] * 3}
     s = bench.summarize_workers(per_step)
     assert s["fifo"]["sched/bubble_fraction"] == pytest.approx(0.3) and s["fifo"]["steps"] == 3
+    # pooled: idle worker-seconds over window worker-seconds, (0.2 + 0.3 + 0.4 * 2) / 4
+    assert s["fifo"]["pooled_bubble_fraction"] == pytest.approx(0.325) and s["fifo"]["total_makespan_s"] == 4.0
     assert s["tier1"]["bubble_ratio_vs_fifo"] == pytest.approx(2.0)
     assert s["tier1+tier2+migration"]["bubble_ratio_vs_fifo"] is None  # zero bubble: no ratio
     table = bench.format_workers_table(s)
-    assert "| tier1 | 15.0% | 2.00x | 30.0% |" in table and "| tier1+tier2+migration | 0.0% | - |" in table
+    assert "| tier1 | 15.0% | 2.00x | 25.0% | 30.0% |" in table and "| tier1+tier2+migration | 0.0% | - |" in table
 
 
 def test_workers_mode_without_enough_devices_says_how_to_start(capsys, schedule_bench):

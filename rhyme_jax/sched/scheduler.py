@@ -28,7 +28,7 @@ from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 from rhyme_jax.sched.length_predictor import predict_lengths
 from rhyme_jax.sched.migration import Migrant, TailMigration
 from rhyme_jax.sched.planner import Plan, plan_step
-from rhyme_jax.sched.timeline import NEXT_STEP, WorkerInterval, bubble_metrics
+from rhyme_jax.sched.timeline import NEXT_STEP, TRAIN, WorkerInterval, bubble_metrics
 from rhyme_jax.sched.workers import StepWork, WorkerQueues, run_now
 
 MODES = ("fifo", "histopipe")
@@ -85,6 +85,7 @@ class RolloutScheduler:
         self._queued: list[PendingRollout] = []  # queued steps not yet collected, in order
         self._origin = time.perf_counter()  # clock of queued steps' intervals
         self._last_end = -np.inf  # end of the last collected queued step (scheduler clock)
+        self._train: list[tuple[float, float]] = []  # updates on the shared devices (scheduler clock)
 
     def plan(self, step: int, prompt_ids: Sequence[int], n: int, history) -> tuple[Plan, np.ndarray]:
         """The step's plan over all global workers and the ``f64[P]`` length predictions."""
@@ -163,7 +164,8 @@ class RolloutScheduler:
 
         A queued step is measured over its window of the workers' continuous timeline: from its
         submission (or the previous queued step's end, if later) to its own end; time a worker
-        spends in that window on the next queued step counts as busy (kind ``"next step"``).
+        spends in that window on the next queued step counts as busy (kind ``"next step"``), and
+        so does a training update in it (``record_update``; kind ``"train"``).
         Intervals are returned relative to the window start.
 
         Raises:
@@ -217,6 +219,10 @@ class RolloutScheduler:
         end = max([start] + [iv.end for iv in intervals])
         self._last_end = max(self._last_end, end)
         ivs = [iv for iv in intervals if iv.end > start]
+        for a, b in self._train:  # the update runs on every device: no worker is idle then
+            if b > start and a < end:
+                ivs += [WorkerInterval(w, a, b, TRAIN) for w in range(self.local)]
+        self._train = [(a, b) for a, b in self._train if b > end]
         nxt = self._queued[0].job if self._queued else None
         if nxt is not None:  # the next step's work done in this window
             for w in range(self.local):
@@ -231,6 +237,12 @@ class RolloutScheduler:
         if not shifted:
             return [], {}
         return shifted, bubble_metrics(shifted, self.local, window=(0.0, end - start))
+
+    def record_update(self, start: float, end: float) -> None:
+        """Note that a training update ran from ``start`` to ``end`` (``time.perf_counter()``
+        values) on the devices the workers share (the train mesh spans them all): queued steps'
+        windows count that time as busy (kind ``"train"``), not as a bubble."""
+        self._train.append((start - self._origin, end - self._origin))
 
     def close(self) -> None:
         """Stop the cross-step worker queues (queued jobs finish first)."""

@@ -7,8 +7,8 @@ ARCHITECTURE.md s.6 metrics (RhymeRL, arXiv 2508.18588, s.5): over a step's make
 * **earliest-finisher idle** = idle share of the worker that finishes first,
   ``(window end - its last end) / makespan`` (a worker with no interval counts as finishing at the
   window start: idle 1.0); with cross-step worker queues (``window=``) its last end is that of
-  its own step's work, and the time it then spends on the next step's rows (intervals of kind
-  ``"next step"``) is not idle;
+  its own step's work, and the time it then spends on the next step's rows or on a training
+  update (intervals of kind ``"next step"``, ``"train"``) is not idle;
 * per-worker busy seconds (overlapping intervals of one worker are merged, not double counted).
 
 Times are seconds (any common origin; the chart shows them relative to each step's start).
@@ -29,6 +29,7 @@ from rhyme_jax.train.atomic import atomic_write
 
 
 NEXT_STEP = "next step"  # kind of an interval spent on the next step's rows (cross-step queues)
+TRAIN = "train"  # kind of an interval the worker's devices spent on a training update (cross-step queues)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def bubble_metrics(intervals: Sequence[WorkerInterval], num_workers: int,
       window: ``(start, end)`` seconds to measure over instead of ``[min start, max end]``
         (cross-step queues: the step's window of the continuous timeline); intervals are clipped
         to it. The earliest finisher is then the worker whose last interval of kind other than
-        ``"next step"`` ends first.
+        ``"next step"`` or ``"train"`` ends first.
 
     Returns:
       ``{"makespan_s", "bubble_fraction", "earliest_finisher", "earliest_finisher_idle",
@@ -106,7 +107,7 @@ def bubble_metrics(intervals: Sequence[WorkerInterval], num_workers: int,
         a, b = max(iv.start, t0), min(iv.end, t1)
         if b >= a:
             spans[iv.worker].append((a, b))
-            if iv.kind != NEXT_STEP:
+            if iv.kind not in (NEXT_STEP, TRAIN):
                 own[iv.worker].append(b)
     busy = np.array([_merged_length(s) for s in spans])
     finish = np.array([max(e, default=t0) - t0 for e in own])

@@ -167,10 +167,13 @@ class RolloutPipeline:
             self._prefetch = (step + 1, self._executor.submit(self.run, step + 1, _snapshot(state), step - 1,
                                                               self.carry))
 
-    def after_update(self, step: int, state: Any) -> None:
+    def after_update(self, step: int, state: Any, update_s: tuple[float, float] | None = None) -> None:
         """Cross-step queues: queue step ``step + 2``'s rollout with a copy of ``state`` (the params
         after update ``step``; staleness 1) behind step ``step + 1``'s on every worker, with the
-        groups carried so far."""
+        groups carried so far. ``update_s``: the update's ``(start, end)`` ``perf_counter`` times,
+        busy time of every worker's devices (``RolloutScheduler.record_update``)."""
+        if self.cross_step and update_s is not None:
+            self.scheduler.record_update(*update_s)
         if self.cross_step and step + 2 <= self.cfg.grpo.steps:
             self._start(step + 2, _snapshot(state), step, self.carry, queued=True)
             self.carry = []

@@ -270,8 +270,9 @@ class GRPOTrainer:
 
         t1 = time.perf_counter()
         mb_metrics = self._update(prompts, tokens, logprobs, rewards) if groups else []
-        t_train = time.perf_counter() - t1
-        self.pipeline.after_update(step, self.state)
+        t2 = time.perf_counter()
+        t_train = t2 - t1
+        self.pipeline.after_update(step, self.state, (t1, t2))
 
         finite = all(m["finite"] > 0 for m in mb_metrics)
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
