@@ -311,7 +311,8 @@ def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:
 def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float) -> tuple[list[dict], dict]:
     """The steps of ``batches`` through cross-step worker queues as the trainer drives them:
     steps 1 and 2 queued at once; then for each step, collect it, wait ``train_s`` seconds (the
-    update, simulated by a sleep: the CPU is not used), queue step s + 2. Same weights throughout
+    update, simulated by a sleep: the CPU is not used; recorded with ``record_update`` as the
+    trainer records its update), queue step s + 2. Same weights throughout
     (no training). Returns the per-step rows (the ``WORKER_METRICS`` of each step's timeline
     window; ``wall_s`` = the window) and the intervals by step."""
     import jax
@@ -333,7 +334,9 @@ def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float
                      "mean_length": float(lengths.mean()), "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
                      "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]})
         ivs[st.step] = sr.intervals
+        t0 = time.perf_counter()
         time.sleep(train_s)
+        sch.record_update(t0, time.perf_counter())  # as the trainer does: the update's time is busy
         if i + 2 < len(batches):
             pending.append(submit(i + 2))
     return rows, ivs

@@ -160,10 +160,11 @@ def one_step_off(durations: np.ndarray, train_s: float) -> dict:
 
     Returns:
       ``{"span_s", "bubble_fraction"}``: ``span_s`` = the summed step windows, window s =
-      ``[max(weights ready for s, end of step s-1), end of step s]`` (what the trainer's
-      ``sched/bubble_fraction`` measures with cross-step queues; time when every worker waits for
-      the weights is outside every window, as training is outside a sync step's window), and the
-      workers' idle share of ``W * span_s``.
+      ``[max(weights ready for s, end of step s-1), end of step s]`` (the trainer's windows with
+      cross-step queues; time when every worker waits for the weights is outside every window, as
+      training is outside a sync step's window), and the workers' idle share of ``W * span_s``.
+      Unlike the trainer, which counts an update inside a window as busy (it runs on the same
+      devices), this counts a worker waiting for an update as idle: an upper bound.
     """
     S, W = durations.shape
     end = np.zeros(W)

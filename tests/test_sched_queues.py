@@ -22,7 +22,11 @@ class SleepEngine:
     """``generate`` sleeps the longest ``prompt[0]`` milliseconds of its batch and answers each
     prompt with itself."""
 
+    def __init__(self):
+        self.drafts = []  # the draft batch each generate call got
+
     def generate(self, state, prompts, sampling, key, drafter=None, prefixes=None, monitor=None, on_stop=None):
+        self.drafts.append(drafter)
         time.sleep(max(p[0] for p in prompts) / 1000)
         stats = {k: 0 for k in COUNT_STATS}
         stats["forward_passes"] = 1
@@ -35,10 +39,37 @@ class Sched:
     num_groups, length_stat, growth, tail_fraction, cost_model = 0, "mean", 1.5, 0.1, ""
 
 
-def _submit(sch, step, ms, queued):
+def _submit(sch, step, ms, queued, drafter=None):
     """A step of one prompt per worker (fifo puts prompt w on worker w), worker w sleeping ms[w]."""
     return sch.submit(step, [None] * len(ms), list(range(len(ms))), [[m] for m in ms], 1,
-                      SamplingParams(temperature=0.0, max_new_tokens=4), jax.random.key(0), queued=queued)
+                      SamplingParams(temperature=0.0, max_new_tokens=4), jax.random.key(0), queued=queued,
+                      drafter=drafter)
+
+
+class VersionDrafter:
+    """``batch`` answers with the history version it saw."""
+
+    version = 0
+
+    def batch(self, prompt_ids):
+        return (self.version, tuple(prompt_ids))
+
+
+def test_queued_drafts_come_from_the_history_at_submission():
+    """A write-back between a queued step's submission and its job's start must not change its
+    drafts (else sampled tokens would depend on thread timing)."""
+    engines = [SleepEngine(), SleepEngine()]
+    sch = RolloutScheduler(engines, Sched(), 4)
+    drafter = VersionDrafter()
+    try:
+        first = _submit(sch, 1, [300, 300], queued=True)
+        second = _submit(sch, 2, [10, 10], queued=True, drafter=drafter)
+        drafter.version = 1  # a write-back while step 1 still runs
+        sch.collect(first)
+        sch.collect(second)
+    finally:
+        sch.close()
+    assert [e.drafts for e in engines] == [[None, (0, (0,))], [None, (0, (1,))]]
 
 
 def test_worker_goes_on_to_the_next_step_while_others_run():

@@ -147,8 +147,12 @@ class RolloutScheduler:
         all_prompts = list(prompts) + [list(x[1]) for x in extra]
         row_ids = np.repeat(np.asarray(prompt_ids), n).tolist() + [int(x[0]) for x in extra]
         prefixes = {own + e: (x[2], x[3]) for e, x in enumerate(extra)}
+        drafts = None
+        if queued and drafter is not None:  # fixed now: later write-backs must not change them
+            drafts = [drafter.batch([row_ids[r] for r in rows]) for rows in local_rows]
         job = StepWork(self.engines, states, local_rows, all_prompts, row_ids, sampling, keys, drafter=drafter,
-                       migration=migration, prefixes=prefixes, origin=self._origin if queued else None)
+                       migration=migration, prefixes=prefixes, origin=self._origin if queued else None,
+                       draft_batches=drafts)
         pending = PendingRollout(step, plan, job, own, len(extra), time.perf_counter() - self._origin)
         if queued:
             if self.queues is None:
@@ -188,7 +192,10 @@ class RolloutScheduler:
                                [result.finish_reasons[i] for i in order], result.stats)
         deferred = _allgather_deferred(out.deferred, self.max_new_tokens)
         intervals = out.intervals
+        own_span = None
         if pending.futures is not None:
+            if intervals:  # the step's own work, first start to last end (may overlap other steps)
+                own_span = max(iv.end for iv in intervals) - min(iv.start for iv in intervals)
             intervals, bubble = self._window(pending, intervals)
         else:
             bubble = bubble_metrics(intervals, self.local) if intervals else {}
@@ -204,9 +211,11 @@ class RolloutScheduler:
             "sched/ascending": float(bool(plan.ascending)) if plan.ascending is not None else -1.0,
             "sched/cross_step": float(pending.futures is not None),
         }
+        if own_span is not None:
+            metrics["time/rollout_own_s"] = float(own_span)
         finish = np.zeros(len(plan.groups))
         for iv in intervals:
-            if iv.kind != NEXT_STEP:
+            if iv.kind not in (NEXT_STEP, TRAIN):
                 for g in plan.worker_groups[self.first + iv.worker]:
                     finish[g] = max(finish[g], iv.end)
         return StepRollout(result, metrics, intervals, deferred, plan, finish,

@@ -60,15 +60,20 @@ class StepWork:
       engines, states, worker_rows, prompts, prompt_ids, sampling, keys, drafter, migration,
         prefixes: as for ``run_workers``.
       origin: ``time.perf_counter()`` value the intervals are measured from (default: now).
+      draft_batches: per worker, the HistoSpec ``DraftBatch`` of its rows, made when the step was
+        submitted (cross-step queues: drafts then come from the history as it was at submission,
+        whatever write-backs happen before the job starts); None = made when the job starts.
     """
 
     def __init__(self, engines: Sequence[RolloutEngine], states: Sequence[Any], worker_rows: Sequence[np.ndarray],
                  prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], sampling: SamplingParams,
                  keys: Sequence[jax.Array], *, drafter=None, migration: TailMigration | None = None,
-                 prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, origin: float | None = None):
+                 prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, origin: float | None = None,
+                 draft_batches: Sequence[Any] | None = None):
         self.engines, self.states, self.worker_rows = engines, states, worker_rows
         self.prompts, self.prompt_ids, self.sampling, self.keys = prompts, prompt_ids, sampling, keys
         self.drafter, self.migration, self.prefixes = drafter, migration, prefixes or {}
+        self.draft_batches = draft_batches
         self.t0 = time.perf_counter() if origin is None else float(origin)
         self.started: list[float | None] = [None] * len(worker_rows)  # job start per worker (from t0)
         self.done: dict[int, tuple[np.ndarray, np.ndarray, str]] = {}
@@ -88,7 +93,10 @@ class StepWork:
             self.migration.push(m)
 
     def _generate(self, w, rows, kind, key, pre=None, monitor=None, source=-1):
-        batch = self.drafter.batch([self.prompt_ids[r] for r in rows]) if self.drafter is not None else None
+        if kind == "batch" and self.draft_batches is not None:
+            batch = self.draft_batches[w]
+        else:
+            batch = self.drafter.batch([self.prompt_ids[r] for r in rows]) if self.drafter is not None else None
         start = time.perf_counter() - self.t0
         on_stop = ((lambda i, tok, lp: self._stopped(Migrant(int(rows[i]), tok, lp, w)))
                    if monitor is not None else None)

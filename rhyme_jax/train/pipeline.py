@@ -38,7 +38,8 @@ class StepBatch:
     Attributes:
       step: the GRPO step it is for; ``weights_step``: updates applied to the params it used.
       groups: complete groups to train now (carried groups of earlier steps first).
-      carry: groups of this step with deferred samples (continued by the next rollout).
+      carry: groups of this step with deferred samples (continued by the next rollout submitted:
+        step + 1, or step + 2 with cross-step queues).
       rollout: the scheduler's output (metrics, intervals, plan, stats).
       seconds: the rollout's own duration.
     """
@@ -113,8 +114,8 @@ class RolloutPipeline:
     def _finish(self, st: "_Started") -> StepBatch:
         """Collect a started rollout and split it into trainable and carried groups."""
         sr = self.scheduler.collect(st.pending)
-        seconds = (sr.metrics["time/rollout_makespan_s"] if st.pending.futures is not None
-                   else time.perf_counter() - st.t0)
+        # queued: the step's own span (its window can be near 0 when its work ran in the previous one)
+        seconds = sr.metrics.get("time/rollout_own_s", time.perf_counter() - st.t0)
         n = self.cfg.grpo.samples_per_prompt
         own = sr.rows < len(st.prompts)
         groups = carry.split_step(st.step, st.idx, st.prompts, n, sr.rows[own],

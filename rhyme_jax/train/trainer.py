@@ -240,8 +240,9 @@ class GRPOTrainer:
         The rollout comes from ``self.pipeline`` (``train/pipeline.py``): under
         ``sched.pipeline=sync`` it uses the current params; under ``one_step_off`` it was started
         during the previous step with the params before that step's update (staleness 1; after a
-        resume the first rollout runs synchronously). Deferred tails (one_step_off + HistoPipe
-        migration) move their group to the next step's batch.
+        resume the first rollout runs synchronously; with ``sched.cross_step`` it was queued on the
+        workers right after update s - 2). Deferred tails (one_step_off + HistoPipe migration) move
+        their group to the next rollout submitted (s + 1, or s + 2 with cross-step queues).
         """
         cfg, g = self.cfg, self.cfg.grpo
         n = g.samples_per_prompt
