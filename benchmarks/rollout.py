@@ -57,15 +57,16 @@ def main(argv=None) -> int:
     r = cfg.rollout
     sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     t0 = time.perf_counter()
-    trainer.engine.warmup(trainer.state, sp, draft_buckets=batching.K_BUCKETS)
+    # in the rollout layout the engine runs in (the train layout would be another jit cache entry)
+    trainer.engine.warmup(trainer.rollout_states()[0], sp, draft_buckets=batching.K_BUCKETS)
     print(f"warm-up (every prefill/verify shape compiled): {time.perf_counter() - t0:.1f} s", flush=True)
 
     rows = []
     generate = trainer.engine.generate
 
-    def paired_generate(state, prompts, sampling, key, drafter=None):
-        plain = generate(state, prompts, sampling, key)
-        spec = generate(state, prompts, sampling, key, drafter=drafter)
+    def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
+        plain = generate(state, prompts, sampling, key, **kw)
+        spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
         rows.append({"plain": plain.stats, "spec": spec.stats})
         return spec
 
