@@ -221,6 +221,19 @@ def test_warmup_compiles_every_bucket():
         np.testing.assert_array_equal(got, exp)
 
 
+def test_verify_token_buckets():
+    """A verify step packs the smallest bucket (cap, its half or quarter, at least one token per
+    row) that holds its live rows and their drafts; plain decode has one bucket."""
+    assert batching.verify_token_buckets(128, 8, 512) == (128, 256, 512)
+    assert batching.verify_token_buckets(32, 8, 512) == (72, 144, 288)
+    assert batching.verify_token_buckets(128, 0, 512) == (128,)
+    assert batching.verify_tokens(128, 8, 512) == 512  # no count given: the cap
+    assert [batching.verify_tokens(128, 8, 512, u) for u in (40, 128, 129, 256, 257, 512)] == \
+        [128, 128, 256, 256, 512, 512]
+    with pytest.raises(ValueError, match="more than the cap 288"):
+        batching.verify_tokens(32, 8, 512, 289)
+
+
 def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():
     eng = _engine()
     state = _model()[1]

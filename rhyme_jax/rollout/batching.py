@@ -124,10 +124,31 @@ def seq_bucket(num_active: int, max_slots: int) -> int:
     return next(b for b in seq_buckets(max_slots) if b >= num_active)
 
 
-def verify_tokens(num_seqs: int, k: int, budget: int) -> int:
+def verify_tokens(num_seqs: int, k: int, budget: int, used: int | None = None) -> int:
     """Packed token count ``T`` of a verify step with ``num_seqs`` sequence rows and draft bucket
-    ``k``: every row's ``1 + k`` tokens, capped by the per-step token budget (at least one per row)."""
-    return max(num_seqs, min(budget, num_seqs * (k + 1)))
+    ``k``. The cap is every row's ``1 + k`` tokens, limited by the per-step token budget (at least
+    one per row); with ``used`` (the tokens actually packed: live rows + their drafts) ``T`` is
+    the smallest of ``verify_token_buckets`` holding them, so a step whose rows are mostly
+    finished or draft little does not pay for the cap (the layers' work scales with ``T``).
+
+    Raises:
+      ValueError: ``used`` exceeds the cap.
+    """
+    cap = max(num_seqs, min(budget, num_seqs * (k + 1)))
+    if used is None:
+        return cap
+    for t in verify_token_buckets(num_seqs, k, budget):
+        if t >= used:
+            return t
+    raise ValueError(f"verify step packs {used} tokens, more than the cap {cap}")
+
+
+def verify_token_buckets(num_seqs: int, k: int, budget: int) -> tuple[int, ...]:
+    """Packed-token buckets of a verify step: the cap ``verify_tokens(num_seqs, k, budget)`` and
+    its halves and quarters (at least ``num_seqs``), ascending; one bucket (the cap) for plain
+    decode (``k == 0``)."""
+    cap = max(num_seqs, min(budget, num_seqs * (k + 1)))
+    return tuple(sorted({cap, max(num_seqs, -(-cap // 2)), max(num_seqs, -(-cap // 4))}))
 
 
 def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:

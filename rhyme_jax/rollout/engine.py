@@ -151,9 +151,9 @@ class RolloutEngine:
         key = jax.random.key(0)
         inputs = [batching.dummy_prefill(t, q, self.max_slots, self.pages_per_seq)
                   for t, q in batching.prefill_shapes(self.prefill_buckets, self.q_cap)]
-        inputs += [batching.dummy_verify(rows, w, k, batching.verify_tokens(rows, k, self.verify_budget),
-                                         self.pages_per_seq)
+        inputs += [batching.dummy_verify(rows, w, k, t, self.pages_per_seq)
                    for rows in batching.seq_buckets(self.max_slots) for k in draft_buckets
+                   for t in batching.verify_token_buckets(rows, k, self.verify_budget)
                    for w in self.decode_widths]
         for inp in inputs:
             self._run(flat_state, inp, key, 0, sampling, mode)
@@ -423,7 +423,8 @@ class RolloutEngine:
             rows = batching.seq_bucket(ids.size, slots)
             inp = batching.verify_inputs(ids, slot_len, slot_last, drafts, d_lens, alloc.page_table,
                                          alloc.num_held, ps, rows,
-                                         batching.verify_tokens(rows, drafts.shape[1], self.verify_budget))
+                                         batching.verify_tokens(rows, drafts.shape[1], self.verify_budget,
+                                                                ids.size + int(d_lens.sum())))
             toks, lps, n_emit = self._run(flat_state, inp, key, step, sampling, mode)
             step += 1
             stats["decode_steps"] += 1
