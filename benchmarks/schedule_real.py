@@ -308,6 +308,16 @@ def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:
         return list(pool.map(one, range(len(engines))))
 
 
+def step_row(step: int, sr, wall: float, **extra) -> dict:
+    """One configuration's JSON row for a step: ``WORKER_METRICS``, wall seconds, generated
+    tokens, mean length, rows per worker, the worker intervals, plus ``extra``."""
+    lengths = np.array([len(t) for t in sr.result.tokens])
+    return {"step": step, "wall_s": wall, **{k: float(sr.metrics[k]) for k in WORKER_METRICS},
+            "generated_tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), **extra,
+            "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
+            "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]}
+
+
 def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float) -> tuple[list[dict], dict]:
     """The steps of ``batches`` through cross-step worker queues as the trainer drives them:
     steps 1 and 2 queued at once; then for each step, collect it, wait ``train_s`` seconds (the
@@ -328,11 +338,7 @@ def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float
     rows, ivs = [], {}
     for i, (st, _) in enumerate(batches):
         sr = sch.collect(pending.pop(0))
-        lengths = np.array([len(t) for t in sr.result.tokens])
-        rows.append({"step": st.step, "wall_s": float(sr.metrics["time/rollout_makespan_s"]),
-                     **{k: float(sr.metrics[k]) for k in WORKER_METRICS}, "generated_tokens": int(lengths.sum()),
-                     "mean_length": float(lengths.mean()), "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
-                     "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]})
+        rows.append(step_row(st.step, sr, float(sr.metrics["time/rollout_makespan_s"])))
         ivs[st.step] = sr.intervals
         t0 = time.perf_counter()
         time.sleep(train_s)
@@ -418,11 +424,7 @@ def run_workers_mode(args) -> int:
             sr = sch.rollout(st.step, states, ids, prompts, n, sampling, key, history=hist)
             wall = time.perf_counter() - t0
             lengths = np.array([len(t) for t in sr.result.tokens])
-            row = {"step": st.step, "wall_s": wall, **{k: float(sr.metrics[k]) for k in WORKER_METRICS},
-                   "generated_tokens": int(lengths.sum()), "mean_length": float(lengths.mean()),
-                   "prediction_corr": _corr(pred, lengths.reshape(-1, n).mean(1)),
-                   "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
-                   "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]}
+            row = step_row(st.step, sr, wall, prediction_corr=_corr(pred, lengths.reshape(-1, n).mean(1)))
             per_step[name].append(row)
             intervals[name][st.step] = sr.intervals
             print(f"  {name:22s} bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher idle "
