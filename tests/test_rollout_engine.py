@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rhyme_jax.compile_count import CompileCounter
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.rollout import batching, sampling
@@ -207,12 +208,23 @@ def test_no_recompilation_on_second_generate():
 
 
 def test_warmup_compiles_every_bucket():
-    eng = _engine(max_slots=2, max_prefill_tokens=16)
+    """Warm-up compiles each step shape once, also with ``compile_threads`` > 1 (every shape
+    compiled ahead of time on a thread pool; the dummy steps that follow reuse those programs:
+    the same number of XLA compilations as one thread), then generate compiles nothing and still
+    matches dense greedy decoding."""
     state = _model()[1]
     sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+    compiles = {}
+    for threads in (1, 3):
+        jax.clear_caches()  # both start cold
+        eng = _engine(max_slots=2, max_prefill_tokens=16)
+        with CompileCounter() as counter:
+            n_shapes = eng.warmup(state, sp, compile_threads=threads)
+        compiles[threads] = counter.count
     n_rows = len(batching.seq_buckets(eng.max_slots))
     n_prefill = len(batching.prefill_shapes(eng.prefill_buckets, eng.q_cap))
-    assert eng.warmup(state, sp) == n_prefill + n_rows * len(eng.decode_widths)
+    assert n_shapes == n_prefill + n_rows * len(eng.decode_widths)
+    assert compiles[3] == compiles[1] > n_shapes  # the shapes + the KV pool (+ key setup)
     prompts = _prompts(6, (16, 1, 2, 9))
     n, res = _count_compiles(lambda: eng.generate(state, prompts, sp, jax.random.key(0)))
     assert n == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import jax
@@ -138,12 +139,16 @@ class RolloutEngine:
             self._static = StaticModel(self.graphdef, treedef)
         return leaves, self._static
 
-    def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,)) -> int:
+    def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,),
+               compile_threads: int = 1) -> int:
         """Compile every prefill bucket and decode width (for each draft bucket ``K`` in
         ``draft_buckets``; ``batching.K_BUCKETS`` when drafting) for ``sampling``'s program.
 
         Afterwards ``generate`` with the same state structure and sampling mode compiles nothing.
-        The dummy steps only touch scratch page 0. Returns the number of step shapes run.
+        The dummy steps only touch scratch page 0. With ``compile_threads > 1`` every shape is
+        first compiled ahead of time on that many host threads (XLA compiles release the GIL; the
+        step that follows reuses the compiled program), so a GPU's many step shapes compile in
+        parallel. Returns the number of step shapes run.
         """
         self._ensure_pool(state)
         flat_state = self._flat_state(state)
@@ -155,6 +160,12 @@ class RolloutEngine:
                    for rows in batching.seq_buckets(self.max_slots) for k in draft_buckets
                    for t in batching.verify_token_buckets(rows, k, self.verify_budget)
                    for w in self.decode_widths]
+        if compile_threads > 1:
+            def compile_one(inp):
+                fn, args, kw = self._call(flat_state, inp, key, 0, sampling, mode)
+                fn.lower(*args, **kw).compile()
+            with ThreadPoolExecutor(compile_threads, thread_name_prefix="rollout-compile") as pool:
+                list(pool.map(compile_one, inputs))
         for inp in inputs:
             self._run(flat_state, inp, key, 0, sampling, mode)
         return len(inputs)
@@ -198,19 +209,22 @@ class RolloutEngine:
             out.append(arr.astype(np.int32))
         return out
 
-    def _run(self, flat_state, inp: StepInputs, key, step, sp, mode):
-        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; verify
-        (``VerifyInputs``) -> ``(tokens [S, K+1], logprobs [S, K+1], num_emitted [S])``."""
+    def _call(self, flat_state, inp: StepInputs, key, step, sp, mode):
+        """``(jitted step function, positional args, keyword args)`` of one step."""
         leaves, static = flat_state
         scalars = (np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
-            *out, self.kv = verify_step_fn(
-                static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
-                inp.draft_tokens, inp.draft_lens, key, *scalars, **kw)
-        else:
-            *out, self.kv = step_fn(static, leaves, self.kv, inp.tokens, inp.positions, inp.meta,
-                                    inp.logits_rows, key, *scalars, **kw)
+            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
+                                    inp.draft_tokens, inp.draft_lens, key, *scalars), kw
+        return step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
+                         key, *scalars), kw
+
+    def _run(self, flat_state, inp: StepInputs, key, step, sp, mode):
+        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; verify
+        (``VerifyInputs``) -> ``(tokens [S, K+1], logprobs [S, K+1], num_emitted [S])``."""
+        fn, args, kw = self._call(flat_state, inp, key, step, sp, mode)
+        *out, self.kv = fn(*args, **kw)
         out = jax.device_get(tuple(out))
         if self.check_invariants:
             self.allocator.check()
@@ -231,12 +245,12 @@ class RolloutEngine:
         d_tok, got = drafter.draft(reqs, slot_tail[ids], budgets)
         stats["drafting_seconds"] += time.perf_counter() - t0
         got = batching.trim_drafts(np.minimum(got, budgets), self.verify_budget)
-        for i in np.flatnonzero(got):
-            s = ids[i]
-            need = alloc.pages_for(int(slot_len[s]) + 1 + int(got[i])) - int(alloc.num_held[s])
-            if need > 0 and alloc.can_alloc(need):
-                alloc.ensure(s, int(slot_len[s]) + 1 + int(got[i]))
-            got[i] = min(int(got[i]), int(alloc.num_held[s]) * ps - int(slot_len[s]) - 1)
+        lens = slot_len[ids]
+        need = -(-(lens + 1 + got) // ps) - alloc.num_held[ids]
+        for i in np.flatnonzero((got > 0) & (need > 0)):  # drafts crossing into pages not held yet
+            if alloc.can_alloc(int(need[i])):
+                alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))
+        got = np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
         k = batching.draft_bucket(int(got.max()))
         drafts = np.zeros((ids.size, k), np.int32)
         width = min(k, d_tok.shape[1])
@@ -322,25 +336,30 @@ class RolloutEngine:
             if pkey is not None:
                 prefix_holders[pkey].discard(s)
 
-        def record(s, toks, lps) -> int:
-            """Append a slot's emitted tokens to its request, cut at EOS / the length limit;
-            finish and free the slot when done. Returns the number of tokens kept."""
-            r = slot_req[s]
+        def record(ids, toks, lps, counts):
+            """Append the emitted tokens of slots ``ids`` (row i: ``toks[i, :counts[i]]``) to
+            their requests, cut at EOS / the length limit; finish and free the slots that are
+            done. Vectorised over the rows. Returns ``int[len(ids)]`` tokens kept per slot."""
+            r = slot_req[ids]
             j = n_gen[r]
-            toks = toks[: limit - j]
-            hit = np.flatnonzero(eos[toks])
-            if hit.size:
-                toks = toks[: hit[0] + 1]
-            m = len(toks)
-            out_tok[r, j: j + m], out_lp[r, j: j + m] = toks, lps[:m]
+            cols = np.arange(toks.shape[1])
+            m = np.minimum(counts, limit - j)
+            hit = eos[toks] & (cols < m[:, None])
+            ended = hit.any(axis=1)
+            m = np.where(ended, hit.argmax(axis=1) + 1, m)
+            keep = cols < m[:, None]
+            rows, at = np.nonzero(keep)
+            out_tok[r[rows], j[rows] + at] = toks[rows, at]
+            out_lp[r[rows], j[rows] + at] = lps[rows, at]
             n_gen[r] = j + m
-            slot_last[s] = toks[-1]
-            if pattern:
-                slot_tail[s] = np.concatenate([slot_tail[s], toks])[-pattern:]
-            stats["generated_tokens"] += m
-            if hit.size or j + m >= limit:
-                finish[r] = "eos" if hit.size else "length"
-                release(s)
+            slot_last[ids] = toks[np.arange(ids.size), m - 1]
+            if pattern:  # the last `pattern` tokens of old tail + kept tokens
+                both = np.concatenate([slot_tail[ids], toks], axis=1)
+                slot_tail[ids] = np.take_along_axis(both, m[:, None] + np.arange(pattern), axis=1)
+            stats["generated_tokens"] += int(m.sum())
+            for i in np.flatnonzero(ended | (j + m >= limit)):
+                finish[r[i]] = "eos" if ended[i] else "length"
+                release(int(ids[i]))
             return m
 
         def preempt(s):
@@ -396,8 +415,8 @@ class RolloutEngine:
                 stats["prefill_steps"] += 1
                 stats["sequence_steps"] += len(batch)
                 stats["prefill_tokens"] += total
-                for i, (s, _, _) in enumerate(batch):
-                    record(s, toks[i: i + 1], lps[i: i + 1])
+                filled = np.array([b[0] for b in batch], np.int64)
+                record(filled, toks[: len(batch), None], lps[: len(batch), None], np.ones(len(batch), np.int64))
             active = slot_req >= 0
             if not active.any():
                 continue
@@ -433,10 +452,9 @@ class RolloutEngine:
             stats["accepted_tokens"] += int(accepted.sum())
             if drafter is not None:
                 drafter.observe(slot_req[ids], d_lens, accepted)
-            for i, s in enumerate(ids):
-                # KV now holds the pending token and the accepted drafts; the last emitted token
-                # is the new pending one (rejected draft slots are overwritten later).
-                slot_len[s] += record(s, toks[i, : n_emit[i]], lps[i, : n_emit[i]])
+            # KV now holds the pending token and the accepted drafts; the last emitted token is
+            # the new pending one (rejected draft slots are overwritten later).
+            slot_len[ids] += record(ids, toks[: ids.size], lps[: ids.size], n_emit[: ids.size])
             if monitor is not None:
                 running = slot_req[slot_req >= 0]
                 for r in monitor(Progress(running=running.copy(), waiting=np.array(waiting, np.int64),
