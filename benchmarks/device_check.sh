@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the ragged paged attention kernels (issue 3): environment, correctness on
-# the real backend (interpret off), then timings. Everything goes to $OUT (log, checks.json,
-# kernels.json, kernels.md), written as it goes, so a timeout still brings results back.
+# One-shot GPU check: environment; correctness of the ragged paged attention kernels on the real
+# backend (interpret off, issue 3); plain decode vs HistoSpec rollouts of the demo model along a
+# 30-step GRPO run (benchmarks/rollout.py, issue 4); then kernel timings. Everything goes to $OUT
+# (log, checks.json, rollout_device.{json,md}, kernels.json, kernels.md), written as it goes, so a
+# timeout still brings results back.
 #
-# Run it in ONE device call (phase timeouts sum to 430 s, plus 10 s kill grace each):
+# Run it in ONE device call (phase timeouts sum to 510 s, plus 10 s kill grace each), carrying the
+# demo's SFT weights and the wheels of the packages the GPU image lacks (see below):
 #
-#   run(command="bash benchmarks/device_check.sh", timeout_s=480)
+#   run(command="bash benchmarks/device_check.sh", timeout_s=570, carry=["runs/demo/sft", ".whl"])
 #
 # then give_back unless rerunning at once. Smoke-test here, on CPU, before spending device time:
 #
@@ -19,7 +22,11 @@
 # only the CLI and trainer import them, not these checks.
 #
 # Env: DEVICE_CHECK_CPU_SMOKE=1 shrinks every phase (interpreted kernels, tiny shapes);
-#      PYTHON (default python3); BENCH_SECONDS (timing budget, default 170).
+#      PYTHON (default python3); BENCH_SECONDS (kernel timing budget, default 70);
+#      ROLLOUT_STEPS (GRPO steps of the rollout phase, default 30 = 3 epochs of the demo);
+#      ROLLOUT_EXTRA ("KEY=VALUE ...": a second rollout run with these config overrides);
+#      PHASES (default "check rollout bench": the phases to run after env, e.g. PHASES=rollout
+#      for a rerun of the rollout benchmark alone, which then uses the kernel path).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -29,6 +36,10 @@ PY=${PYTHON:-python3}
 SMOKE=${DEVICE_CHECK_CPU_SMOKE:-0}
 OUT=${OUT:-/tmp/device_check_out}
 mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null && [ "$SMOKE" != 1 ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 LOG="$OUT/device_check.log"
 : >"$LOG"
 STATUS=()
@@ -49,13 +60,15 @@ if [ "$SMOKE" = 1 ]; then
   BENCH_ARGS=(--quick --batch 2 --context 128 --iters 2
               --impls reference,pallas_gpu_interpret,jax_paged_attention_interpret
               --variant pallas_gpu_interpret:block_q=64 --max-seconds 60)
-  T_ENV=60 T_CHECK=240 T_BENCH=180
+  ROLLOUT_ARGS=(--steps 3 --set grpo.num_prompts=16)
+  T_ENV=60 T_CHECK=240 T_ROLLOUT=400 T_BENCH=180
 else
   CHECK_ARGS=()
   # Default sweep (batch 64-256, context 2K-16K, pages 16/64, q_len 1/9) ordered so that batch
   # 64 / context 4K and the largest shape come first; the budget stops it cleanly.
-  BENCH_ARGS=(--variant pallas_gpu:block_q=64 --max-seconds "${BENCH_SECONDS:-170}")
-  T_ENV=45 T_CHECK=170 T_BENCH=$(( ${BENCH_SECONDS:-170} + 45 ))
+  BENCH_ARGS=(--variant pallas_gpu:block_q=64 --max-seconds "${BENCH_SECONDS:-70}")
+  ROLLOUT_ARGS=(--steps "${ROLLOUT_STEPS:-30}")
+  T_ENV=45 T_CHECK=150 T_ROLLOUT=200 T_BENCH=$(( ${BENCH_SECONDS:-70} + 45 ))
 fi
 
 env_report() {
@@ -82,13 +95,52 @@ EOF
 export -f env_report
 export PY
 phase env "$T_ENV" bash -c env_report
-phase check "$T_CHECK" "$PY" benchmarks/kernels.py --check-only --out "$OUT" "${CHECK_ARGS[@]}"
-phase bench "$T_BENCH" "$PY" benchmarks/kernels.py --out "$OUT" "${BENCH_ARGS[@]}"
+PHASES=" ${PHASES:-check rollout bench} "
+want() { [[ $PHASES == *" $1 "* ]]; }
+want check && phase check "$T_CHECK" "$PY" benchmarks/kernels.py --check-only --out "$OUT" "${CHECK_ARGS[@]}"
+
+# Rollout: the model's attention runs through the kernel when the checks passed, else the jnp
+# reference (both rollouts of a pair use the same one, so the ratio stays like for like).
+ATTN=reference
+case ${STATUS[-1]} in *"rc=0 "*) ATTN=auto ;; esac  # the env phase when the check is skipped
+[ "$SMOKE" = 1 ] && ATTN=reference
+rollout_phase() {  # rollout_phase ATTN SECONDS [NAME_SUFFIX EXTRA_ARGS...]
+  local attn=$1 secs=$2 suffix=${3:-}
+  shift $(($# < 3 ? $# : 3))
+  local name=bench_rollout_device$suffix
+  rm -rf "runs/$name"
+  phase "rollout$suffix[$attn]" "$secs" "$PY" benchmarks/rollout.py --init-from runs/demo/sft --name "$name" \
+    --set "rollout.attention_impl=$attn" "${ROLLOUT_ARGS[@]}" "$@"
+  for f in runs/"$name"/rollout_benchmark.*; do [ -f "$f" ] && cp "$f" "$OUT/${name#bench_}.${f##*.}"; done
+}
+if ! want rollout; then
+  :
+elif [ ! -d runs/demo/sft/params ]; then
+  echo "=== rollout: SKIPPED, no runs/demo/sft/params (carry runs/demo/sft)" | tee -a "$LOG"
+  STATUS+=("rollout: SKIPPED (no runs/demo/sft)")
+else
+  T0_ROLLOUT=$SECONDS
+  rollout_phase "$ATTN" "$T_ROLLOUT"
+  # the kernel path failed early: the rest of the budget on the reference path
+  if [ "$ATTN" != reference ] && [ ! -f "$OUT/rollout_device.json" ] \
+      && [ $((T_ROLLOUT - (SECONDS - T0_ROLLOUT))) -gt 60 ]; then
+    ATTN=reference
+    rollout_phase reference $((T_ROLLOUT - (SECONDS - T0_ROLLOUT)))
+  fi
+  # ROLLOUT_EXTRA="KEY=VALUE ...": a second run with these overrides (e.g. rollout.max_slots=32)
+  if [ -n "${ROLLOUT_EXTRA:-}" ]; then
+    extra=()
+    for kv in $ROLLOUT_EXTRA; do extra+=(--set "$kv"); done
+    rollout_phase "$ATTN" "$T_ROLLOUT" _extra "${extra[@]}"
+  fi
+fi
+want bench && phase bench "$T_BENCH" "$PY" benchmarks/kernels.py --out "$OUT" "${BENCH_ARGS[@]}"
 
 {
   echo "=== summary [$(date +%T)]"
   printf '%s\n' "${STATUS[@]}"
   grep -E '^(FAIL|[0-9]+ passed)' "$LOG" || true
+  for f in "$OUT"/rollout_device*.md; do [ -f "$f" ] && cat "$f"; done
   [ -f "$OUT/kernels.md" ] && sed -n '/^## Targets/,/^Best decode/p' "$OUT/kernels.md"
   ls -l "$OUT"
 } 2>&1 | tee -a "$LOG"

@@ -3,10 +3,13 @@
 One model, one prompt set, one history: a GRPO run with HistoSpec on (``spec.enabled=true``) in
 which every step's rollout is *also* generated with plain decoding first, with the same weights,
 prompts and key (its output is discarded; training uses the HistoSpec rollout). Both rollouts are
-timed on warmed-up programs (every prefill / verify shape compiled before step 1). Per epoch it
-reports rollout tokens/s of each and their ratio, forward passes per generated token (whole
-batch: one verify or decode step = one pass), tokens per sequence forward pass, acceptance and the
-host drafting share of HistoSpec rollout time.
+timed on warmed-up programs (every prefill / verify shape compiled before step 1, on
+``--compile-threads`` host threads); XLA compilations inside the timed rollouts are counted
+(``rhyme_jax.compile_count``) and reported, and should be 0. Per epoch it reports rollout tokens/s
+of each and their ratio, forward passes per generated token (whole batch: one verify or decode
+step = one pass), tokens per sequence forward pass, acceptance and the host drafting share of
+HistoSpec rollout time. The JSON / Markdown are rewritten after every step (a killed run keeps
+the steps done) and name the backend, device and attention implementation.
 
 Usage (CPU demo settings; start from the demo's SFT weights)::
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -28,60 +32,8 @@ from pathlib import Path
 import numpy as np
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/default.yaml")
-    ap.add_argument("--init-from", default="runs/demo/sft", help="SFT params (run `rhyme-jax sft` first)")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--name", default="bench_rollout")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = ap.parse_args(argv)
-    if not Path(args.init_from).exists():
-        print(f"benchmarks/rollout.py: no SFT params at {args.init_from}; run `rhyme-jax sft` first",
-              file=sys.stderr)
-        return 2
-
-    import jax
-
-    # Reuse compiled programs across benchmark runs (warm-up is excluded from timings anyway).
-    jax.config.update("jax_compilation_cache_dir", str(Path("runs") / ".jax_cache"))
-    from rhyme_jax.config import load_config
-    from rhyme_jax.rollout import batching
-    from rhyme_jax.rollout.engine import SamplingParams
-    from rhyme_jax.train.trainer import GRPOTrainer, epoch_of_step
-
-    cfg = load_config(args.config, [*args.overrides, "spec.enabled=true", f"grpo.steps={args.steps}",
-                                    f"run.name={args.name}", f"run.init_from={args.init_from}",
-                                    "run.progress=false", f"run.checkpoint_every={args.steps}"])
-    trainer = GRPOTrainer(cfg)
-    r = cfg.rollout
-    sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-    t0 = time.perf_counter()
-    # in the rollout layout the engine runs in (the train layout would be another jit cache entry)
-    trainer.engine.warmup(trainer.rollout_states()[0], sp, draft_buckets=batching.K_BUCKETS)
-    print(f"warm-up (every prefill/verify shape compiled): {time.perf_counter() - t0:.1f} s", flush=True)
-
-    rows = []
-    generate = trainer.engine.generate
-
-    def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
-        plain = generate(state, prompts, sampling, key, **kw)
-        spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
-        rows.append({"plain": plain.stats, "spec": spec.stats})
-        return spec
-
-    trainer.engine.generate = paired_generate
-    for step in range(1, args.steps + 1):
-        trainer.train_step(step)
-        trainer.step = step
-        p, s = rows[-1]["plain"], rows[-1]["spec"]
-        rows[-1]["epoch"] = epoch_of_step(cfg, len(trainer.train_problems), step)
-        print(f"step {step:3d} epoch {rows[-1]['epoch']}: plain {p['tokens_per_s']:7.0f} tok/s "
-              f"{p['forward_passes']:4d} passes | spec {s['tokens_per_s']:7.0f} tok/s "
-              f"{s['forward_passes']:4d} passes, acceptance {s['acceptance_rate']:.2f}", flush=True)
-    trainer.save()  # weights + history after the last step (profiling can resume from here)
-    trainer.close()
-
+def write_report(rows, out: Path, final: bool, meta: dict) -> None:
+    """Per-epoch table of ``rows`` (plain vs HistoSpec stats per step) into ``out``/rollout_benchmark.{md,json}."""
     by_epoch = defaultdict(list)
     for row in rows:
         by_epoch[row["epoch"]].append(row)
@@ -98,6 +50,7 @@ def main(argv=None) -> int:
         entry["passes_ratio"] = entry["plain_passes_per_token"] / entry["spec_passes_per_token"]
         entry["acceptance"] = tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0)
         entry["drafting_share"] = tot("spec", "drafting_seconds") / tot("spec", "seconds")
+        entry["compiles"] = tot("plain", "compiles") + tot("spec", "compiles")
         table.append(entry)
     late = [r for r in rows if r["epoch"] >= 3]
     summary = {}
@@ -113,24 +66,94 @@ def main(argv=None) -> int:
             "acceptance": tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0),
         }
     lines = ["| epoch | steps | plain tok/s | HistoSpec tok/s | speedup | passes/token plain | "
-             "passes/token spec | fewer passes | tokens/seq-forward | acceptance | drafting share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "passes/token spec | fewer passes | tokens/seq-forward | acceptance | drafting share | "
+             "compiles in timed rollouts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         lines.append(f"| {e['epoch']} | {e['steps']} | {e['plain_tokens_per_s']:.0f} | {e['spec_tokens_per_s']:.0f} "
                      f"| {e['speedup']:.2f}x | {e['plain_passes_per_token']:.4f} | {e['spec_passes_per_token']:.4f} "
                      f"| {e['passes_ratio']:.2f}x | {e['spec_tokens_per_seq_forward']:.2f} | {e['acceptance']:.2f} "
-                     f"| {100 * e['drafting_share']:.1f}% |")
+                     f"| {100 * e['drafting_share']:.1f}% | {e['compiles']:.0f} |")
     if summary:
         lines.append(f"\nEpoch 3 on: {summary['speedup']:.2f}x rollout tokens/s, {summary['passes_ratio']:.2f}x "
                      f"fewer forward passes per generated token, acceptance {summary['acceptance']:.2f}, "
                      f"host drafting {100 * summary['drafting_share']:.1f}% of rollout time.")
+    lines.insert(0, f"{meta}\n")
     text = "\n".join(lines)
-    print(text)
-    out = trainer.run_dir
+    if final:
+        print(text)
     (out / "rollout_benchmark.md").write_text(text + "\n")
-    (out / "rollout_benchmark.json").write_text(json.dumps({"epochs": table, "epoch3_on": summary,
+    (out / "rollout_benchmark.json").write_text(json.dumps({"meta": meta, "epochs": table, "epoch3_on": summary,
                                                             "steps": rows}, indent=1, default=float))
-    print(f"written: {out / 'rollout_benchmark.md'}")
+    if final:
+        print(f"written: {out / 'rollout_benchmark.md'}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--init-from", default="runs/demo/sft", help="SFT params (run `rhyme-jax sft` first)")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--name", default="bench_rollout")
+    ap.add_argument("--compile-threads", type=int, default=os.cpu_count() or 1,
+                    help="host threads compiling the warm-up's step shapes ahead of time")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    if not Path(args.init_from).exists():
+        print(f"benchmarks/rollout.py: no SFT params at {args.init_from}; run `rhyme-jax sft` first",
+              file=sys.stderr)
+        return 2
+
+    import jax
+
+    # Reuse compiled programs across benchmark runs (warm-up is excluded from timings anyway).
+    jax.config.update("jax_compilation_cache_dir", str(Path("runs") / ".jax_cache"))
+    from rhyme_jax.compile_count import CompileCounter
+    from rhyme_jax.config import load_config
+    from rhyme_jax.rollout import batching
+    from rhyme_jax.rollout.engine import SamplingParams
+    from rhyme_jax.train.trainer import GRPOTrainer, epoch_of_step
+
+    cfg = load_config(args.config, [*args.overrides, "spec.enabled=true", f"grpo.steps={args.steps}",
+                                    f"run.name={args.name}", f"run.init_from={args.init_from}",
+                                    "run.progress=false", f"run.checkpoint_every={args.steps}"])
+    trainer = GRPOTrainer(cfg)
+    r = cfg.rollout
+    sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    t0 = time.perf_counter()
+    # in the rollout layout the engine runs in (the train layout would be another jit cache entry)
+    trainer.engine.warmup(trainer.rollout_states()[0], sp, draft_buckets=batching.K_BUCKETS,
+                          compile_threads=args.compile_threads)
+    print(f"warm-up (every prefill/verify shape compiled): {time.perf_counter() - t0:.1f} s", flush=True)
+
+    dev = jax.devices()[0]
+    meta = {"backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
+            "attention_impl": trainer.engine.attention_impl,
+            "warmup_s": round(time.perf_counter() - t0, 1)}
+    rows = []
+    generate = trainer.engine.generate
+
+    def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
+        with CompileCounter() as plain_compiles:  # a compile inside a timed rollout would skew it
+            plain = generate(state, prompts, sampling, key, **kw)
+        with CompileCounter() as spec_compiles:
+            spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
+        rows.append({"plain": {**plain.stats, "compiles": plain_compiles.count},
+                     "spec": {**spec.stats, "compiles": spec_compiles.count}})
+        return spec
+
+    trainer.engine.generate = paired_generate
+    for step in range(1, args.steps + 1):
+        trainer.train_step(step)
+        trainer.step = step
+        p, s = rows[-1]["plain"], rows[-1]["spec"]
+        rows[-1]["epoch"] = epoch_of_step(cfg, len(trainer.train_problems), step)
+        print(f"step {step:3d} epoch {rows[-1]['epoch']}: plain {p['tokens_per_s']:7.0f} tok/s "
+              f"{p['forward_passes']:4d} passes | spec {s['tokens_per_s']:7.0f} tok/s "
+              f"{s['forward_passes']:4d} passes, acceptance {s['acceptance_rate']:.2f}", flush=True)
+        write_report(rows, trainer.run_dir, final=step == args.steps, meta=meta)  # after every step: a kill keeps the rest
+    trainer.save()  # weights + history after the last step (profiling can resume from here)
+    trainer.close()
     return 0
 
 
