@@ -1,0 +1,55 @@
+"""benchmarks/pass_replay.py replays HistoSpec's forward passes exactly: a sampled rollout with the
+real drafter (suffix index over the previous rollout, AIMD window, self-lookup) needs exactly the
+verify passes the replay computes from the emitted tokens alone."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from rhyme_jax.rollout.engine import SamplingParams
+from rhyme_jax.spec.drafter import Drafter
+from rhyme_jax.spec.history import HistoryStore
+from test_rollout_engine import MAX_NEW, _engine, _model, _prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _replay_module():
+    spec = importlib.util.spec_from_file_location("bench_pass_replay", ROOT / "benchmarks" / "pass_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("self_lookup", [False, True])
+def test_replay_reproduces_engine_passes(self_lookup):
+    replay = _replay_module()
+    cfg = SimpleNamespace(branch="reward", window="aimd", fixed_window=8, min_token_prob=0.1, pattern_max=7,
+                          pattern_min=3, self_lookup=self_lookup)
+    groups = _prompts(3, (6, 9, 5))
+    pids = np.repeat(np.arange(3), 4)  # 3 prompts x 4 samples
+    prompts = [groups[p] for p in pids]
+    eng = _engine(max_slots=12, max_verify_tokens=12 * 33)  # nothing trimmed by the token budget
+    state = _model()[1]
+    sp = SamplingParams(temperature=0.4, max_new_tokens=MAX_NEW)
+    first = eng.generate(state, prompts, sp, jax.random.key(1))
+    rewards = np.random.default_rng(0).choice([0.0, 1.0], pids.size).astype(np.float32)
+    store = HistoryStore()
+    store.update(1, pids, [np.array(p, np.int32) for p in prompts], first.tokens, rewards)
+    with Drafter(cfg, store) as drafter:
+        res = eng.generate(state, prompts, sp, jax.random.key(2), drafter=drafter.batch(pids))
+    s = res.stats
+    assert s["prefill_steps"] == 1 and s["preemptions"] == 0
+    assert 0 < s["accepted_tokens"] < s["drafted_tokens"]  # drafts both accepted and rejected
+
+    history = {p: ([first.tokens[i] for i in np.flatnonzero(pids == p)], rewards[pids == p]) for p in range(3)}
+    passes = replay.replay_step(cfg, MAX_NEW, {p: np.array(groups[p], np.int32) for p in range(3)}, pids,
+                                res.tokens, rewards, history, siblings=False)
+    assert passes.max() == s["decode_steps"]  # the batch runs until its slowest sequence is done
+    assert passes.sum() + pids.size == s["sequence_steps"]  # every sequence's verify passes + its prefill
