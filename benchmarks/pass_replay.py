@@ -15,7 +15,11 @@ over ``<run>/rollouts/step_*.npz`` gives every sequence's pass count without a m
 On the demo the replay reproduces the engine's HistoSpec forward passes step for step.
 
 ``--siblings`` also drafts from the responses of the same prompt that already finished in the
-same step (a variant: does the tail gain from its group?). The replay ignores preemption, the
+same step (a variant: does the tail gain from its group?). ``--oracle`` gives an upper bound for
+any drafter over the same sources, tree drafts with tree verification included: every pass
+accepts the longest continuation, up to ``--oracle-window`` tokens, that follows an occurrence of
+the context's last 7..3 tokens (the longest suffix that occurs anywhere) in the previous rollout's
+responses or in the sequence itself. The replay ignores preemption, the
 verify token budget and page limits (the demo hits none of them).
 
 Usage::
@@ -96,11 +100,43 @@ def replay_step(spec, max_new: int, prompts, pids, responses, rewards, history, 
     return passes
 
 
+def oracle_passes(prompt: np.ndarray, response: np.ndarray, sources: list[np.ndarray], max_new: int,
+                  window: int, pattern_max: int = 7, pattern_min: int = 3) -> int:
+    """Verify passes of one sequence if every pass accepted the longest match among all
+    continuations (at most ``window`` tokens) of the context's longest suffix of
+    ``pattern_max``..``pattern_min`` tokens found in ``sources`` (prompt + a history response) or in
+    the context itself (brute force; an upper bound on any drafter over these sources)."""
+    pos, passes = min(1, response.size), 0
+    while pos < response.size:
+        ctx = np.concatenate([prompt, response[:pos]])
+        rest = response[pos:]
+        budget = int(min(window, max_new - pos - 1))
+        best = 0
+        for k in range(min(pattern_max, ctx.size - 1), pattern_min - 1, -1):
+            pattern = ctx[-k:]
+            # the sources, then the context's own earlier occurrences (not the one ending it)
+            for src, searched in [*((x, x) for x in sources), (ctx, ctx[:-1])]:
+                if searched.size < k:
+                    continue
+                windows = np.lib.stride_tricks.sliding_window_view(searched, k)
+                for j in np.flatnonzero((windows == pattern).all(axis=1)):
+                    cont = src[j + k: j + k + budget]
+                    m = min(cont.size, rest.size)
+                    best = max(best, int(np.argmin(np.append(cont[:m] == rest[:m], False))))
+            if best:
+                break
+        pos += min(best + 1, rest.size)
+        passes += 1
+    return passes
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="run directory with config.yaml, tokenizer.json and rollouts/")
     ap.add_argument("--from-epoch", type=int, default=3, help="report steps of this epoch on")
     ap.add_argument("--siblings", action="store_true", help="also draft from finished responses of the same step")
+    ap.add_argument("--oracle", action="store_true", help="upper bound: best continuation among all matches")
+    ap.add_argument("--oracle-window", type=int, default=32)
     args = ap.parse_args(argv)
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
@@ -125,8 +161,15 @@ def main(argv=None) -> int:
         epoch = epoch_of_step(cfg, len(train), step)
         if epoch >= args.from_epoch:
             prompts = {int(p): prompt(int(p)) for p in np.unique(pids)}
-            passes = replay_step(cfg.spec, cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history,
-                                 args.siblings)
+            if args.oracle:
+                passes = np.array([oracle_passes(prompts[int(p)], y, [prompts[int(p)]] + [
+                                                     np.concatenate([prompts[int(p)], h])
+                                                     for h in history.get(int(p), ([], []))[0]],
+                                                 cfg.rollout.max_new_tokens, args.oracle_window)
+                                   for p, y in zip(pids, resp)])
+            else:
+                passes = replay_step(cfg.spec, cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history,
+                                     args.siblings)
             lengths = np.array([len(r) for r in resp])
             rows.append(dict(step=step, epoch=epoch, longest=int(lengths.max()), most_passes=int(passes.max()),
                              tokens=int(lengths.sum()), sequence_passes=int(passes.sum()) + len(resp)))  # + prefills
@@ -139,7 +182,7 @@ def main(argv=None) -> int:
     # forward passes as the engine counts them: + 1 prefill; plain decode needs longest - 1 decode passes
     batch = sum(r["longest"] for r in rows) / sum(r["most_passes"] + 1 for r in rows)
     per_seq = sum(r["tokens"] for r in rows) / sum(r["sequence_passes"] for r in rows)
-    summary = dict(run=str(run), siblings=args.siblings, steps=len(rows), batch_ratio=batch, per_sequence_ratio=per_seq)
+    summary = dict(run=str(run), siblings=args.siblings, oracle=args.oracle, steps=len(rows), batch_ratio=batch, per_sequence_ratio=per_seq)
     print(json.dumps(summary))
     for r in rows:
         print(r)

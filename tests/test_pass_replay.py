@@ -53,3 +53,17 @@ def test_replay_reproduces_engine_passes(self_lookup):
                                 res.tokens, rewards, history, siblings=False)
     assert passes.max() == s["decode_steps"]  # the batch runs until its slowest sequence is done
     assert passes.sum() + pids.size == s["sequence_steps"]  # every sequence's verify passes + its prefill
+
+
+def test_oracle_passes_on_constructed_sequences():
+    replay = _replay_module()
+    prompt = np.array([1, 2, 3, 4, 5], np.int32)
+    seen = np.arange(10, 50, dtype=np.int32)  # 40 distinct tokens
+    # the response repeats a history response: every pass accepts a whole window (+ 1 sampled token)
+    assert replay.oracle_passes(prompt, seen, [np.concatenate([prompt, seen])], 64, window=8) == 5  # 39 / 9
+    assert replay.oracle_passes(prompt, seen, [np.concatenate([prompt, seen])], 64, window=32) == 2  # 39 / 33
+    # nothing to copy: one token per pass after the prefill's first token
+    assert replay.oracle_passes(prompt, seen, [prompt], 64, window=32) == 39
+    # the response repeats itself: its own earlier tokens are drafted once the pattern recurs
+    loop = np.tile(np.array([7, 8, 9, 6], np.int32), 6)  # 24 tokens
+    assert replay.oracle_passes(prompt, loop, [prompt], 64, window=32) < 10
