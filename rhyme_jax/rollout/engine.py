@@ -246,7 +246,7 @@ class RolloutEngine:
         stats["drafting_seconds"] += time.perf_counter() - t0
         got = batching.trim_drafts(np.minimum(got, budgets), self.verify_budget)
         lens = slot_len[ids]
-        need = -(-(lens + 1 + got) // ps) - alloc.num_held[ids]
+        need = alloc.pages_for(lens + 1 + got) - alloc.num_held[ids]
         for i in np.flatnonzero((got > 0) & (need > 0)):  # drafts crossing into pages not held yet
             if alloc.can_alloc(int(need[i])):
                 alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))

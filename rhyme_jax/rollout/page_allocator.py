@@ -46,8 +46,10 @@ class PageAllocator:
         """Pages available for allocation."""
         return len(self._free)
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages needed to hold ``num_tokens`` tokens."""
+    def pages_for(self, num_tokens):
+        """Pages needed to hold ``num_tokens`` tokens (an int, or element-wise over an int array)."""
+        if np.ndim(num_tokens):
+            return -(-np.asarray(num_tokens, np.int64) // self.page_size)
         return -(-int(num_tokens) // self.page_size)
 
     def can_alloc(self, num_pages: int) -> bool:
