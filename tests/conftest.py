@@ -28,14 +28,25 @@ def compile_cache(tmp_path_factory):
     cc.reset_cache()
 
 
-@pytest.fixture(scope="session")
-def schedule_bench():
-    """benchmarks/schedule.py as a module (benchmarks/ is not a package)."""
-    name = "bench_schedule"
+def load_benchmark(stem: str):
+    """``benchmarks/<stem>.py`` as a module (benchmarks/ is not a package), loaded once."""
+    name = f"bench_{stem}"
     if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule.py"
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod  # dataclasses resolve annotations through sys.modules
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def schedule_bench():
+    """benchmarks/schedule.py as a module."""
+    return load_benchmark("schedule")
+
+
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """``load_benchmark``: ``benchmark_module("step_cost")`` is benchmarks/step_cost.py."""
+    return load_benchmark

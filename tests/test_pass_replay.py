@@ -4,8 +4,6 @@ verify passes the replay computes from the emitted tokens alone."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -17,19 +15,10 @@ from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from test_rollout_engine import MAX_NEW, _engine, _model, _prompts
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _replay_module():
-    spec = importlib.util.spec_from_file_location("bench_pass_replay", ROOT / "benchmarks" / "pass_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.mark.parametrize("self_lookup", [False, True])
-def test_replay_reproduces_engine_passes(self_lookup):
-    replay = _replay_module()
+def test_replay_reproduces_engine_passes(self_lookup, benchmark_module):
+    replay = benchmark_module("pass_replay")
     cfg = SimpleNamespace(branch="reward", window="aimd", fixed_window=8, min_token_prob=0.1, pattern_max=7,
                           pattern_min=3, self_lookup=self_lookup)
     groups = _prompts(3, (6, 9, 5))
@@ -55,8 +44,8 @@ def test_replay_reproduces_engine_passes(self_lookup):
     assert passes.sum() + pids.size == s["sequence_steps"]  # every sequence's verify passes + its prefill
 
 
-def test_oracle_passes_on_constructed_sequences():
-    replay = _replay_module()
+def test_oracle_passes_on_constructed_sequences(benchmark_module):
+    replay = benchmark_module("pass_replay")
     prompt = np.array([1, 2, 3, 4, 5], np.int32)
     seen = np.arange(10, 50, dtype=np.int32)  # 40 distinct tokens
     # the response repeats a history response: every pass accepts a whole window (+ 1 sampled token)

@@ -3,26 +3,15 @@ engine would run and writes its report. Nothing is timed here (timings belong in
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
 from rhyme_jax.rollout import batching
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_step_cost", ROOT / "benchmarks" / "step_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_step_cost_passes_and_report(tmp_path):
-    bench = _module()
+def test_step_cost_passes_and_report(tmp_path, benchmark_module):
+    bench = benchmark_module("step_cost")
     assert bench.main(["--rows", "4", "--context", "20", "--drafts", "0,2", "--iters", "1",
                        "--attention", "reference", "--passes-ratio", "1.5", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "step_cost_demo.json").read_text())
@@ -35,8 +24,8 @@ def test_step_cost_passes_and_report(tmp_path):
     assert bench.main(["--drafts", "0,64", "--out", str(tmp_path)]) == 2  # beyond the largest draft bucket
 
 
-def test_pass_inputs_give_every_sequence_its_own_pages():
-    bench = _module()
+def test_pass_inputs_give_every_sequence_its_own_pages(benchmark_module):
+    bench = benchmark_module("step_cost")
     from flax import nnx
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.rollout.engine import RolloutEngine
