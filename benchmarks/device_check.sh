@@ -66,7 +66,7 @@ else
   CHECK_ARGS=()
   # Default sweep (batch 64-256, context 2K-16K, pages 16/64, q_len 1/9) ordered so that batch
   # 64 / context 4K and the largest shape come first; the budget stops it cleanly.
-  BENCH_ARGS=(--variant pallas_gpu:block_q=64 --max-seconds "${BENCH_SECONDS:-70}")
+  BENCH_ARGS=(--variant pallas_gpu:block_q=16 --max-seconds "${BENCH_SECONDS:-70}")  # default: 64 for q_len > 1
   ROLLOUT_ARGS=(--steps "${ROLLOUT_STEPS:-30}")
   T_ENV=45 T_CHECK=150 T_ROLLOUT=200 T_BENCH=$(( ${BENCH_SECONDS:-70} + 45 ))
 fi

@@ -1,5 +1,6 @@
 """Attention dispatch: name / list / auto resolution, kernels inside the engine, shard_map specs."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -110,3 +111,33 @@ def test_config_checks_attention_impl_at_load():
     assert api.resolve_name(api.parse_implementation(cfg.rollout.attention_impl)) == "pallas_gpu_interpret"
     with pytest.warns(UserWarning, match="falling back"):
         assert api.resolve_name(api.parse_implementation("pallas_gpu, reference")) == "reference"
+
+
+def test_default_tiling_by_query_length(monkeypatch):
+    """Without ``block_sizes`` the GPU kernel gets 64 query rows per program for verify / prefill
+    steps (max_q_len > 1) and its own default (16) for decode; an explicit tiling is kept."""
+    assert api.default_block_sizes(1) == api.BlockSizes()
+    assert api.default_block_sizes(1).gpu.block_q == 16
+    assert api.default_block_sizes(9).gpu.block_q == api.GPU_MULTI_QUERY_BLOCK_Q == 64
+    seen = []
+    impl = api._IMPLEMENTATIONS["pallas_gpu_interpret"]
+
+    def spy(*args, block_sizes, **kw):
+        seen.append(block_sizes.block_q)
+        return impl.fn(*args, block_sizes=block_sizes, **kw)
+
+    monkeypatch.setitem(api._IMPLEMENTATIONS, "pallas_gpu_interpret", dataclasses.replace(impl, fn=spy))
+    rng = np.random.default_rng(0)
+    kv_lens, q_lens, ps = np.array([5, 12]), np.array([1, 4]), 4
+    q = rng.standard_normal((int(q_lens.sum()), 4, 16)).astype(np.float32)
+    k_pages = rng.standard_normal((2, 9, ps, 16)).astype(np.float32)
+    v_pages = rng.standard_normal((2, 9, ps, 16)).astype(np.float32)
+    pages = np.array([[1, 2, 0, 0], [3, 4, 5, 0]], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (q, k_pages, v_pages, kv_lens.astype(np.int32), pages, cu, np.array([2], np.int32))
+    want = api.ragged_paged_attention(*args, sm_scale=0.25, max_q_len=4, implementation="reference")
+    got = api.ragged_paged_attention(*args, sm_scale=0.25, max_q_len=4, implementation="pallas_gpu_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    api.ragged_paged_attention(*args, sm_scale=0.25, max_q_len=4, implementation="pallas_gpu_interpret",
+                               block_sizes=api.BlockSizes())
+    assert seen == [64, 16]

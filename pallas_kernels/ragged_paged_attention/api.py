@@ -19,7 +19,8 @@ comma-separated string as in the config: ``"pallas_gpu,reference"``):
   and ``["reference"]`` elsewhere. On an accelerator, ``auto`` also compiles the kernel once on
   a small probe batch and falls back to the reference, with a warning, if that fails.
 
-Block sizes live in ``BlockSizes`` (one field per kernel); pass them as ``block_sizes=``.
+Block sizes live in ``BlockSizes`` (one field per kernel); pass them as ``block_sizes=`` (default:
+``default_block_sizes(max_q_len)``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ class BlockSizes:
 
     tpu: pallas_tpu.TPUBlockSizes = dataclasses.field(default_factory=pallas_tpu.TPUBlockSizes)
     gpu: pallas_gpu.GPUBlockSizes = dataclasses.field(default_factory=pallas_gpu.GPUBlockSizes)
+
+
+# Query rows per GPU program when a step carries more than one query token per sequence (verify,
+# prefill). Measured on one H200 (jax 0.11.2, benchmarks/kernels.py, 2026-11-30): for q_len 9,
+# block_q 64 ran 1.6-2.2x faster than 16 at each of the 7 shapes timed (batch 64-256, context
+# 2K-16K, pages 16/64); for decode (q_len 1) 16 was faster.
+GPU_MULTI_QUERY_BLOCK_Q = 64
+
+
+def default_block_sizes(max_q_len: int) -> BlockSizes:
+    """Each kernel's tiling for a step whose longest query has ``max_q_len`` tokens: the kernels'
+    defaults, except ``block_q = GPU_MULTI_QUERY_BLOCK_Q`` on GPU when ``max_q_len > 1``."""
+    if max_q_len > 1:
+        return BlockSizes(gpu=pallas_gpu.GPUBlockSizes(block_q=GPU_MULTI_QUERY_BLOCK_Q))
+    return BlockSizes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +200,8 @@ def ragged_paged_attention(
 
     Args:
       implementation: name, ``"auto"`` or ordered list (module docstring).
-      block_sizes: kernel tiling; ``None`` = each kernel's defaults. Ignored by ``reference``.
+      block_sizes: kernel tiling; ``None`` = ``default_block_sizes(max_q_len)``. Ignored by
+        ``reference``.
 
     Raises:
       ValueError: ``implementation`` selects nothing runnable here.
@@ -192,7 +209,7 @@ def ragged_paged_attention(
     impl = _IMPLEMENTATIONS[resolve_name(parse_implementation(implementation))]
     kw = dict(sm_scale=sm_scale, max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window)
     if impl.kernel is not None:
-        kw["block_sizes"] = getattr(block_sizes or BlockSizes(), impl.kernel)
+        kw["block_sizes"] = getattr(block_sizes or default_block_sizes(max_q_len), impl.kernel)
         kw["interpret"] = impl.interpret
     return impl.fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
 
