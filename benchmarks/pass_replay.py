@@ -57,15 +57,16 @@ def replay_step(spec, max_new: int, prompts, pids, responses, rewards, history, 
     Returns ``int[N]`` verify passes of each sequence after the prefill pass, which emitted its
     first token."""
     n = len(responses)
-    pos = np.minimum(1, [len(r) for r in responses])  # the prefill pass samples each first token
+    lengths = np.array([len(r) for r in responses])
+    pos = np.minimum(1, lengths)  # the prefill pass samples each first token
     passes = np.zeros(n, np.int64)
     finished_at = np.full(n, np.iinfo(np.int64).max)
     window = initial_window(spec.window, n, spec.fixed_window)
     indexes: dict[tuple, SuffixIndex | None] = {}
     t = 0
-    while (pos < [len(r) for r in responses]).any():
+    while (pos < lengths).any():
         t += 1
-        for i in np.flatnonzero(pos < [len(r) for r in responses]):
+        for i in np.flatnonzero(pos < lengths):
             pid, y = int(pids[i]), responses[i]
             done = tuple(j for j in range(n) if siblings and pids[j] == pid and finished_at[j] < t)
             if (pid, done) not in indexes:
