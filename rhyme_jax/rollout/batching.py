@@ -134,13 +134,13 @@ def verify_tokens(num_seqs: int, k: int, budget: int, used: int | None = None) -
     Raises:
       ValueError: ``used`` exceeds the cap.
     """
-    cap = max(num_seqs, min(budget, num_seqs * (k + 1)))
+    buckets = verify_token_buckets(num_seqs, k, budget)
     if used is None:
-        return cap
-    for t in verify_token_buckets(num_seqs, k, budget):
+        return buckets[-1]
+    for t in buckets:
         if t >= used:
             return t
-    raise ValueError(f"verify step packs {used} tokens, more than the cap {cap}")
+    raise ValueError(f"verify step packs {used} tokens, more than the cap {buckets[-1]}")
 
 
 def verify_token_buckets(num_seqs: int, k: int, budget: int) -> tuple[int, ...]:
