@@ -40,7 +40,8 @@ class TinyModelConfig:
 class ModelSection:
     """Policy model: a HF checkpoint directory, or a tiny model initialised from ``tiny``."""
 
-    path: str = ""  # directory with config.json + *.safetensors (+ tokenizer.json); "" = tiny demo model
+    path: str = ""  # directory with config.json + *.safetensors (+ tokenizer.json), or a known model name
+    #               (rhyme-jax models list: imported offline into the user's cache on first use); "" = tiny demo model
     tokenizer_path: str = ""  # tokenizer.json; "" = <path>/tokenizer.json or the demo tokenizer
     dtype: str = "float32"  # compute/param dtype: float32 | bfloat16
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
@@ -52,6 +53,7 @@ class DataSection:
     """Training / evaluation problems."""
 
     source: str = "synthetic"  # synthetic | gsm8k
+    answer_extraction: str = "marker"  # marker (#### / \\boxed) | last_number (marker, else the last number)
     train_path: str = ""  # gsm8k: path to train.jsonl
     test_path: str = ""  # gsm8k: path to test.jsonl
     seed: int = 0
@@ -219,14 +221,26 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         except OmegaConfBaseException as exc:
             raise ConfigError(f"--set {item!r}: {_first_line(exc)}") from None
     source = str(path) if path is not None else "--set"
+    _resolve_model_name(cfg)
     validate(cfg, source + (" with --set overrides" if path is not None and overrides else ""))
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
+def _resolve_model_name(cfg: DictConfig) -> None:
+    """``model.path`` naming a known offline model (``rhyme_jax.model.hub.MODELS``) and not an
+    existing directory becomes that model's cache directory (imported by ``ensure_model``)."""
+    from rhyme_jax.model import hub
+
+    name = cfg.model.path
+    if name in hub.MODELS and not Path(name).is_dir():
+        cfg.model.path = str(hub.model_dir(name))
+
+
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "data.source": ("synthetic", "gsm8k"),
+    "data.answer_extraction": ("marker", "last_number"),
     "rollout.on_overlong_prompt": ("error", "skip"),
     "sft.schedule": ("constant", "cosine"),
     "grpo.schedule": ("constant", "cosine"),

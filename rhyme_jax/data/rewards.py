@@ -66,6 +66,24 @@ def extract_answer(text: str) -> str | None:
     return _last_boxed(text)
 
 
+_LAST_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+EXTRACTIONS = ("marker", "last_number")
+
+
+def extract_answer_lenient(text: str) -> str | None:
+    """``extract_answer``, else the last number in the text (thousands commas stripped).
+
+    For small instruct models that answer in prose ("... so she makes $18 every day.") rather
+    than with a ``####`` marker or ``\\boxed{}``; the fallback of lm-evaluation-harness's
+    GSM8K "flexible-extract" filter. Never raises.
+    """
+    found = extract_answer(text)
+    if found is not None or not isinstance(text, str):
+        return found
+    numbers = _LAST_NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
 def _as_number(s: str) -> Fraction | None:
     """Exact rational value of a plain numeric string ("1,000", "0.5", "-3", "1/2", "$7"), else None."""
     t = s.strip().strip("$").strip()
@@ -123,3 +141,25 @@ def reward(response_text: str, problem: Problem) -> float:
         return 1.0 if pred is not None and answers_match(pred, problem.answer) else 0.0
     except Exception:  # noqa: BLE001
         return 0.0
+
+
+def lenient_reward(response_text: str, problem: Problem) -> float:
+    """``reward`` with ``extract_answer_lenient`` (the last number when no marker). Never raises."""
+    try:
+        pred = extract_answer_lenient(response_text)
+        return 1.0 if pred is not None and answers_match(pred, problem.answer) else 0.0
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+def reward_fn(extraction: str):
+    """The reward of a ``data.answer_extraction`` mode: ``"marker"`` -> ``reward``,
+    ``"last_number"`` -> ``lenient_reward``.
+
+    Raises:
+      ValueError: an unknown mode (named).
+    """
+    fns = {"marker": reward, "last_number": lenient_reward}
+    if extraction not in fns:
+        raise ValueError(f"data.answer_extraction={extraction!r} must be one of {list(fns)}")
+    return fns[extraction]

@@ -18,6 +18,7 @@ import numpy as np
 
 from rhyme_jax.data import Problem
 from rhyme_jax.data.rewards import reward
+from rhyme_jax.data.rewards import reward_fn as reward_fn_of
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
 from rhyme_jax.train.atomic import atomic_write
@@ -107,10 +108,12 @@ def evaluate(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: Seque
 
 
 def evaluate_run(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: Sequence[Problem],
-                 cfg, reward_fn: Callable[[str, Problem], float] = reward) -> EvalResult:
+                 cfg, reward_fn: Callable[[str, Problem], float] | None = None) -> EvalResult:
     """``evaluate`` with the settings of a run config (``model.prompt_template``,
-    ``rollout.*`` sampling, ``run.eval_samples``, key from ``run.seed``)."""
+    ``rollout.*`` sampling, ``run.eval_samples``, key from ``run.seed``); the reward defaults to
+    ``data.answer_extraction``'s."""
     r = cfg.rollout
+    reward_fn = reward_fn or reward_fn_of(cfg.data.answer_extraction)
     return evaluate(engine, state, tokenizer, problems, template=cfg.model.prompt_template,
                     max_new_tokens=r.max_new_tokens, key=jax.random.key(cfg.run.seed + 7919),
                     samples=cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,

@@ -16,6 +16,7 @@ from flax import nnx
 
 from rhyme_jax.data import Problem
 from rhyme_jax.data.synthetic import corpus
+from rhyme_jax.model import hub
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
@@ -60,6 +61,8 @@ def build_tokenizer(cfg: Any, run_dir: Path, train_problems: Sequence[Problem]) 
     Raises:
       PolicyConfigError: a real checkpoint directory has no tokenizer.json.
     """
+    if cfg.model.path:
+        hub.ensure(cfg.model.path)  # a known model named in the config is imported on first use
     path = tokenizer_file(cfg, run_dir)
     if path.is_file():
         return Tokenizer.from_file(path)
@@ -94,7 +97,7 @@ def build_model(cfg: Any, tokenizer: Tokenizer, seed: int) -> Decoder:
     """The policy: loaded from ``model.path`` or freshly initialised from ``model.tiny``."""
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
-        _, model = load_hf_checkpoint(cfg.model.path, dtype=dtype)
+        _, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype)
         return model
     # The same jitted initialisation as build_sharded on one device, so both give equal values.
     model_cfg = tiny_model_config(cfg, tokenizer)
@@ -113,7 +116,7 @@ def build_sharded(cfg: Any, tokenizer: Tokenizer, seed: int, mesh) -> tuple[nnx.
     """
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
-        model_cfg, model = load_hf_checkpoint(cfg.model.path, dtype=dtype, mesh=mesh)
+        model_cfg, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, mesh=mesh)
         graphdef, state = nnx.split(model)
         return graphdef, state, model_cfg
     model_cfg = tiny_model_config(cfg, tokenizer)

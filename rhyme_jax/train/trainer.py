@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from rhyme_jax.config import to_dict
 from rhyme_jax.data import Problem, load_problems
-from rhyme_jax.data.rewards import reward as task_reward
+from rhyme_jax.data.rewards import reward_fn as reward_of
 from rhyme_jax.parallel import distributed
 from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
 from rhyme_jax.parallel.reshard import put_global, reshard, to_host
@@ -115,15 +115,17 @@ class GRPOTrainer:
     Args:
       cfg: run config (``rhyme_jax.config.load_config``).
       resume: continue from the newest checkpoint in ``<run_dir>/checkpoints``.
-      reward_fn: ``(response_text, problem) -> float`` (the verifier; tests may inject faults).
+      reward_fn: ``(response_text, problem) -> float`` (the verifier; tests may inject faults);
+        default: the reward of ``data.answer_extraction``.
 
     Raises:
       NonFiniteLossError: ``grpo.max_consecutive_nonfinite`` consecutive non-finite steps.
     """
 
     def __init__(self, cfg: Any, *, resume: bool = False,
-                 reward_fn: Callable[[str, Problem], float] = task_reward):
-        self.cfg, self.reward_fn = cfg, reward_fn
+                 reward_fn: Callable[[str, Problem], float] | None = None):
+        self.cfg = cfg
+        self.reward_fn = reward_fn or reward_of(cfg.data.answer_extraction)
         distributed.initialize(cfg.parallel)  # no-op unless multi-host is configured
         self.primary = jax.process_index() == 0  # only process 0 writes files (Orbax: all save)
         # Layouts first: a mesh that does not fit the devices fails before anything is written.
@@ -344,7 +346,7 @@ class GRPOTrainer:
         """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
         self.pipeline.wait()
         return evaluate_run(self.engine, self.rollout_states()[0], self.tokenizer,
-                            problems or self.eval_problems, self.cfg)
+                            problems or self.eval_problems, self.cfg, self.reward_fn)
 
     def record_eval(self, step: int, res: EvalResult, *, before: bool = False) -> None:
         """Log an evaluation's metrics and keep its per-problem results in ``eval/``."""

@@ -1,0 +1,48 @@
+"""The real-model rollout workload shared by the real-model benchmarks (rollout_real.py, peers.py).
+
+SmolLM2-135M-Instruct on GSM8K questions in the model's chat template (the prompt template of
+``configs/gsm8k_smollm2_135m.yaml``), so every engine compared sees the same prompt tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "configs" / "gsm8k_smollm2_135m.yaml"
+MODEL = "smollm2-135m-instruct"
+
+
+def recipe():
+    """The SmolLM2 recipe config (``model.path`` resolved to the imported checkpoint directory)."""
+    from rhyme_jax.config import load_config
+
+    return load_config(RECIPE)
+
+
+def model_dir(path: str = "") -> Path:
+    """Checkpoint directory: ``path``, else the recipe's model (imported offline on first use)."""
+    from rhyme_jax.model import hub
+
+    return hub.ensure(path or recipe().model.path)
+
+
+def problems(n: int, split: str = "train", offset: int = 0):
+    """The first ``n`` GSM8K problems (``rhyme_jax.data.Problem``) of ``split`` after ``offset``
+    (the recipe's data paths)."""
+    from rhyme_jax.data import load_gsm8k
+
+    cfg = recipe()
+    path = cfg.data.train_path if split == "train" else cfg.data.test_path
+    return load_gsm8k(ROOT / path if not Path(path).is_absolute() else path)[offset: offset + n]
+
+
+def questions(n: int, split: str = "train", offset: int = 0) -> list[str]:
+    """The questions of ``problems(n, split, offset)``."""
+    return [p.question for p in problems(n, split, offset)]
+
+
+def prompt_texts(qs: list[str]) -> list[str]:
+    """Questions formatted with the recipe's chat template (no special tokens added on encode)."""
+    template = recipe().model.prompt_template
+    return [template.format(question=q) for q in qs]
