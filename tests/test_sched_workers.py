@@ -196,11 +196,15 @@ def test_one_step_off_deferral_survives_a_resume(tmp_path, cross_step):
 
 
 def test_ablation_configs_load_and_switch_one_part_each():
-    """configs/ablations/*.yaml: each loads, has its own run name, and differs from the demo only
-    in the HistoSpec / HistoPipe switches it names (plus workers for HistoPipe)."""
-    base = load_config(ROOT / "configs" / "default.yaml")
+    """configs/ablations/*.yaml: each loads, has its own run name, and differs from the recipe it
+    includes (the demo or a real-model recipe) only in the HistoSpec / HistoPipe switches it names
+    (plus workers for HistoPipe)."""
+    from omegaconf import OmegaConf
+
     seen = set()
     for path in sorted((ROOT / "configs" / "ablations").glob("*.yaml")):
+        (include,) = OmegaConf.load(path).defaults
+        base = load_config(path.parent / include)
         cfg = load_config(path)
         assert cfg.run.name not in seen and cfg.run.name != base.run.name
         seen.add(cfg.run.name)
@@ -209,4 +213,4 @@ def test_ablation_configs_load_and_switch_one_part_each():
             assert cfg.parallel.rollout_workers == 4 and cfg.spec == base.spec, path.name
         else:
             assert cfg.sched == base.sched and cfg.spec != base.spec, path.name
-    assert len(seen) == 9
+    assert len(seen) == 10
