@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     ap.add_argument("--warmup", choices=("auto", "full", "rehearse", "none"), default="auto",
                     help="full: compile every step shape first (engine.warmup); rehearse: replay (and time "
-                         "again) an epoch-2 rollout that compiled; "auto: full on accelerators, rehearse on CPU")
+                         "again) an epoch-2 rollout that compiled; auto: full on accelerators, rehearse on CPU")
     ap.add_argument("--no-warmup", dest="warmup", action="store_const", const="none", help="--warmup none")
     ap.add_argument("--compile-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--compile-cache", default="runs/.jax_cache", help="persistent XLA cache ('' = off)")
