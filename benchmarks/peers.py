@@ -50,6 +50,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import real_workload  # noqa: E402
+
 EOS_ID = 2  # <|im_end|>
 TUNIX_PYTHON = ROOT / ".venv-tunix" / "bin" / "python"
 TUNIX_WORKER = HERE / "peer_tunix_worker.py"
@@ -78,11 +80,10 @@ def response_lengths(rows, eos_id: int = EOS_ID, limit: int | None = None) -> li
 
 def workload(args) -> dict:
     """Model directory and the rows' prompt texts and token ids (prompts x samples, groups adjacent)."""
-    import real_workload as rw
     from tokenizers import Tokenizer
 
-    mdir = rw.model_dir(args.model_dir)
-    texts = rw.prompt_texts(rw.questions(args.prompts))
+    mdir = real_workload.model_dir(args.model_dir)
+    texts = real_workload.prompt_texts(real_workload.questions(args.prompts))
     tok = Tokenizer.from_file(str(mdir / "tokenizer.json"))
     ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     rows = [i for i in range(len(texts)) for _ in range(args.samples)]
@@ -344,8 +345,9 @@ def write_report(report: dict, out: Path) -> str:
     return text
 
 
-DEFAULTS = dict(prompts=16, samples=4, max_new_tokens=384, temperatures="1.0,0.6,0.3")
-QUICK = dict(prompts=2, samples=2, max_new_tokens=16, temperatures="1.0")
+DEFAULTS = real_workload.DEFAULTS  # the rollout_real.py workload
+QUICK = dict(real_workload.QUICK, max_new_tokens=16)
+
 
 
 def parse_args(argv=None):
@@ -365,10 +367,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="runs/bench_peers")
     ap.add_argument("--quick", action="store_true", help="smoke: 2 prompts x 2 samples, 16 new tokens, T=1.0")
     args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
+    real_workload.fill_defaults(args, QUICK if args.quick else DEFAULTS)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.batch = max(1, min(args.batch, args.prompts * args.samples))
     return args

@@ -11,6 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "gsm8k_smollm2_135m.yaml"
 MODEL = "smollm2-135m-instruct"
+# The workload both benchmarks default to (rows = prompts x samples), and their --quick smoke size.
+DEFAULTS = dict(prompts=8, samples=4, max_new_tokens=384, temperatures="1.0,0.6,0.3")
+QUICK = dict(prompts=2, samples=2, temperatures="1.0")
+
+
+def fill_defaults(args, defaults: dict):
+    """Set each ``None`` attribute of parsed ``args`` named in ``defaults``; parse
+    ``args.temperatures`` ("1.0,0.6") into a list of floats. Returns ``args``."""
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
+    return args
 
 
 def recipe():

@@ -55,10 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_workload  # noqa: E402
 
-DEFAULTS = dict(prompts=8, samples=4, max_slots=16, max_new_tokens=384, temperatures="1.0,0.6,0.3",
-                max_prompt_len=256)
+DEFAULTS = dict(real_workload.DEFAULTS, max_slots=16, max_prompt_len=256)
 # max_prompt_len 0: the longest prompt rounded up to a page (fewer page-table widths to warm up)
-QUICK = dict(prompts=2, samples=2, max_slots=4, max_new_tokens=24, temperatures="1.0", max_prompt_len=0)
+QUICK = dict(real_workload.QUICK, max_slots=4, max_new_tokens=24, max_prompt_len=0)
 KINDS = (("plain", "plain"), ("spec", "HistoSpec"))
 
 
@@ -85,11 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--compile-cache", default="runs/.jax_cache", help="persistent XLA cache ('' = off)")
     args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
-    return args
+    return real_workload.fill_defaults(args, QUICK if args.quick else DEFAULTS)
 
 
 @dataclass

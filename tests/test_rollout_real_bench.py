@@ -10,10 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.model import hub
 from rhyme_jax.train.rollout_log import load_rollouts
 
-MODEL = hub.model_dir("smollm2-135m-instruct")
 NEW_TOKENS = 12
 
 
@@ -21,8 +19,7 @@ def _total_length(run_dir, step: int) -> int:
     return int(load_rollouts(run_dir, step)["lengths"].sum())
 
 
-@pytest.mark.skipif(not hub.is_imported(MODEL), reason="SmolLM2-135M not imported (rhyme-jax models get)")
-def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, benchmark_module):
+def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, benchmark_module, smollm2_dir):
     bench = benchmark_module("rollout_real")
     assert bench.main(["--quick", "--no-warmup", "--max-new-tokens", str(NEW_TOKENS), "--compile-cache", "",
                        "--out", str(tmp_path)]) == 0
