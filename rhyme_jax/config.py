@@ -229,7 +229,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 def _resolve_model_name(cfg: DictConfig) -> None:
     """``model.path`` naming a known offline model (``rhyme_jax.model.hub.MODELS``) and not an
-    existing directory becomes that model's cache directory (imported by ``ensure_model``)."""
+    existing directory becomes that model's cache directory (imported on first use by ``hub.ensure``)."""
     from rhyme_jax.model import hub
 
     name = cfg.model.path
