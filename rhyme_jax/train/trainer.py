@@ -346,7 +346,7 @@ class GRPOTrainer:
         """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
         self.pipeline.wait()
         return evaluate_run(self.engine, self.rollout_states()[0], self.tokenizer,
-                            problems or self.eval_problems, self.cfg, self.reward_fn)
+                            problems or self.eval_problems, self.cfg)  # the task reward, never an injected one
 
     def record_eval(self, step: int, res: EvalResult, *, before: bool = False) -> None:
         """Log an evaluation's metrics and keep its per-problem results in ``eval/``."""
