@@ -69,7 +69,7 @@ def cmd_memory(cfg, model_config: str, devices: int) -> int:
     from rhyme_jax.parallel.mesh import mesh_shape
 
     source = model_config or cfg.model.path
-    if source == cfg.model.path and source:
+    if source and not model_config:
         from rhyme_jax.model import hub
 
         hub.ensure(source)  # a known model named in the config: imported on first use
