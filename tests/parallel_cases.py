@@ -70,9 +70,9 @@ def case_create_sharded():
     _, one, _ = create_sharded(model, train_mesh(1, 1, 1))
     _, eager = nnx.split(model())
     err = max(float(np.max(np.abs(a - b))) for a, b in zip(host(state), host(eager)))
-    q = state["layers"][0]["attn"]["q_proj"]["kernel"][...]
-    ok = same(state, one) and err < 1e-7 and q.sharding.spec == P("fsdp", "tensor") and \
-        len(q.addressable_shards) == 8 and q.addressable_shards[0].data.shape == (8, 16)
+    q = state["layers"]["attn"]["q_proj"]["kernel"][...]
+    ok = same(state, one) and err < 1e-7 and q.sharding.spec == P(None, "fsdp", "tensor") and \
+        len(q.addressable_shards) == 8 and q.addressable_shards[0].data.shape[1:] == (8, 16)
     return ok, f"q_proj spec {q.sharding.spec}, shard {q.addressable_shards[0].data.shape}, |jit - eager| {err:.1e}"
 
 
@@ -96,10 +96,10 @@ def case_train_step():
         state, opt_state, m = sharded_step(state, opt_state, put_global(mb, layout.batch))
     # Adam normalises each update, so compare with the update's own size (lr 1e-2 per step).
     errs = [float(np.max(np.abs(a - b))) for a, b in zip(host(state), host(ref_state))]
-    mu = opt_state[1][0].mu["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+    mu = opt_state[1][0].mu["layers"]["mlp"]["up_proj"]["kernel"][...]
     gn = abs(float(m["grad_norm"]) / float(m_ref["grad_norm"]) - 1)
     ok = (max(errs) < 1e-4 and abs(float(m["loss"]) - float(m_ref["loss"])) < 1e-5 and gn < 1e-5
-          and mu.sharding.spec == P("fsdp", "tensor")
+          and mu.sharding.spec == P(None, "fsdp", "tensor")
           and state["embed"]["embedding"][...].sharding.spec == P("tensor", "fsdp"))
     return ok, (f"max |param diff| {max(errs):.2e}, loss {float(m['loss']):.6f} vs "
                 f"{float(m_ref['loss']):.6f}, grad-norm rel diff {gn:.1e}")
@@ -113,11 +113,11 @@ def case_reshard_roundtrip():
     rsh = param_shardings(state, worker)
     rolled = reshard(state, rsh)
     back = reshard(rolled, psh)
-    k = rolled["layers"][1]["attn"]["k_proj"]["kernel"][...]
+    k = rolled["layers"]["attn"]["k_proj"]["kernel"][...]
     ok = (same(state, rolled) and same(state, back)
           and np.array_equal(leaf_checksums(state), leaf_checksums(rolled))
-          and set(k.sharding.device_set) == set(worker.devices.flat) and k.sharding.spec == P(None, "tensor")
-          and back["layers"][1]["attn"]["k_proj"]["kernel"][...].sharding == psh["layers"][1]["attn"]["k_proj"]["kernel"].get_value())
+          and set(k.sharding.device_set) == set(worker.devices.flat) and k.sharding.spec == P(None, None, "tensor")
+          and back["layers"]["attn"]["k_proj"]["kernel"][...].sharding == psh["layers"]["attn"]["k_proj"]["kernel"].get_value())
     return ok, f"rollout k_proj spec {k.sharding.spec} on devices {sorted(d.id for d in k.sharding.device_set)}"
 
 
@@ -158,9 +158,9 @@ def case_checkpoint_cross_mesh():
     with tempfile.TemporaryDirectory() as d, Checkpointer(d) as ck:
         ck.save(3, params=state, opt_state=opt_state, meta={"step": 3})
         got, got_opt, meta = ck.restore(None, params_like=like, opt_state_like=like_opt)
-    v = got["layers"][0]["mlp"]["down_proj"]["kernel"][...]
+    v = got["layers"]["mlp"]["down_proj"]["kernel"][...]
     ok = (same(got, state) and same(got_opt, opt_state) and meta["step"] == 3
-          and v.sharding.spec == P("tensor", "fsdp") and v.sharding.mesh.shape == dst.shape)
+          and v.sharding.spec == P(None, "tensor", "fsdp") and v.sharding.mesh.shape == dst.shape)
     return ok, f"restored down_proj spec {v.sharding.spec} on mesh {dict(v.sharding.mesh.shape)}"
 
 
@@ -170,8 +170,8 @@ def case_hf_loader_sharded():
         save_hf_checkpoint(model(), d)
         _, plain = load_hf_checkpoint(d)
         _, sharded = load_hf_checkpoint(d, mesh=train_mesh(1, 4, 2))
-    o = sharded.layers[0].attn.o_proj.kernel[...]
-    ok = same(nnx.state(plain), nnx.state(sharded)) and o.sharding.spec == P("tensor", "fsdp")
+    o = sharded.layers.attn.o_proj.kernel[...]
+    ok = same(nnx.state(plain), nnx.state(sharded)) and o.sharding.spec == P(None, "tensor", "fsdp")
     return ok, f"o_proj spec {o.sharding.spec}"
 
 

@@ -177,3 +177,41 @@ def test_save_load_params(tmp_path):
     graphdef, fresh = nnx.split(model)
     nnx.update(model, load_params(tmp_path / "params", fresh))
     assert_tree_equal(nnx.state(model), state)
+
+
+def _per_block(nested):
+    """The pre-scan layout of a nested checkpoint tree: ``layers/<i>/...`` per block."""
+    if not isinstance(nested, dict):
+        return nested
+    out = {}
+    for key, child in nested.items():
+        if key == "layers":
+            n = jax.tree.leaves(child)[0].shape[0]
+            out[key] = {str(i): jax.tree.map(lambda x: np.asarray(x)[i], child) for i in range(n)}
+        else:
+            out[key] = _per_block(child)
+    return out
+
+
+def test_per_block_checkpoint_converts_to_stacked_layers(tmp_path):
+    """A checkpoint written before the layer scan (one subtree per block) restores into the
+    stacked layout, params and optimizer moments exactly; a warm-start params dir too."""
+    from rhyme_jax.train.checkpoint import _to_nested
+
+    state, opt = make_state()
+    old_params, old_opt = _per_block(_to_nested(state)), _per_block(_to_nested(opt))
+    assert "0" in old_params["layers"] and "1" in old_params["layers"]
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(3, params=old_params, opt_state=old_opt, meta={"step": 3})
+    with Checkpointer(tmp_path / "ck") as ck:
+        p, o, m = ck.restore(None, params_like=jax.eval_shape(lambda: state),
+                             opt_state_like=jax.eval_shape(lambda: opt))
+    assert_tree_equal(p, state)
+    assert_tree_equal(o, opt)
+    assert m == {"step": 3}
+    save_params(tmp_path / "sft", old_params)
+    assert_tree_equal(load_params(tmp_path / "sft", state), state)
+    # a per-block checkpoint of another depth fails with the path named
+    with pytest.raises(CheckpointError, match="layers"):
+        load_params(tmp_path / "sft", nnx.split(Decoder(ModelConfig(**{**CFG, "num_layers": 3}),
+                                                        rngs=nnx.Rngs(0)))[1])

@@ -78,8 +78,8 @@ def test_sharded_checkpoint(tmp_path, good):
     save_file({k: tensors[k] for k in keys[:10]}, str(d / "model-00001-of-00002.safetensors"))
     save_file({k: tensors[k] for k in keys[10:]}, str(d / "model-00002-of-00002.safetensors"))
     _, loaded = load_hf_checkpoint(d)
-    np.testing.assert_array_equal(np.asarray(loaded.layers[1].mlp.down_proj.kernel[...]),
-                                  np.asarray(model.layers[1].mlp.down_proj.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(loaded.layers.mlp.down_proj.kernel[...][1]),
+                                  np.asarray(model.layers.mlp.down_proj.kernel[...][1]))
 
 
 @pytest.mark.parametrize("field,value,pattern", [
@@ -154,7 +154,7 @@ def test_bf16_checkpoint_loads(tmp_path):
     hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     cfg, model = load_hf_checkpoint(tmp_path / "bf16", dtype=jnp.bfloat16)
-    kernel = model.layers[0].attn.q_proj.kernel[...]
+    kernel = model.layers.attn.q_proj.kernel[...][0]
     assert kernel.dtype == jnp.bfloat16
     ref = hf.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T
     np.testing.assert_array_equal(np.asarray(kernel.astype(jnp.float32)), ref)  # bf16 -> bf16 exact

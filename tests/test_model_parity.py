@@ -11,6 +11,7 @@ from _hf_fixtures import LLAMA3_SCALING, hf_config, hf_logits, save_hf_model
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.rope import inverse_frequencies
+from rhyme_jax.model.transformer import layer_at
 
 TOL = 1e-4
 CASES = [("qwen2", False), ("qwen3", True), ("llama", False)]
@@ -83,7 +84,8 @@ def test_decomposition_equals_call(pair):
     h = model.embed_tokens(tokens)
     g = cfg.num_heads // cfg.num_kv_heads
     causal = np.tril(np.ones((11, 11), bool))
-    for layer in model.layers:
+    for i in range(cfg.num_layers):
+        layer = layer_at(model.layers, i)
         q, k, v = layer.attn.project_qkv(layer.input_norm(h), pos)
         assert q.shape == (2, 11, cfg.num_heads, cfg.head_dim) and k.shape == (2, 11, cfg.num_kv_heads, cfg.head_dim)
         # brute-force per-head attention in numpy

@@ -62,11 +62,14 @@ def test_logical_rules_drop_missing_axes_and_uneven_dims():
 
 
 def test_param_rules_cover_every_parameter_and_name_unknown_ones():
-    assert param_logical_axes(("layers", "3", "attn", "k_proj", "kernel"), 2) == ("embed", "kv_heads")
-    assert param_logical_axes(("layers", "0", "mlp", "down_proj", "kernel"), 2) == ("mlp", "embed")
+    # stacked decoder blocks: a leading "layer" axis (never split)
+    assert param_logical_axes(("layers", "attn", "k_proj", "kernel"), 3) == ("layer", "embed", "kv_heads")
+    assert param_logical_axes(("layers", "mlp", "down_proj", "kernel"), 3) == ("layer", "mlp", "embed")
     assert param_logical_axes(("final_norm", "weight"), 1) == (None,)
-    with pytest.raises(ShardingRuleError, match="layers/0/router/kernel"):
-        param_logical_axes(("layers", "0", "router", "kernel"), 2)
+    with pytest.raises(ShardingRuleError, match="layers/router/kernel"):
+        param_logical_axes(("layers", "router", "kernel"), 3)
+    with pytest.raises(ShardingRuleError, match="rank 2"):  # an unstacked block kernel
+        param_logical_axes(("layers", "attn", "k_proj", "kernel"), 2)
     with pytest.raises(ShardingRuleError, match="rank 3"):
         param_logical_axes(("embed", "embedding"), 3)
 

@@ -32,7 +32,7 @@ class CheckpointFormatError(ValueError):
 
 class _Entry(NamedTuple):
     hf_suffix: str  # name after "model.layers.{i}." (or the full name for global entries)
-    path: tuple  # our parameter path after ("layers", i) (or the full path)
+    path: tuple  # our parameter path after ("layers",) (or the full path)
     transpose: bool  # HF Linear weight [out, in] vs nnx kernel [in, out]
     when: Callable[[ModelConfig], bool]
 
@@ -75,14 +75,33 @@ GLOBAL_TABLE: list[_Entry] = [
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def key_map(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
-    """``{hf_name: (our_param_path, transpose)}`` for every tensor a checkpoint of ``cfg`` holds."""
-    out = {e.hf_suffix: (e.path, e.transpose) for e in GLOBAL_TABLE if e.when(cfg)}
+class Target(NamedTuple):
+    """Where one HF tensor goes: our parameter ``path``, the ``layer`` index on its stacked
+    leading axis (None for global parameters) and whether it is transposed."""
+
+    path: tuple
+    layer: int | None
+    transpose: bool
+
+
+def key_map(cfg: ModelConfig) -> dict[str, Target]:
+    """``{hf_name: Target}`` for every tensor a checkpoint of ``cfg`` holds.
+
+    Decoder blocks are stacked (``transformer.stack_layers``): ``model.layers.{i}.X`` goes to
+    row ``i`` of the ``[L, ...]`` parameter at ``("layers",) + path(X)``.
+    """
+    out = {e.hf_suffix: Target(e.path, None, e.transpose) for e in GLOBAL_TABLE if e.when(cfg)}
     for i in range(cfg.num_layers):
         for e in LAYER_TABLES[cfg.family]:
             if e.when(cfg):
-                out[f"model.layers.{i}.{e.hf_suffix}"] = (("layers", i) + e.path, e.transpose)
+                out[f"model.layers.{i}.{e.hf_suffix}"] = Target(("layers",) + e.path, i, e.transpose)
     return out
+
+
+def _hf_shape(target: Target, ours: tuple) -> tuple:
+    """The HF tensor shape of ``target`` given our parameter's shape."""
+    shape = ours[1:] if target.layer is not None else ours
+    return shape[::-1] if target.transpose else shape
 
 
 def _abstract_model(cfg: ModelConfig, dtype, param_dtype) -> Decoder:
@@ -137,9 +156,8 @@ def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None,
                     if not ignorable:
                         problems.append(f"unexpected key {key!r} in {file.name}")
                     continue
-                our_path, transpose = table[key]
-                want = tuple(flat[our_path].get_value().shape)
-                want = want[::-1] if transpose else want
+                target = table[key]
+                want = _hf_shape(target, tuple(flat[target.path].get_value().shape))
                 got = tuple(f.get_slice(key).get_shape())
                 if got != want:
                     problems.append(f"shape mismatch for {key!r} in {file.name}: got {list(got)}, "
@@ -154,21 +172,13 @@ def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None,
     shardings = None
     if mesh is not None:
         shardings = dict(nnx.to_flat_state(param_shardings(state, mesh)))
-    by_file: dict[Path, list[str]] = {}
-    for key in table:
-        by_file.setdefault(where[key], []).append(key)
-    for file, keys in by_file.items():
-        with safe_open(str(file), framework="numpy") as f:
-            for key in keys:
-                our_path, transpose = table[key]
-                if shardings is None:
-                    arr = f.get_tensor(key)
-                    arr = arr.T if transpose else arr
-                    flat[our_path].set_value(jnp.asarray(np.ascontiguousarray(arr.astype(np_dtype))))
-                    continue
-                flat[our_path].set_value(_sharded_tensor(
-                    f.get_slice(key), tuple(flat[our_path].get_value().shape), transpose,
-                    _leaf_sharding(shardings[our_path]), np_dtype))
+    sources: dict[tuple, list] = {}  # our path -> [(layer, hf key, file)]
+    for key, target in table.items():
+        sources.setdefault(target.path, []).append((target.layer, key, where[key], target.transpose))
+    for our_path, parts in sources.items():
+        shape = tuple(flat[our_path].get_value().shape)
+        sharding = None if shardings is None else _leaf_sharding(shardings[our_path])
+        flat[our_path].set_value(_read_param(parts, shape, sharding, np_dtype))
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -176,15 +186,34 @@ def _leaf_sharding(entry):
     return entry.get_value() if hasattr(entry, "get_value") else entry
 
 
-def _sharded_tensor(view, shape: tuple, transpose: bool, sharding, np_dtype) -> jax.Array:
-    """One parameter built block by block from a safetensors slice view (our layout ``shape``;
-    HF stores Linear weights transposed)."""
-    def block(idx):
-        hf_idx = tuple(idx[::-1]) if transpose else tuple(idx)
-        arr = view[hf_idx] if shape else view[...]
-        arr = arr.T if transpose else arr
-        return np.ascontiguousarray(np.asarray(arr).astype(np_dtype))
+def _read_param(parts: list, shape: tuple, sharding, np_dtype) -> jax.Array:
+    """One parameter of our layout ``shape`` from its HF tensors ``parts = [(layer, key, file,
+    transpose)]`` (one global tensor, or one per row of a stacked ``[L, ...]`` parameter).
 
+    With ``sharding`` every device block is read straight from the memory-mapped safetensors
+    slices it covers; without it the whole array is read on the host and put on the default
+    device. HF stores Linear weights transposed (``[out, in]``)."""
+    stacked = parts[0][0] is not None
+    by_layer = {layer: (key, file, transpose) for layer, key, file, transpose in parts}
+
+    def read(layer, idx):
+        key, file, transpose = by_layer[layer]
+        with safe_open(str(file), framework="numpy") as f:
+            view = f.get_slice(key)
+            hf_idx = tuple(idx[::-1]) if transpose else tuple(idx)
+            arr = view[hf_idx] if idx else view[...]
+        arr = np.asarray(arr)
+        return arr.T if transpose else arr
+
+    def block(idx=None):
+        idx = tuple(idx) if idx is not None else tuple(slice(None) for _ in shape)
+        if not stacked:
+            return np.ascontiguousarray(read(None, idx).astype(np_dtype))
+        layers = range(shape[0])[idx[0]]
+        return np.ascontiguousarray(np.stack([read(i, idx[1:]) for i in layers]).astype(np_dtype))
+
+    if sharding is None:
+        return jnp.asarray(block())
     return jax.make_array_from_callback(shape, sharding, block)
 
 
@@ -198,9 +227,10 @@ def save_hf_checkpoint(model: Decoder, path) -> None:
     cfg = model.cfg
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {}
-    for key, (our_path, transpose) in key_map(cfg).items():
-        arr = np.asarray(flat[our_path].get_value())
-        tensors[key] = np.ascontiguousarray(arr.T if transpose else arr)
+    for key, target in key_map(cfg).items():
+        arr = np.asarray(flat[target.path].get_value())
+        arr = arr[target.layer] if target.layer is not None else arr
+        tensors[key] = np.ascontiguousarray(arr.T if target.transpose else arr)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["dtype"] = str(np.dtype(jnp.dtype(model.embed.embedding[...].dtype)))

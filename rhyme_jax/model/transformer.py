@@ -4,13 +4,19 @@ The forward is composed from public parts so the rollout engine's paged forward 
 computation with a different attention op::
 
     h = model.embed_tokens(tokens)
-    for layer in model.layers:
+    for each layer (scan_layers over the stacked model.layers):
         x = layer.input_norm(h)
         q, k, v = layer.attn.project_qkv(x, positions)
         o = attention(q, k, v)                       # scale head_dim ** -0.5, causal, GQA
         h = h + layer.attn.project_out(o)
         h = h + layer.mlp(layer.post_attn_norm(h))
     logits = model.unembed(h)                        # final_norm + lm_head (or tied), float32
+
+The ``num_layers`` blocks are ONE ``DecoderLayer`` whose parameters carry a leading layer axis
+(``layers.attn.q_proj.kernel: [L, D, H*hd]``); the forward runs them with ``jax.lax.scan``
+(``scan_layers``), so XLA compiles one block whatever the depth (MaxText's ``scan_layers``).
+``remat=True`` rematerialises each block in the backward pass (only the residual stream between
+blocks is kept: ``jax.checkpoint`` of the scan body).
 
 Reference: HF ``modeling_llama.py`` / ``modeling_qwen2.py`` / ``modeling_qwen3.py``.
 """
@@ -64,6 +70,47 @@ class DecoderLayer(nnx.Module):
         return h + self.mlp(self.post_attn_norm(h))
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One ``DecoderLayer`` whose every parameter is the per-layer parameters stacked on a new
+    leading axis (``[L, ...]``). Raises ValueError on an empty list."""
+    if not layers:
+        raise ValueError("stack_layers: no layers")
+    graphdef, first = nnx.split(layers[0])
+    states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def layer_at(layers: DecoderLayer, index: int) -> DecoderLayer:
+    """Block ``index`` of a stacked ``DecoderLayer`` as a standalone one-layer module (a copy of
+    the parameters' row ``index``; for tests and inspection)."""
+    graphdef, params = nnx.split(layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[index], params))
+
+
+def scan_layers(layers: DecoderLayer, h: Float[Array, "..."], step, extra=None, *, remat: bool = False):
+    """Run a stacked ``DecoderLayer`` over ``h`` with ``jax.lax.scan``.
+
+    ``step(layer, h, index, extra) -> (h, extra)`` applies one block (``layer`` is a one-layer
+    view merged from the stacked parameters' slice ``index``); ``extra`` is carried state (e.g.
+    the paged KV pool). With ``remat`` the step is ``jax.checkpoint``-ed: its activations are
+    recomputed in the backward pass instead of stored.
+
+    Returns ``(h, extra)`` after the last layer.
+    """
+    graphdef, params = nnx.split(layers)
+    n = jax.tree.leaves(params)[0].shape[0]
+
+    def body(carry, xs):
+        p, index = xs
+        out = step(nnx.merge(graphdef, p), carry[0], index, carry[1])
+        return out, None
+
+    if remat:
+        body = jax.checkpoint(body)
+    (h, extra), _ = jax.lax.scan(body, (h, extra), (params, jnp.arange(n, dtype=jnp.int32)))
+    return h, extra
+
+
 class Decoder(nnx.Module):
     """Causal LM: embedding, ``num_layers`` ``DecoderLayer``s, final RMSNorm, output head.
 
@@ -74,6 +121,8 @@ class Decoder(nnx.Module):
       rngs: initialisation randomness; weights ~ N(0, 0.02^2), biases 0, norms 1.
 
     ``lm_head`` is ``None`` when ``cfg.tie_word_embeddings`` (logits = h @ embed.embedding.T).
+    ``layers`` is one ``DecoderLayer`` with ``[num_layers, ...]`` parameters, initialised layer by
+    layer in order from ``rngs`` (the same values as ``num_layers`` separate blocks).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -82,8 +131,8 @@ class Decoder(nnx.Module):
         self.dtype = dtype
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        self.layers = stack_layers([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                    for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_word_embeddings else linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -101,15 +150,16 @@ class Decoder(nnx.Module):
             w = self.lm_head.kernel[...].astype(self.dtype)
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                 mask: Bool[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
-        """Logits ``f32[B, T, V]`` of a (right-padded) batch with dense causal attention.
+    def hidden(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+               mask: Bool[Array, "B T"] | None = None, *, remat: bool = False) -> Float[Array, "B T D"]:
+        """Residual stream after the last block (before ``final_norm``), compute dtype.
 
         Args:
           tokens: token ids.
           positions: RoPE positions (normally ``arange(T)`` per row).
-          mask: True at valid tokens; padded keys are never attended. Logits at padded positions
-            are finite but meaningless. None = all valid.
+          mask: True at valid tokens; padded keys are never attended. None = all valid.
+          remat: recompute each block in the backward pass (activation memory: one ``[B, T, D]``
+            per layer instead of every intermediate).
 
         Raises:
           ValueError: tokens / positions / mask shapes differ or are not 2-D.
@@ -127,6 +177,25 @@ class Decoder(nnx.Module):
         # Under parallel.rules.activation_mesh the residual stream stays split by rows (FSDP
         # gathers parameters, not activations); without it these are no-ops.
         h = constrain(self.embed_tokens(tokens), ("batch", None, None))
-        for layer in self.layers:
-            h = constrain(layer(h, positions, allowed), ("batch", None, None))
+
+        def block(layer, h, index, extra):
+            return constrain(layer(h, positions, allowed), ("batch", None, None)), extra
+
+        h, _ = scan_layers(self.layers, h, block, remat=remat)
+        return h
+
+    def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 mask: Bool[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
+        """Logits ``f32[B, T, V]`` of a (right-padded) batch with dense causal attention.
+
+        Args:
+          tokens: token ids.
+          positions: RoPE positions (normally ``arange(T)`` per row).
+          mask: True at valid tokens; padded keys are never attended. Logits at padded positions
+            are finite but meaningless. None = all valid.
+
+        Raises:
+          ValueError: tokens / positions / mask shapes differ or are not 2-D.
+        """
+        h = self.hidden(tokens, positions, mask)
         return constrain(self.unembed(h), ("batch", None, "vocab"))

@@ -32,6 +32,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),  # intermediate features of the MLP
     "vocab": ("tensor",),  # vocabulary of the embedding / output head
     "pages": (),  # KV pool pages: indexed by the global page table, never split
+    "layer": (),  # leading axis of the stacked decoder blocks (scanned over, never split)
 }
 
 # Parameter path suffix -> logical names of its dimensions (nnx.Linear kernels are [in, out]).
@@ -107,17 +108,22 @@ def _path_names(key_path) -> tuple[str, ...]:
 
 
 def param_logical_axes(path: Sequence[str], ndim: int) -> tuple[Optional[str], ...]:
-    """Logical names of a parameter at ``path`` (e.g. ``("layers", "0", "attn", "q_proj", "kernel")``).
+    """Logical names of a parameter at ``path`` (e.g. ``("layers", "attn", "q_proj", "kernel")``).
+
+    Parameters under ``layers`` are stacked over the decoder's blocks (``transformer.scan_layers``):
+    their leading axis is the logical ``layer`` axis, never split (each device holds its shard of
+    every layer).
 
     Raises:
       ShardingRuleError: no entry of ``PARAM_AXES`` matches the path's suffix, or its rank differs.
     """
     path = tuple(path)
+    stacked = bool(path) and path[0] == "layers"
     for suffix, names in PARAM_AXES.items():
         if path[-len(suffix):] == suffix:
-            if len(names) != ndim:
+            if len(names) + stacked != ndim:
                 break
-            return names
+            return (("layer",) if stacked else ()) + names
     raise ShardingRuleError(f"parameter {'/'.join(path)} (rank {ndim}) has no rule in "
                             f"rhyme_jax/parallel/rules.py PARAM_AXES")
 

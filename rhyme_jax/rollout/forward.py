@@ -4,7 +4,7 @@ Built from the model parts of ``rhyme_jax.model.transformer.Decoder`` (same comp
 dense ``__call__``)::
 
     h = embed_tokens(t)
-    for layer: x = input_norm(h); q, k, v = attn.project_qkv(x, pos)
+    for layer (scan_layers): x = input_norm(h); q, k, v = attn.project_qkv(x, pos)
                write k, v into the paged pool; o = ragged_paged_attention(q, pool)
                h = h + attn.project_out(o); h = h + mlp(post_attn_norm(h))
     logits = unembed(h[logits_rows])
@@ -24,6 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
+from rhyme_jax.model.transformer import scan_layers
 from rhyme_jax.rollout.kv_cache import KVCache
 
 
@@ -48,8 +49,9 @@ class RaggedMeta:
     slot_mapping: Int[Array, "T"]
 
 
-def _write_layer(pool: jax.Array, layer: int, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter ``new [T, KVH, hd]`` into ``pool [L, KVH, P, ps, hd]`` at layer ``layer``."""
+def _write_layer(pool: jax.Array, layer, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter ``new [T, KVH, hd]`` into ``pool [L, KVH, P, ps, hd]`` at layer ``layer`` (an int
+    or an int32 scalar: the scan's layer index)."""
     n_layers, kvh, n_pages, ps, hd = pool.shape
     flat = pool.reshape(n_layers, kvh, n_pages * ps, hd)
     flat = flat.at[layer, :, slots].set(new.astype(pool.dtype))  # advanced idx dims lead: [T, KVH, hd]
@@ -88,19 +90,22 @@ def paged_forward(
     model = nnx.merge(graphdef, state)
     head_dim = model.cfg.head_dim
     h = model.embed_tokens(tokens)  # [T, D]
-    k_pool, v_pool = kv.k, kv.v
-    for li, layer in enumerate(model.layers):
+    kw = dict(sm_scale=head_dim ** -0.5, max_q_len=max_q_len, implementation=attention_impl)
+
+    def block(layer, h, li, pools):
+        k_pool, v_pool = pools
         x = layer.input_norm(h)
         q, k, v = layer.attn.project_qkv(x, positions)  # [T,H,hd], [T,KVH,hd], [T,KVH,hd]
         k_pool = _write_layer(k_pool, li, k, meta.slot_mapping)
         v_pool = _write_layer(v_pool, li, v, meta.slot_mapping)
         args = (q, k_pool[li], v_pool[li], meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
-        kw = dict(sm_scale=head_dim ** -0.5, max_q_len=max_q_len, implementation=attention_impl)
         if mesh is None:
             o = attention_api.ragged_paged_attention(*args, **kw)
         else:
             o = attention_api.sharded_ragged_paged_attention(mesh, *args, **kw)
         h = h + layer.attn.project_out(o.astype(h.dtype))
-        h = h + layer.mlp(layer.post_attn_norm(h))
+        return h + layer.mlp(layer.post_attn_norm(h)), (k_pool, v_pool)
+
+    h, (k_pool, v_pool) = scan_layers(model.layers, h, block, (kv.k, kv.v))
     logits = model.unembed(h[logits_rows]).astype(jnp.float32)
     return logits, KVCache(k=k_pool, v=v_pool)

@@ -6,10 +6,14 @@ Layout: ``<directory>/<step>/{params,opt_state,meta[,blobs]}`` managed by
 process killed mid-save leaves at most a tmp directory, which is never listed as a step (and is
 removed by the next ``Checkpointer``); the previous complete step still restores.
 
-Pytrees are stored as nested dicts keyed by their jax key paths (``layers/0/attn/q/kernel/value``),
+Pytrees are stored as nested dicts keyed by their jax key paths (``layers/attn/q/kernel/value``),
 so any pytree (``nnx.State``, optax named tuples, ``EmptyState``) round-trips exactly, and restore
 rebuilds the caller's structure from ``*_like`` (abstract ``jax.ShapeDtypeStruct`` trees or
 concrete arrays; their shardings are used when present).
+
+Checkpoints written before the decoder's blocks were stacked (``layers/0/...``, ``layers/1/...``:
+one subtree per block) are converted on restore: every ``layers`` dict keyed ``0 .. L-1`` is
+stacked into one ``[L, ...]`` subtree (params and the optimizer's moments alike).
 """
 
 from __future__ import annotations
@@ -87,6 +91,62 @@ def _from_nested(nested: dict, like: Any, what: str) -> Any:
             )
         values.append(node)
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _per_block_layers(node: Any) -> bool:
+    """Whether a nested checkpoint tree holds per-block ``layers/<i>/...`` subtrees."""
+    if not isinstance(node, dict):
+        return False
+    for key, child in node.items():
+        if key == "layers" and isinstance(child, dict) and child and all(k.isdigit() for k in child):
+            return True
+        if _per_block_layers(child):
+            return True
+    return False
+
+
+def stack_block_layers(node: Any) -> Any:
+    """Convert a nested tree with per-block ``layers/<i>/...`` subtrees to stacked ``layers/...``
+    leaves ``[L, ...]`` (``transformer.stack_layers``'s layout); other entries are unchanged.
+
+    Raises:
+      CheckpointError: the blocks are not numbered ``0 .. L-1`` or their subtrees differ.
+    """
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, child in node.items():
+        if key == "layers" and isinstance(child, dict) and child and all(k.isdigit() for k in child):
+            idx = sorted(int(k) for k in child)
+            if idx != list(range(len(idx))):
+                raise CheckpointError(f"checkpoint: per-block layers are numbered {idx}, expected 0..{len(idx) - 1}")
+            blocks = [child[str(i)] for i in idx]
+            try:
+                out[key] = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *blocks)
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint: per-block layers differ in structure: {exc}") from exc
+        else:
+            out[key] = stack_block_layers(child)
+    return out
+
+
+def _restore_per_block(item_dir: Path, like: Any, what: str) -> Any | None:
+    """Restore an item written with per-block ``layers/<i>`` into ``like``'s stacked layout, or
+    None when ``item_dir`` is not such a checkpoint. Arrays pass through the host once."""
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        meta = ckptr.metadata(item_dir)
+        tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+        if not _per_block_layers(tree):
+            return None
+        host = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=host), tree)
+        nested = ckptr.restore(item_dir, target)
+    finally:
+        ckptr.close()
+    values = _from_nested(stack_block_layers(nested), like, what)
+    return jax.tree.map(lambda v, l: jax.device_put(np.asarray(v).astype(_abstract(l).dtype), _abstract(l).sharding),
+                        values, like)
 
 
 def _restore_args(like: Any) -> Any:
@@ -197,6 +257,13 @@ class Checkpointer:
         }
         if opt_state_like is not None:
             items["opt_state"] = ocp.args.StandardRestore(_restore_args(opt_state_like))
+        step_dir = self.directory / str(step)
+        legacy = _restore_per_block(step_dir / "params", params_like, f"{step_dir}/params")
+        if legacy is not None:  # written before the blocks were stacked: converted on the host
+            opt = None if opt_state_like is None else _restore_per_block(
+                step_dir / "opt_state", opt_state_like, f"{step_dir}/opt_state")
+            meta = self._mgr.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            return legacy, opt, dict(meta["meta"])
         try:
             out = self._mgr.restore(int(step), args=ocp.args.Composite(**items))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
@@ -263,6 +330,9 @@ def load_params(path: str | Path, params_like: Any) -> Any:
     if (path / "params").is_dir():
         # A run's sft/ directory or a GRPO checkpoints/<step>/ directory: take its params.
         path = path / "params"
+    legacy = _restore_per_block(path, params_like, str(path))
+    if legacy is not None:  # written before the blocks were stacked: converted on the host
+        return legacy
     ckptr = ocp.StandardCheckpointer()
     try:
         nested = ckptr.restore(path, _restore_args(params_like))
