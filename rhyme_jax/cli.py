@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_jax import cli_models
+from rhyme_jax import cli_memory, cli_models
 from rhyme_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -36,12 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest)")
     dm = add("demo", "warm start (SFT) + GRPO + summary: the CPU demo")
     dm.add_argument("--resume", action="store_true", help="continue an interrupted demo")
-    me = add("memory", "per-device memory of params + optimizer state under the config's "
-             "parallel layout (from shapes; allocates nothing)")
-    me.add_argument("--model-config", default="", help="HF config.json (or its directory) to size; "
-                    "default: model.path's, else the tiny demo model")
-    me.add_argument("--devices", type=int, default=0,
-                    help="devices to plan for (fills a -1 mesh axis; default: this machine's)")
+    cli_memory.add_arguments(add("memory", "per-device memory of params, optimizer state and one "
+                                 "GRPO update under the config (from shapes; allocates nothing)"))
     an = sub.add_parser("analyze", help="RhymeRL O5/O6 (token rhyme, length-rank shifts) of a "
                         "run's saved rollouts")
     an.add_argument("run_dir", help="run directory holding rollouts/step_*.npz")
@@ -60,50 +56,6 @@ def cmd_analyze(run_dir: str, branch: str, window: str) -> int:
     print(format_table(result))
     paths = write_analysis(run_dir, result)
     print(f"outputs: {paths['md']}, {paths['json'].name}, {paths['png'].name}")
-    return 0
-
-
-def cmd_memory(cfg, model_config: str, devices: int) -> int:
-    from rhyme_jax.model.config import ModelConfig
-    from rhyme_jax.parallel.memory import state_memory
-    from rhyme_jax.parallel.mesh import mesh_shape
-
-    source = model_config or cfg.model.path
-    if source and not model_config:
-        from rhyme_jax.model import hub
-
-        hub.ensure(source)  # a known model named in the config: imported on first use
-    if source:
-        path = Path(source)
-        model_cfg = ModelConfig.from_hf_dir(path.parent if path.is_file() else path)
-    else:
-        from types import SimpleNamespace
-
-        from rhyme_jax.train.policy import tiny_model_config
-
-        # The demo tokenizer's size, without training it.
-        model_cfg = tiny_model_config(cfg, SimpleNamespace(vocab_size=cfg.data.tokenizer_vocab_size, eos_id=1))
-        source = "tiny demo model"
-    if devices <= 0:
-        import jax
-
-        devices = jax.device_count()
-    p = cfg.parallel
-    d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
-    dtype = cfg.model.dtype
-    gib = 2.0 ** 30
-    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=dtype)
-    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
-    print(f"{source}: {train['params'] / 1e9:.3f} B parameters, {dtype}")
-    print(f"train mesh data={d} x fsdp={f} x tensor={t} ({d * f * t} of {devices} devices):")
-    print(f"  params     {train['param_bytes_total'] / gib:8.3f} GiB total  "
-          f"{train['param_bytes_per_device'] / gib:8.3f} GiB per device")
-    print(f"  optimizer  {train['opt_bytes_total'] / gib:8.3f} GiB total  "
-          f"{train['opt_bytes_per_device'] / gib:8.3f} GiB per device (AdamW moments)")
-    print(f"  together   {(train['param_bytes_total'] + train['opt_bytes_total']) / gib:8.3f} GiB total  "
-          f"{(train['param_bytes_per_device'] + train['opt_bytes_per_device']) / gib:8.3f} GiB per device")
-    print(f"rollout worker (tensor={p.rollout_tensor}): params {roll['param_bytes_per_device'] / gib:.3f} "
-          f"GiB per device (plus the KV pool)")
     return 0
 
 
@@ -224,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "memory":
-            return cmd_memory(cfg, args.model_config, args.devices)
+            return cli_memory.cmd_memory(cfg, args)
         from rhyme_jax.parallel import distributed
 
         distributed.initialize(cfg.parallel)  # before any device is touched; no-op on one host

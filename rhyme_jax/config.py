@@ -109,7 +109,10 @@ class GRPOSection:
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
     scale_by_std: bool = True  # False = Dr.GRPO advantages (r - mean)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
-    minibatches: int = 1
+    minibatches: int = 1  # optimizer steps per GRPO step (PPO minibatches)
+    micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
+    logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
+    remat: bool = False  # recompute each decoder block in the backward pass
     learning_rate: float = 1e-3
     warmup_steps: int = 0
     schedule: str = "constant"  # constant | cosine (after linear warmup)
@@ -278,6 +281,9 @@ def validate(cfg: Any, source: str) -> None:
     if cfg.grpo.minibatches > batch:
         raise ConfigError(f"{source}: grpo.minibatches={cfg.grpo.minibatches} exceeds the rollout batch "
                           f"grpo.prompts_per_step * grpo.samples_per_prompt = {batch}")
+    for key in ("grpo.micro_batch_tokens", "grpo.logit_chunk"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{source}: {key} must be >= 0 (0 = off), got {OmegaConf.select(cfg, key)}")
     if cfg.grpo.num_prompts < 0 or cfg.rollout.max_verify_tokens < 0:
         raise ConfigError(f"{source}: grpo.num_prompts and rollout.max_verify_tokens must be >= 0 (0 = default)")
     _validate_parallel(cfg, source)

@@ -190,9 +190,33 @@ def test_memory_command_plans_the_real_recipe(capsys):
     from rhyme_jax.cli import main
 
     assert main(["memory", "--config", str(ROOT / "configs" / "gsm8k_qwen2.5_1.5b.yaml"), "--model-config",
-                 str(ROOT / "configs" / "models" / "qwen2.5-1.5b"), "--devices", "8"]) == 0
+                 str(ROOT / "configs" / "models" / "qwen2.5-1.5b"), "--devices", "8", "--no-update"]) == 0
     out = capsys.readouterr().out
     assert "1.544 B parameters, bfloat16" in out and "data=1 x fsdp=8 x tensor=1" in out
     # 1,543,714,304 bf16 params = 2.875 GiB; fsdp=8 leaves an eighth per device (every dim divides).
     assert "params        2.875 GiB total     0.360 GiB per device" in out
     assert "optimizer     5.751 GiB total     0.719 GiB per device" in out
+
+
+def test_memory_json_reads_the_compiled_update(capsys):
+    """``--json`` reports the update's XLA temporaries; remat and logit chunking shrink them."""
+    import json
+
+    from rhyme_jax.cli import main
+
+    def temp(*sets):
+        args = ["memory", "--config", str(ROOT / "configs" / "tiny_test.yaml"), "--rows", "8", "--tokens", "128",
+                "--set", "data.tokenizer_vocab_size=4096", "--json"]
+        for s in sets:
+            args += ["--set", s]
+        assert main(args) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["rows"] == 8 and report["tokens"] == 128
+        assert report["peak_bytes_per_device"] == (report["param_bytes_per_device"] + report["opt_bytes_per_device"]
+                                                   + report["update_temp_bytes"])
+        return report["update_temp_bytes"]
+
+    plain = temp()
+    remat = temp("grpo.remat=true")
+    chunked = temp("grpo.remat=true", "grpo.logit_chunk=128")
+    assert plain > remat > chunked > 0

@@ -8,6 +8,7 @@ reports ``finite = 0``; the trainer counts and stops on repeats.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -30,25 +31,66 @@ class TrainShardings(NamedTuple):
     batch: jax.sharding.NamedSharding
 
 
-def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temperature: float):
+class UpdateMemory(NamedTuple):
+    """How one update bounds its memory (``grpo.micro_batch_tokens`` / ``logit_chunk`` / ``remat``).
+
+    Attributes:
+      micro_batch_tokens: token budget (rows x padded length) of one gradient micro-batch per
+        device; the minibatch's gradient is accumulated (float32) over micro-batches. 0 = the
+        whole minibatch in one pass.
+      logit_chunk: tokens whose ``[tokens, vocabulary]`` logits exist at once in the log-prob /
+        entropy computation (``losses.chunked_token_logprobs``); 0 = one chunk.
+      remat: rematerialise each decoder block in the backward pass.
+    """
+
+    micro_batch_tokens: int = 0
+    logit_chunk: int = 0
+    remat: bool = False
+
+
+def num_micro_batches(rows: int, seq_len: int, shards: int, budget: int) -> int:
+    """Micro-batches of a minibatch of ``rows`` (split over ``shards`` devices) x ``seq_len``
+    tokens under a per-device token ``budget``: the fewest whose per-device rows divide the
+    device's rows and fit ``rows_per_device x seq_len <= budget`` (one row at least). 0 budget =
+    1 micro-batch."""
+    per_device = max(1, rows // max(shards, 1))
+    if budget <= 0 or per_device * seq_len <= budget:
+        return 1
+    fit = max(1, budget // seq_len)
+    micro_rows = max(d for d in range(1, per_device + 1) if per_device % d == 0 and d <= fit)
+    return per_device // micro_rows
+
+
+def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temperature: float,
+                     memory: UpdateMemory = UpdateMemory()):
     """Log p(tokens[:, t+1] | tokens[:, :t+1]) under ``softmax(logits / temperature)``.
 
-    Returns f32[B, T-1] logprobs and f32[B, T-1] entropies (aligned with ``loss_mask[:, :-1]``).
+    Returns f32[B, T-1] logprobs and f32[B, T-1] entropies (aligned with ``loss_mask[:, :-1]``),
+    computed chunk by chunk from the last hidden states (``losses.chunked_token_logprobs``).
     """
     model = nnx.merge(graphdef, state)
-    logits = model(batch["tokens"], batch["positions"], batch["attn_mask"])
-    return losses.token_logprobs(logits[:, :-1], batch["tokens"][:, 1:], temperature)
+    h = model.hidden(batch["tokens"], batch["positions"], batch["attn_mask"], remat=memory.remat)
+    return losses.chunked_token_logprobs(h[:, :-1], batch["tokens"][:, 1:], model.unembed, temperature,
+                                         memory.logit_chunk)
+
+
+def _batch_shards(shardings: Optional[TrainShardings]) -> int:
+    if shardings is None:
+        return 1
+    return int(math.prod(shardings.mesh.shape.get(a, 1) for a in ("data", "fsdp")))
 
 
 def make_logprob_fn(graphdef: nnx.GraphDef, temperature: float,
-                    shardings: Optional[TrainShardings] = None) -> Callable:
+                    shardings: Optional[TrainShardings] = None, logit_chunk: int = 0) -> Callable:
     """Jitted ``(state, batch) -> f32[B, T-1]`` target logprobs (for the frozen KL reference);
-    laid out by ``shardings`` when given (output rows like the batch)."""
+    laid out by ``shardings`` when given (output rows like the batch); logits ``logit_chunk``
+    tokens at a time."""
     mesh = shardings.mesh if shardings is not None else None
+    memory = UpdateMemory(logit_chunk=logit_chunk)
 
     def logprob_fn(state, batch):
         with activation_mesh(mesh):
-            return _target_logprobs(graphdef, state, batch, temperature)[0]
+            return _target_logprobs(graphdef, state, batch, temperature, memory)[0]
 
     if shardings is None:
         return jax.jit(logprob_fn)
@@ -58,7 +100,8 @@ def make_logprob_fn(graphdef: nnx.GraphDef, temperature: float,
 
 def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
                    eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
-                   temperature: float, shardings: Optional[TrainShardings] = None) -> Callable:
+                   temperature: float, shardings: Optional[TrainShardings] = None,
+                   memory: UpdateMemory = UpdateMemory()) -> Callable:
     """Build ``step(state, opt_state, batch) -> (state, opt_state, metrics)``.
 
     ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
@@ -67,27 +110,49 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     ``kl_coef > 0``, ``ref_logprobs f32[B,T-1]``. ``state`` and ``opt_state`` are donated.
     Metrics are f32 scalars: loss, grad_norm, entropy, clip_fraction, kl, finite (1/0).
 
+    ``memory`` bounds the update's temporaries: the gradient is accumulated over
+    ``num_micro_batches`` micro-batches (rows ``j, j + n, j + 2n, ...``: every device keeps its
+    share) with the loss weights of the whole minibatch (``losses.loss_weights``), so the result
+    equals the one-pass update within float tolerance; logits are chunked; blocks rematerialised.
+
     With ``shardings`` the step is jitted with those in/out shardings (FSDP and tensor parallel
     over ``shardings.mesh``; activations constrained to rows over ``("data", "fsdp")``); the
     math is the same, so results equal the single-device step within float tolerance.
     """
     mesh = shardings.mesh if shardings is not None else None
+    shards = _batch_shards(shardings)
 
-    def loss_fn(state, batch):
-        logprobs, entropy = _target_logprobs(graphdef, state, batch, temperature)
-        mask = batch["loss_mask"][:, :-1]
-        loss, metrics = losses.grpo_loss(
-            logprobs, batch["old_logprobs"], batch["advantages"], mask,
+    def loss_fn(state, mb, loss_w, token_w):
+        logprobs, entropy = _target_logprobs(graphdef, state, mb, temperature, memory)
+        loss, metrics = losses.weighted_grpo_loss(
+            logprobs, mb["old_logprobs"], mb["advantages"], loss_w, token_w,
             eps_low=eps_low, eps_high=eps_high,
-            ref_logprobs=batch.get("ref_logprobs") if kl_coef > 0 else None,
-            kl_coef=kl_coef, loss_agg=loss_agg)
-        metrics = dict(metrics)
-        metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-        return loss, metrics
+            ref_logprobs=mb.get("ref_logprobs") if kl_coef > 0 else None, kl_coef=kl_coef)
+        return loss, dict(metrics, entropy=jnp.sum(entropy * token_w))
+
+    def grads_of(state, batch):
+        loss_w, token_w = losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg)
+        rows, seq_len = batch["tokens"].shape
+        n = num_micro_batches(rows, seq_len, shards, memory.micro_batch_tokens)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if n == 1:
+            return grad_fn(state, batch, loss_w, token_w)
+        # Micro-batch j = rows j, j + n, ...: a reshape that keeps each device's rows local.
+        split = lambda x: jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
+        parts = jax.tree.map(split, (batch, loss_w, token_w))
+
+        def body(acc, part):
+            out = grad_fn(state, *part)
+            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, out), None
+
+        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                            jax.eval_shape(grad_fn, state, *jax.tree.map(lambda x: x[0], parts)))
+        ((loss, metrics), grads), _ = jax.lax.scan(body, zero, parts)
+        return (loss, metrics), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state)
 
     def step(state, opt_state, batch):
         with activation_mesh(mesh):
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state, batch)
+            (loss, metrics), grads = grads_of(state, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, state)

@@ -16,6 +16,8 @@ Alignment convention (used by ``sequence_batch``, ``sft.sft_loss`` and the train
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +87,64 @@ def token_logprobs(
     logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     return logp, entropy
+
+
+def chunked_token_logprobs(
+    hidden: Float[Array, "B T D"], targets: Int[Array, "B T"], unembed: Callable[[Array], Array],
+    temperature: float = 1.0, chunk_tokens: int = 0,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """``token_logprobs(unembed(hidden), targets)`` without materialising ``[B, T, V]`` logits.
+
+    The sequence axis is cut into chunks of ``c = max(1, chunk_tokens // B)`` positions (every
+    row of a chunk together, so rows stay split over the devices that hold them); a
+    ``jax.lax.scan`` computes each chunk's ``f32[B, c, V]`` logits, log-sum-exp, target logit
+    and entropy under ``jax.checkpoint``, so the backward pass recomputes one chunk's logits at a
+    time instead of storing them: the peak is one chunk of logits (and its cotangent), not the
+    batch's (Levanter's blockwise cross-entropy; Liger-Kernel's fused linear cross-entropy).
+
+    Args:
+      hidden: residual stream before the output head (``Decoder.hidden``), aligned so that
+        ``hidden[:, t]`` predicts ``targets[:, t]``.
+      targets: i32[B, T] token ids in [0, V).
+      unembed: ``h -> f32[..., V]`` logits (``Decoder.unembed``: final norm + head).
+      temperature: the rollout's sampling temperature (> 0).
+      chunk_tokens: tokens per chunk (all rows together); 0 or ``>= B * T`` = one chunk
+        (still no separate log-softmax array: same values as ``token_logprobs``).
+
+    Returns:
+      (logprobs f32[B, T] in nats, entropy f32[B, T] in nats, gradient-stopped).
+
+    Raises:
+      LossInputError: shapes disagree, ``temperature <= 0`` or ``chunk_tokens < 0``.
+    """
+    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+        raise LossInputError(f"losses.chunked_token_logprobs: hidden [B, T, D] and targets [B, T] expected, "
+                             f"got {hidden.shape} and {targets.shape}")
+    if isinstance(temperature, (int, float)) and temperature <= 0:
+        raise LossInputError(f"losses.chunked_token_logprobs: temperature must be > 0, got {temperature}")
+    if chunk_tokens < 0:
+        raise LossInputError(f"losses.chunked_token_logprobs: chunk_tokens must be >= 0, got {chunk_tokens}")
+    b, t, d = hidden.shape
+    c = t if chunk_tokens == 0 else min(t, max(1, chunk_tokens // b))
+    pad = -t % c
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    tg = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad)))
+    hs = h.reshape(b, -1, c, d).swapaxes(0, 1)  # [chunks, B, c, D]
+    ts = tg.reshape(b, -1, c).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(hc, tc):
+        logits = unembed(hc).astype(jnp.float32) / temperature  # [B, c, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        probs = jnp.exp(logits - lse[..., None])
+        entropy = lse - jnp.sum(jax.lax.stop_gradient(probs) * jax.lax.stop_gradient(logits), axis=-1)
+        return target - lse, jax.lax.stop_gradient(entropy)
+
+    _, (lp, ent) = jax.lax.scan(lambda _, x: (None, one(*x)), None, (hs, ts))
+    lp = lp.swapaxes(0, 1).reshape(b, -1)[:, :t]
+    ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :t]
+    return lp, ent
 
 
 def masked_mean(x: Float[Array, "..."], mask: Float[Array, "..."]) -> Float[Array, ""]:
@@ -170,7 +230,44 @@ def grpo_loss(
     if loss_agg not in LOSS_AGGS:
         raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
 
+    loss_w, token_w = loss_weights(mask, loss_agg)
+    return weighted_grpo_loss(logprobs, old_logprobs, advantages, loss_w, token_w, eps_low=eps_low,
+                              eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef)
+
+
+def loss_weights(mask: Float[Array, "B T"], loss_agg: str) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """Per-token weights that turn the aggregations into plain weighted sums.
+
+    ``sum(x * loss_w) == aggregate(x, mask, loss_agg)`` and ``sum(x * token_w) ==
+    masked_mean(x, mask)``. Computed once over a whole minibatch, they make a loss summed over
+    any split of its rows (gradient-accumulation micro-batches) equal to the minibatch's loss.
+
+    Raises:
+      LossInputError: unknown ``loss_agg``.
+    """
     mask = mask.astype(jnp.float32)
+    token_w = mask / jnp.maximum(jnp.sum(mask), 1.0)
+    if loss_agg == "token_mean":
+        return token_w, token_w
+    if loss_agg == "seq_mean_token_mean":
+        count = jnp.sum(mask, axis=1, keepdims=True)
+        seqs = jnp.maximum(jnp.sum((count > 0).astype(jnp.float32)), 1.0)
+        return mask / jnp.maximum(count, 1.0) / seqs, token_w
+    raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+
+
+def weighted_grpo_loss(
+    logprobs: Float[Array, "B T"], old_logprobs: Float[Array, "B T"], advantages: Float[Array, "B"],
+    loss_w: Float[Array, "B T"], token_w: Float[Array, "B T"], *, eps_low: float, eps_high: float,
+    ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """``grpo_loss`` with the aggregation given as weights (``loss_weights``): the loss and every
+    metric are weighted sums, so they add up over micro-batches of one minibatch.
+
+    Returns:
+      (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` weighted by ``loss_w``;
+      ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` by ``token_w``.
+    """
     lp = logprobs.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
@@ -186,15 +283,15 @@ def grpo_loss(
         per_token = pg + kl_coef * kl
     else:
         kl = jnp.zeros_like(pg)
-    loss = aggregate(per_token, mask, loss_agg)
-
+    loss = jnp.sum(per_token * loss_w)
     sg = jax.lax.stop_gradient
+    wsum = lambda x, w: sg(jnp.sum(x * w))
     metrics = {
-        "pg_loss": sg(aggregate(pg, mask, loss_agg)),
-        "clip_fraction": sg(masked_mean((clipped < unclipped).astype(jnp.float32), mask)),
-        "ratio_mean": sg(masked_mean(ratio, mask)),
-        "approx_kl": sg(masked_mean(ratio - 1.0 - log_ratio, mask)),
-        "kl": sg(masked_mean(kl, mask)),
+        "pg_loss": wsum(pg, loss_w),
+        "clip_fraction": wsum((clipped < unclipped).astype(jnp.float32), token_w),
+        "ratio_mean": wsum(ratio, token_w),
+        "approx_kl": wsum(ratio - 1.0 - log_ratio, token_w),
+        "kl": wsum(kl, token_w),
     }
     return loss, metrics
 

@@ -38,7 +38,7 @@ from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
-from rhyme_jax.train.grpo_step import TrainShardings, make_grpo_step, make_logprob_fn
+from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
 from rhyme_jax.train.losses import group_advantages, response_grid, sequence_batch
 from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.train.optim import make_optimizer
@@ -164,8 +164,10 @@ class GRPOTrainer:
         self.history = HistoryStore(cfg.spec.history_depth) if uses_history else None
         self.step_fn = make_grpo_step(self.graphdef, self.optimizer, eps_low=g.eps_low,
                                       eps_high=g.eps_high, kl_coef=g.kl_coef, loss_agg=g.loss_agg,
-                                      temperature=cfg.rollout.temperature, shardings=self.layout)
-        self.ref_logprob_fn = make_logprob_fn(self.graphdef, cfg.rollout.temperature, self.layout)
+                                      temperature=cfg.rollout.temperature, shardings=self.layout,
+                                      memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat))
+        self.ref_logprob_fn = make_logprob_fn(self.graphdef, cfg.rollout.temperature, self.layout,
+                                              logit_chunk=g.logit_chunk)
         self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
         self.step, self.nonfinite_total, self.nonfinite_run = 0, 0, 0
         self.eval_before: Optional[dict] = None

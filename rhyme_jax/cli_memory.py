@@ -1,0 +1,121 @@
+"""``rhyme-jax memory``: per-device memory of a run's training state and of one GRPO update.
+
+Everything comes from shapes (``parallel.memory.state_memory``) and from XLA's compiled memory
+analysis with abstract weights (``train.update_memory``): nothing the size of the model is
+allocated, so the real recipe can be planned on a laptop before renting hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rhyme_jax.model.config import ModelConfig
+
+GIB = 2.0 ** 30
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """The ``memory`` command's flags (beyond ``--config`` / ``--set``)."""
+    sp.add_argument("--model-config", default="", help="HF config.json (or its directory) to size; "
+                    "default: model.path's, else the tiny demo model")
+    sp.add_argument("--devices", type=int, default=0,
+                    help="devices to plan for (fills a -1 mesh axis; default: this machine's)")
+    sp.add_argument("--rows", type=int, default=0, help="rows of the update's micro-batch per device "
+                    "(default: the config's minibatch rows per device under grpo.micro_batch_tokens)")
+    sp.add_argument("--tokens", type=int, default=0, help="padded tokens per row (default: "
+                    "rollout.max_prompt_len + rollout.max_new_tokens)")
+    sp.add_argument("--no-update", action="store_true", help="skip compiling the update (state only)")
+    sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def model_config_of(cfg: Any, model_config: str) -> tuple[ModelConfig, str]:
+    """The architecture a command sizes: ``model_config`` (an HF config.json or its directory),
+    else ``cfg.model.path``'s (a known model name is imported on first use), else the tiny demo
+    model. Returns ``(ModelConfig, source description)``.
+
+    Raises:
+      ModelConfigError: the config.json is missing or invalid.
+    """
+    source = model_config or cfg.model.path
+    if source and not model_config:
+        from rhyme_jax.model import hub
+
+        hub.ensure(source)  # a known model named in the config: imported on first use
+    if source:
+        path = Path(source)
+        return ModelConfig.from_hf_dir(path.parent if path.is_file() else path), str(source)
+    from types import SimpleNamespace
+
+    from rhyme_jax.train.policy import tiny_model_config
+
+    # The demo tokenizer's size, without training it.
+    tok = SimpleNamespace(vocab_size=cfg.data.tokenizer_vocab_size, eos_id=1)
+    return tiny_model_config(cfg, tok), "tiny demo model"
+
+
+def memory_report(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (params + optimizer per
+    device on the train mesh), ``rollout_param_bytes_per_device``, and unless ``--no-update``
+    the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
+    params + optimizer per device + ``update_temp_bytes`` (an upper bound under FSDP: the
+    compiled update is single-device, so its gradients are whole)."""
+    import jax
+
+    from rhyme_jax.parallel.memory import state_memory
+    from rhyme_jax.parallel.mesh import mesh_shape
+
+    model_cfg, source = model_config_of(cfg, args.model_config)
+    devices = args.devices if args.devices > 0 else jax.device_count()
+    p = cfg.parallel
+    d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
+    dtype = cfg.model.dtype
+    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=dtype)
+    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
+    out = {"model": source, "dtype": dtype, "devices": devices, "mesh": {"data": d, "fsdp": f, "tensor": t},
+           **{k: train[k] for k in ("params", "param_bytes_total", "param_bytes_per_device",
+                                    "opt_bytes_total", "opt_bytes_per_device")},
+           "rollout_tensor": p.rollout_tensor, "rollout_param_bytes_per_device": roll["param_bytes_per_device"]}
+    if not args.no_update:
+        from rhyme_jax.train.update_memory import config_micro_batch, update_memory
+
+        rows, tokens = config_micro_batch(cfg, d * f)
+        upd = update_memory(model_cfg, cfg, args.rows or rows, args.tokens or tokens)
+        out.update(upd)
+        out["peak_bytes_per_device"] = (train["param_bytes_per_device"] + train["opt_bytes_per_device"]
+                                        + upd["update_temp_bytes"])
+    return out
+
+
+def print_report(r: dict[str, Any]) -> None:
+    """Human-readable ``memory_report``."""
+    m = r["mesh"]
+    print(f"{r['model']}: {r['params'] / 1e9:.3f} B parameters, {r['dtype']}")
+    print(f"train mesh data={m['data']} x fsdp={m['fsdp']} x tensor={m['tensor']} of {r['devices']} devices:")
+    for name, key, note in (("params", "param", ""), ("optimizer", "opt", " (AdamW moments)")):
+        print(f"  {name:<10} {r[key + '_bytes_total'] / GIB:8.3f} GiB total  "
+              f"{r[key + '_bytes_per_device'] / GIB:8.3f} GiB per device{note}")
+    both = r["param_bytes_per_device"] + r["opt_bytes_per_device"]
+    print(f"  together   {(r['param_bytes_total'] + r['opt_bytes_total']) / GIB:8.3f} GiB total  "
+          f"{both / GIB:8.3f} GiB per device")
+    print(f"rollout worker (tensor={r['rollout_tensor']}): params "
+          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device (plus the KV pool)")
+    if "update_temp_bytes" in r:
+        print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device "
+              f"(logit_chunk={r['logit_chunk']}, remat={r['remat']}; XLA compiled in {r['compile_s']} s):")
+        print(f"  temporaries {r['update_temp_bytes'] / GIB:8.3f} GiB  (of which ~{r['residual_bytes'] / GIB:.3f} "
+              f"GiB block inputs, {r['logits_chunk_bytes'] / GIB:.3f} GiB one logits chunk)")
+        print(f"  peak        {r['peak_bytes_per_device'] / GIB:8.3f} GiB per device "
+              f"(params + optimizer + temporaries)")
+
+
+def cmd_memory(cfg: Any, args: argparse.Namespace) -> int:
+    """Run ``rhyme-jax memory``; returns the exit status."""
+    report = memory_report(cfg, args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
