@@ -26,7 +26,8 @@
 #      ROLLOUT_STEPS (GRPO steps of the rollout phase, default 30 = 3 epochs of the demo);
 #      ROLLOUT_EXTRA ("KEY=VALUE ...": a second rollout run with these config overrides);
 #      PHASES (default "check rollout bench": the phases to run after env, e.g. PHASES=rollout
-#      for a rerun of the rollout benchmark alone, which then uses the kernel path).
+#      for a rerun of the rollout benchmark alone, which then uses the kernel path; "update"
+#      times the 1.5B GRPO update, issue 14: PHASES="env update").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -135,6 +136,14 @@ else
   fi
 fi
 want bench && phase bench "$T_BENCH" "$PY" benchmarks/kernels.py --out "$OUT" "${BENCH_ARGS[@]}"
+# Issue 14: one GRPO update of Qwen2.5-1.5B shapes (random bf16 weights) at the recipe's sizes:
+# a minibatch of 128 rows x 1536 tokens on one device, micro-batches of 12,288 tokens, logits in
+# chunks of 1024, remat; peak device memory and step time (needs optax + omegaconf: carry .whl).
+if want update; then
+  if [ "$SMOKE" = 1 ]; then UPD=(--rows 2 --tokens 64 --steps 1 --config configs/tiny_test.yaml)
+  else UPD=(--config configs/gsm8k_qwen2.5_1.5b.yaml --model-config configs/models/qwen2.5-1.5b --rows 128 --steps 2); fi
+  phase update "${T_UPDATE:-200}" "$PY" benchmarks/update_step.py "${UPD[@]}" --out "$OUT/update_step.json"
+fi
 
 {
   echo "=== summary [$(date +%T)]"
