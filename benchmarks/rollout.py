@@ -110,7 +110,6 @@ def main(argv=None) -> int:
     jax.config.update("jax_compilation_cache_dir", str(Path("runs") / ".jax_cache"))
     from rhyme_jax.compile_count import CompileCounter
     from rhyme_jax.config import load_config
-    from rhyme_jax.rollout import batching
     from rhyme_jax.rollout.engine import SamplingParams
     from rhyme_jax.train.trainer import GRPOTrainer, epoch_of_step
 
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
     sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     t0 = time.perf_counter()
     # in the rollout layout the engine runs in (the train layout would be another jit cache entry)
-    trainer.engine.warmup(trainer.rollout_states()[0], sp, draft_buckets=batching.K_BUCKETS,
+    trainer.engine.warmup(trainer.rollout_states()[0], sp, spec=True,
                           compile_threads=args.compile_threads)
     print(f"warm-up (every prefill/verify shape compiled): {time.perf_counter() - t0:.1f} s", flush=True)
 

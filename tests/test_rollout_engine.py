@@ -197,6 +197,7 @@ def _count_compiles(fn):
 def test_no_recompilation_on_second_generate():
     eng = _engine(max_prefill_tokens=32)  # prefill buckets 16, 32; decode width 7
     assert eng.prefill_buckets == (16, 32) and eng.decode_widths == (7,)
+    assert eng.plan.prefill_q_lens(32) == (16, 32)  # fresh prompts (<= 16 tokens) and re-prefills
     state = _model()[1]
     sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)  # shares programs
     eng.generate(state, _prompts(1, (5, 9, 4, 12, 6)), sp, jax.random.key(1))
@@ -222,8 +223,8 @@ def test_warmup_compiles_every_bucket():
             n_shapes = eng.warmup(state, sp, compile_threads=threads)
         compiles[threads] = counter.count
     n_rows = len(batching.seq_buckets(eng.max_slots))
-    n_prefill = len(batching.prefill_shapes(eng.prefill_buckets, eng.q_cap))
-    assert n_shapes == n_prefill + n_rows * len(eng.decode_widths)
+    n_prefill = sum(len(eng.plan.prefill_q_lens(t)) for t in eng.prefill_buckets)
+    assert n_shapes == n_prefill + n_rows * len(eng.decode_widths) == len(eng.programs(spec=False))
     assert compiles[3] == compiles[1] > n_shapes  # the shapes + the KV pool (+ key setup)
     prompts = _prompts(6, (16, 1, 2, 9))
     n, res = _count_compiles(lambda: eng.generate(state, prompts, sp, jax.random.key(0)))
@@ -233,17 +234,19 @@ def test_warmup_compiles_every_bucket():
         np.testing.assert_array_equal(got, exp)
 
 
-def test_verify_token_buckets():
-    """A verify step packs the smallest bucket (cap, its half or quarter, at least one token per
-    row) that holds its live rows and their drafts; plain decode has one bucket."""
-    assert batching.verify_token_buckets(128, 8, 512) == (128, 256, 512)
-    assert batching.verify_token_buckets(32, 8, 512) == (72, 144, 288)
-    assert batching.verify_token_buckets(128, 0, 512) == (128,)
-    assert batching.verify_tokens(128, 8, 512) == 512  # no count given: the cap
-    assert [batching.verify_tokens(128, 8, 512, u) for u in (40, 128, 129, 256, 257, 512)] == \
-        [128, 128, 256, 256, 512, 512]
-    with pytest.raises(ValueError, match="more than the cap 288"):
-        batching.verify_tokens(32, 8, 512, 289)
+def test_step_pairs():
+    """A decode/verify step packs the first ``(T, Q)`` pair of its row bucket holding its tokens;
+    plain decode is ``(S, 1)``; the cap is every row's 33 tokens limited by the budget."""
+    from rhyme_jax.rollout import shapes
+    assert shapes.verify_pairs(128, 512) == ((128, 1), (256, 9), (512, 33))
+    assert shapes.verify_pairs(32, 512) == ((32, 1), (64, 9), (128, 17), (512, 33))
+    assert shapes.verify_pairs(1, 64) == ((1, 1), (33, 33))  # under 16 tokens: the cap costs the same
+    assert shapes.verify_pairs(128, 512, spec=False) == ((128, 1),)
+    plan = shapes.plan(max_slots=32, page_size=16, max_prompt_len=64, max_new_tokens=64)
+    assert [plan.step_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
+        [(32, 1), (32, 1), (64, 9), (64, 9), (128, 33), (128, 33)]
+    with pytest.raises(ValueError, match="more than the cap 128"):
+        plan.step_pair(32, 129)
 
 
 def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():

@@ -1,14 +1,15 @@
 """Host-side construction of the packed, bucketed inputs of one engine step (numpy only).
 
-Shapes are bucketed so the jitted step compiles a bounded number of times:
+The buckets (which shapes exist) live in ``rhyme_jax.rollout.shapes``; this module packs one
+step into them:
 
-* prefill: ``T`` (packed tokens) is a power of two ``>= 16``; ``S = min(max_slots, T)``
-  sequence rows; ``max_q_len`` is the longest new context rounded up to a power of two
-  (``prefill_q_len``); full page-table rows. A sequence may start after a shared prompt prefix.
-* decode / verify: the live slots are compacted into ``S`` sequence rows (``seq_buckets``:
-  ``max_slots / 16``, ``/ 4``, ``max_slots``); each feeds its pending token plus its draft (``K``
-  in ``K_BUCKETS``; decode is ``K = 0``); ``T = max(S, min(budget, S * (K + 1)))``; page-table
-  width is a power of two ``>= 8`` capped at ``pages_per_seq``.
+* prefill: ``T`` (packed tokens) and ``max_q_len`` from ``ShapePlan.prefill_shape``;
+  ``S = min(max_slots, T)`` sequence rows; full page-table rows. A sequence may start after a
+  shared prompt prefix.
+* decode / verify: the live slots are compacted into ``S`` sequence rows (``seq_buckets``); each
+  feeds its pending token plus its draft, packed back to back into ``T`` tokens
+  (``ShapePlan.step_pair``; decode is one token per row); the page table is cut to a width of
+  ``shapes.decode_widths``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rhyme_jax.rollout.forward import RaggedMeta
-
-MIN_PREFILL_BUCKET = 16
-MIN_DECODE_WIDTH = 8
-
-
-def pow2(n: int) -> int:
-    """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
-    return 1 << max(0, int(n) - 1).bit_length()
+from rhyme_jax.rollout.shapes import (  # noqa: F401 (re-exported)
+    MAX_DRAFT, MIN_DECODE_WIDTH, MIN_PREFILL_BUCKET, pow2, seq_bucket, seq_buckets)
 
 
 @dataclass
@@ -40,38 +35,19 @@ class StepInputs:
     max_q_len: int
 
 
-def prefill_q_len(longest: int, t_b: int, q_cap: int) -> int:
-    """Static ``max_q_len`` of a prefill bucket: the longest context rounded up to a power of
-    two ``>= 16``, at most ``t_b`` and ``q_cap`` (attention work scales with it)."""
-    return min(t_b, q_cap, max(MIN_PREFILL_BUCKET, pow2(longest)))
-
-
-def prefill_shapes(buckets, q_cap: int) -> list[tuple[int, int]]:
-    """Every ``(T, max_q_len)`` pair a prefill step can use (for warm-up)."""
-    out = []
-    for t_b in buckets:
-        q = MIN_PREFILL_BUCKET
-        while True:
-            out.append((t_b, min(q, t_b, q_cap)))
-            if q >= min(t_b, q_cap):
-                break
-            q *= 2
-    return sorted(set(out))
-
-
 def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndarray, page_size: int,
-                   max_slots: int, q_cap: int) -> StepInputs:
+                   max_slots: int, t_b: int, q_len: int) -> StepInputs:
     """Pack ``[(slot, new tokens i32[L], start)]`` into one prefill step.
 
     Sequence ``slot`` already holds ``start`` tokens in its pages (a prompt prefix shared with
     another sample of the same prompt, 0 otherwise); its new tokens sit at positions
     ``start ... start + L - 1`` and their pages must be allocated in ``page_table[slot]``
     (``np.int32[max_slots, pages_per_seq]``). Logits rows are each sequence's last token;
-    padding tokens write scratch page 0.
+    padding tokens write scratch page 0. ``(t_b, q_len)``: the bucket
+    (``ShapePlan.prefill_shape``): at least the total and the longest new context.
     """
     lens = np.array([len(c) for _, c, _ in batch], np.int64)
     total = int(lens.sum())
-    t_b = max(MIN_PREFILL_BUCKET, pow2(total))
     s_b = min(max_slots, t_b)
     tokens = np.zeros(t_b, np.int32)
     positions = np.zeros(t_b, np.int32)
@@ -95,7 +71,7 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     rows[: len(batch)] = cu[1: len(batch) + 1] - 1
     meta = RaggedMeta(kv_lens=kv_lens, page_indices=pages, cu_q_lens=cu,
                       num_seqs=np.array([len(batch)], np.int32), slot_mapping=slot_mapping)
-    return StepInputs(tokens, positions, meta, rows, prefill_q_len(int(lens.max()), t_b, q_cap))
+    return StepInputs(tokens, positions, meta, rows, int(q_len))
 
 
 K_BUCKETS = (0, 2, 4, 8, 16, 32)
@@ -111,44 +87,6 @@ def draft_bucket(max_len: int) -> int:
         if max_len <= k:
             return k
     raise ValueError(f"draft length {max_len} exceeds the largest draft bucket {K_BUCKETS[-1]}")
-
-
-def seq_buckets(max_slots: int) -> tuple[int, ...]:
-    """Sequence-row buckets of decode/verify steps: ``max_slots / 16``, ``/ 4`` and
-    ``max_slots`` (at least 1 each), so tail steps with few live sequences run small programs."""
-    return tuple(sorted({max(1, max_slots // 16), max(1, max_slots // 4), max_slots}))
-
-
-def seq_bucket(num_active: int, max_slots: int) -> int:
-    """Smallest of ``seq_buckets(max_slots)`` holding ``num_active`` sequences."""
-    return next(b for b in seq_buckets(max_slots) if b >= num_active)
-
-
-def verify_tokens(num_seqs: int, k: int, budget: int, used: int | None = None) -> int:
-    """Packed token count ``T`` of a verify step with ``num_seqs`` sequence rows and draft bucket
-    ``k``. The cap is every row's ``1 + k`` tokens, limited by the per-step token budget (at least
-    one per row); with ``used`` (the tokens actually packed: live rows + their drafts) ``T`` is
-    the smallest of ``verify_token_buckets`` holding them, so a step whose rows are mostly
-    finished or draft little does not pay for the cap (the layers' work scales with ``T``).
-
-    Raises:
-      ValueError: ``used`` exceeds the cap.
-    """
-    buckets = verify_token_buckets(num_seqs, k, budget)
-    if used is None:
-        return buckets[-1]
-    for t in buckets:
-        if t >= used:
-            return t
-    raise ValueError(f"verify step packs {used} tokens, more than the cap {buckets[-1]}")
-
-
-def verify_token_buckets(num_seqs: int, k: int, budget: int) -> tuple[int, ...]:
-    """Packed-token buckets of a verify step: the cap ``verify_tokens(num_seqs, k, budget)`` and
-    its halves and quarters (at least ``num_seqs``), ascending; one bucket (the cap) for plain
-    decode (``k == 0``)."""
-    cap = max(num_seqs, min(budget, num_seqs * (k + 1)))
-    return tuple(sorted({cap, max(num_seqs, -(-cap // 2)), max(num_seqs, -(-cap // 4))}))
 
 
 def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
@@ -171,48 +109,46 @@ def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
     return np.minimum(lens, cap).astype(np.int32)
 
 
-def decode_width(max_pages_held: int, pages_per_seq: int) -> int:
-    """Page-table columns a decode/verify step passes (the reference attention gathers all)."""
-    return min(pages_per_seq, max(MIN_DECODE_WIDTH, pow2(max_pages_held)))
-
-
 @dataclass
 class VerifyInputs(StepInputs):
-    """``StepInputs`` of a verify step plus ``draft_tokens i32[S, K]``, ``draft_lens i32[S]`` and
-    ``slots i32[n]`` (the engine slot of each of the first ``n`` sequence rows)."""
+    """``StepInputs`` of a decode/verify step plus ``draft_lens i32[S]`` (row ``i`` fed
+    ``1 + draft_lens[i]`` tokens at ``cu_q_lens[i]``; ``logits_rows`` is unused: the step returns
+    every packed position) and ``slots i32[n]`` (the engine slot of each of the first ``n`` rows)."""
 
-    draft_tokens: np.ndarray = None
     draft_lens: np.ndarray = None
     slots: np.ndarray = None
 
 
 def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray, drafts: np.ndarray,
-                  draft_lens: np.ndarray, page_table: np.ndarray, num_held: np.ndarray, page_size: int,
-                  num_rows: int, t_total: int) -> VerifyInputs:
-    """One decode/verify step over the live slots ``slots`` (decode: ``drafts`` has ``K = 0``
-    columns), compacted into ``num_rows`` sequence rows.
+                  draft_lens: np.ndarray, page_table: np.ndarray, page_size: int, num_rows: int,
+                  t_total: int, q_len: int, width: int) -> VerifyInputs:
+    """One decode/verify step over the live slots ``slots``, compacted into ``num_rows`` rows.
 
     Row ``i < len(slots)`` is slot ``slots[i]``: it feeds ``slot_last[slot]`` then
     ``drafts[i, :draft_lens[i]]`` at positions ``slot_len[slot] ...`` (their pages must be
-    allocated). Rows past ``len(slots)`` are padding sequences (``num_seqs`` excludes them, q_len
-    0); packed tokens past the live ones are padding writing scratch page 0.
+    allocated), packed back to back. Rows past ``len(slots)`` are padding sequences (q_len 0,
+    ``num_seqs`` excludes them); packed tokens past the live ones are padding writing scratch
+    page 0.
 
     Args:
       slots: ``int[n]`` live slot ids; slot_len: ``int[max_slots]`` tokens already in the KV pool;
-        slot_last: ``int[max_slots]`` pending token; drafts: ``int[n, K]``; draft_lens: ``int[n]``;
-        page_table/num_held: the allocator's arrays; num_rows: sequence-row bucket (>= n);
-        t_total: packed token bucket.
+        slot_last: ``int[max_slots]`` pending token; drafts: ``int[n, K]`` (any ``K``);
+        draft_lens: ``int[n]`` in ``[0, min(K, q_len - 1)]``; page_table: the allocator's
+        ``int32[max_slots, pages_per_seq]``; num_rows, t_total, q_len, width: the bucket
+        (``ShapePlan.step_pair``, ``ShapePlan.width``).
 
     Raises:
-      ValueError: the tokens do not fit in ``t_total`` or the slots in ``num_rows``.
+      ValueError: the tokens do not fit in ``t_total``, a row in ``q_len`` or the slots in
+        ``num_rows``.
     """
     n = len(slots)
     _, pages_per_seq = page_table.shape
-    k = drafts.shape[1]
     if n > num_rows:
         raise ValueError(f"verify step has {n} live sequences, more than the row bucket {num_rows}")
     lens = np.zeros(num_rows, np.int64)
     lens[:n] = draft_lens
+    if n and lens.max() + 1 > q_len:
+        raise ValueError(f"verify step has a draft of {int(lens.max())} tokens, more than max_q_len={q_len} - 1")
     q_lens = np.zeros(num_rows, np.int64)
     q_lens[:n] = 1 + lens[:n]
     cu = np.zeros(num_rows + 1, np.int64)
@@ -224,7 +160,7 @@ def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray
     owner = np.repeat(np.arange(n), q_lens[:n])  # row of each packed token
     j = np.arange(used) - cu[owner]
     pos = base[owner] + j
-    fed = np.concatenate([np.asarray(slot_last)[slots, None], drafts], axis=1)  # [n, K+1]
+    fed = np.concatenate([np.asarray(slot_last)[slots, None], np.asarray(drafts, np.int32)], axis=1)  # [n, K+1]
     tokens = np.zeros(t_total, np.int32)
     positions = np.zeros(t_total, np.int32)
     slot_mapping = np.zeros(t_total, np.int32)
@@ -232,19 +168,21 @@ def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray
     positions[:used] = pos
     table = page_table[slots]
     slot_mapping[:used] = table[owner, np.minimum(pos // page_size, pages_per_seq - 1)] * page_size + pos % page_size
-    width = decode_width(int(num_held[slots].max()) if n else 1, pages_per_seq)
     kv_lens = np.zeros(num_rows, np.int32)
     kv_lens[:n] = base + q_lens[:n]
     pages = np.zeros((num_rows, width), np.int32)
     pages[:n] = table[:, :width]
-    jj = np.arange(k + 1)
-    rows = (cu[:-1, None] + np.minimum(jj[None, :], np.maximum(q_lens, 1)[:, None] - 1)).reshape(-1)
-    d = np.zeros((num_rows, k), np.int32)
-    d[:n] = np.where(jj[None, :k] < lens[:n, None], drafts, 0)
     meta = RaggedMeta(kv_lens=kv_lens, page_indices=pages, cu_q_lens=cu.astype(np.int32),
                       num_seqs=np.array([n], np.int32), slot_mapping=slot_mapping)
-    return VerifyInputs(tokens, positions, meta, np.minimum(rows, max(t_total - 1, 0)).astype(np.int32), k + 1,
-                        draft_tokens=d, draft_lens=lens.astype(np.int32), slots=np.asarray(slots, np.int64))
+    return VerifyInputs(tokens, positions, meta, np.zeros(0, np.int32), int(q_len),
+                        draft_lens=lens.astype(np.int32), slots=np.asarray(slots, np.int64))
+
+
+def unpack_rows(values: np.ndarray, cu_q_lens: np.ndarray, n: int, width: int) -> np.ndarray:
+    """``values[T]`` of a packed step as ``[n, width]`` rows: ``out[i, j] = values[cu[i] + j]``
+    (indices past the end clamp to the last position; callers read ``j < num_emitted[i]``)."""
+    idx = np.asarray(cu_q_lens[:n], np.int64)[:, None] + np.arange(width)[None, :]
+    return np.asarray(values)[np.minimum(idx, len(values) - 1)]
 
 
 def dummy_prefill(t_b: int, q_len: int, max_slots: int, pages_per_seq: int) -> StepInputs:
@@ -256,13 +194,26 @@ def dummy_prefill(t_b: int, q_len: int, max_slots: int, pages_per_seq: int) -> S
     return StepInputs(z, z, meta, np.zeros(s_b, np.int32), q_len)
 
 
-def dummy_verify(num_rows: int, width: int, k: int, t_total: int, pages_per_seq: int) -> VerifyInputs:
-    """Verify inputs with no live sequence, ``num_rows`` sequence rows, draft bucket ``k`` and
-    page-table width ``width`` (warm-up; touches scratch page 0 only)."""
+def dummy_verify(num_rows: int, t_total: int, q_len: int, width: int, pages_per_seq: int) -> VerifyInputs:
+    """Decode/verify inputs of bucket ``(num_rows, t_total, q_len, width)`` with no live sequence
+    (warm-up; touches scratch page 0 only)."""
     table = np.zeros((1, pages_per_seq), np.int32)
-    held = np.full(1, width, np.int64)
-    inp = verify_inputs(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int32),
-                        np.zeros((0, k), np.int32), np.zeros(0, np.int64), table, held, 1, num_rows, t_total)
-    pages = np.zeros((num_rows, width), np.int32)  # the width a step holding `width` pages uses
-    inp.meta = RaggedMeta(inp.meta.kv_lens, pages, inp.meta.cu_q_lens, inp.meta.num_seqs, inp.meta.slot_mapping)
-    return inp
+    return verify_inputs(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int32),
+                         np.zeros((0, 0), np.int32), np.zeros(0, np.int64), table, 1, num_rows, t_total,
+                         q_len, width)
+
+
+def step_inputs(shape, max_slots: int, pages_per_seq: int) -> StepInputs:
+    """Dummy inputs of one ``shapes.StepShape`` (warm-up, compile reports)."""
+    if shape.kind == "prefill":
+        return dummy_prefill(shape.tokens, shape.q_len, max_slots, pages_per_seq)
+    return dummy_verify(shape.rows, shape.tokens, shape.q_len, shape.width, pages_per_seq)
+
+
+def shape_of(inp: StepInputs):
+    """The ``shapes.StepShape`` program an input runs (the engine records every one it runs)."""
+    from rhyme_jax.rollout.shapes import StepShape
+
+    rows, width = inp.meta.page_indices.shape
+    kind = "prefill" if not isinstance(inp, VerifyInputs) else ("decode" if inp.max_q_len == 1 else "verify")
+    return StepShape(kind, len(inp.tokens), rows, int(inp.max_q_len), width)

@@ -1,12 +1,14 @@
 """Continuous-batching rollout engine over a paged KV pool (ARCHITECTURE.md sections 3-4).
 
 ``max_slots`` fixed decode slots. Each loop iteration admits waiting prompts into free slots with
-one packed prefill call (token count bucketed to a power of two, so compilations stay bounded),
-then runs one decode step in which every slot feeds its pending token plus, with a HistoSpec
-``drafter``, a draft of up to ``K`` history tokens (``q_len = 1 + draft_len``; inactive slots read
-and write the scratch page 0). Sampling and lossless draft verification happen on device; one
-small device->host transfer per step brings back ``tokens, logprobs [slots, K+1]`` and the number
-of tokens each slot emits. Decode without drafts is the same step with ``K = 0``. EOS or the length limit frees a sequence's pages and
+one packed prefill call, then runs one decode step in which every slot feeds its pending token
+plus, with a HistoSpec ``drafter``, a draft of up to 32 history tokens, packed back to back
+(``q_len = 1 + draft_len``; inactive slots read and write the scratch page 0). Every shape is a
+bucket of ``rhyme_jax.rollout.shapes`` (``self.plan``), so the programs a run compiles are known
+from its config (``plan.programs()``). Sampling and lossless draft verification happen on
+device; one small device->host transfer per step brings back ``tokens, logprobs [T]`` (packed)
+and the number of tokens each row emits. Decode without drafts is the same step with one token
+per row. EOS or the length limit frees a sequence's pages and
 its slot is refilled. Pages are allocated lazily when a sequence crosses a page boundary; when
 the pool runs dry the most recently admitted running sequence is preempted (its pages freed, it
 is requeued and later re-prefilled with prompt + generated-so-far) -- other sequences' pages are
@@ -30,8 +32,8 @@ from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
-from rhyme_jax.rollout import batching
-from rhyme_jax.rollout.batching import StepInputs, pow2
+from rhyme_jax.rollout import batching, shapes
+from rhyme_jax.rollout.batching import StepInputs
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.sampling import sampling_mode
@@ -67,6 +69,8 @@ class RolloutEngine:
         least one full sequence); bounds the number of prefill shape buckets.
       max_verify_tokens: packed-token budget of one decode/verify step (pending tokens plus
         drafts of all slots); 0 = ``4 * max_slots``. Longest drafts are cut first to fit.
+
+    The buckets are ``self.plan = shapes.plan(...)`` of these sizes.
 
     Raises:
       EngineConfigError: a size is invalid, the pool cannot hold one full-length sequence, or
@@ -116,21 +120,18 @@ class RolloutEngine:
                 f"{_WHERE}: num_pages={self.num_pages} cannot hold one full-length sequence "
                 f"(max_prompt_len + max_new_tokens = {self.max_seq_len} tokens needs "
                 f"{self.pages_per_seq} pages of {self.page_size} plus scratch page 0)")
-        # Longest prefill: a preempted sequence re-prefills prompt + all but its last slot.
-        self.max_prefill_len = self.max_seq_len - 1
-        self.q_cap = pow2(self.max_prefill_len)
-        self.prefill_budget = max(pow2(max_prefill_tokens), pow2(self.max_prefill_len),
-                                  batching.MIN_PREFILL_BUCKET)
-        # Every shape the jitted step can see: prefill token buckets and decode page-table widths.
-        self.prefill_buckets = tuple(1 << i for i in range(batching.MIN_PREFILL_BUCKET.bit_length() - 1,
-                                                           self.prefill_budget.bit_length()))
-        self.verify_budget = max(self.max_slots, int(max_verify_tokens) or 4 * self.max_slots)
-        self.decode_widths = tuple(sorted({batching.decode_width(n, self.pages_per_seq)
-                                           for n in range(1, self.pages_per_seq + 1)}))
+        self.plan = shapes.plan(max_slots=self.max_slots, page_size=self.page_size,
+                                max_prompt_len=self.max_prompt_len, max_new_tokens=self.max_new_tokens,
+                                max_prefill_tokens=max_prefill_tokens, max_verify_tokens=max_verify_tokens)
+        self.prefill_budget, self.q_cap = self.plan.prefill_budget, self.plan.q_cap
+        self.prefill_buckets = self.plan.prefill_buckets
+        self.verify_budget = self.plan.verify_budget
+        self.decode_widths = self.plan.widths
         self.allocator = PageAllocator(self.num_pages, self.page_size, self.max_slots, self.pages_per_seq)
         self.kv: KVCache | None = None
         self._static: StaticModel | None = None
         self.check_invariants = False  # tests: run allocator.check() after every step
+        self.programs_run: set[shapes.StepShape] = set()  # every step program run (within programs())
 
     # ------------------------------------------------------------------ helpers
     def _flat_state(self, state):
@@ -139,27 +140,28 @@ class RolloutEngine:
             self._static = StaticModel(self.graphdef, treedef)
         return leaves, self._static
 
-    def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,),
-               compile_threads: int = 1) -> int:
-        """Compile every prefill bucket and decode width (for each draft bucket ``K`` in
-        ``draft_buckets``; ``batching.K_BUCKETS`` when drafting) for ``sampling``'s program.
+    def programs(self, spec: bool = True) -> list[shapes.StepShape]:
+        """Every step program this engine can compile (``self.plan.programs(spec)``)."""
+        return self.plan.programs(spec)
 
-        Afterwards ``generate`` with the same state structure and sampling mode compiles nothing.
-        The dummy steps only touch scratch page 0. With ``compile_threads > 1`` every shape is
-        first compiled ahead of time on that many host threads (XLA compiles release the GIL; the
-        step that follows reuses the compiled program), so a GPU's many step shapes compile in
-        parallel. Returns the number of step shapes run.
+    def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,),
+               compile_threads: int = 1, *, spec: bool | None = None) -> int:
+        """Run every step program of ``self.programs(spec)`` once for ``sampling``'s program.
+
+        ``spec`` (default: whether ``draft_buckets`` has a nonzero entry, the older spelling)
+        adds the verify programs HistoSpec drafting uses. Afterwards ``generate`` with the same
+        state structure and sampling mode compiles nothing. The dummy steps only touch scratch
+        page 0. With ``compile_threads > 1`` every shape is first compiled ahead of time on that
+        many host threads (XLA compiles release the GIL; the step that follows reuses the
+        compiled program), so a GPU's step shapes compile in parallel. Returns the number of step
+        programs run.
         """
+        spec = any(int(k) > 0 for k in draft_buckets) if spec is None else bool(spec)
         self._ensure_pool(state)
         flat_state = self._flat_state(state)
         mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
         key = jax.random.key(0)
-        inputs = [batching.dummy_prefill(t, q, self.max_slots, self.pages_per_seq)
-                  for t, q in batching.prefill_shapes(self.prefill_buckets, self.q_cap)]
-        inputs += [batching.dummy_verify(rows, w, k, t, self.pages_per_seq)
-                   for rows in batching.seq_buckets(self.max_slots) for k in draft_buckets
-                   for t in batching.verify_token_buckets(rows, k, self.verify_budget)
-                   for w in self.decode_widths]
+        inputs = [batching.step_inputs(p, self.max_slots, self.pages_per_seq) for p in self.programs(spec)]
         if compile_threads > 1:
             def compile_one(inp):
                 fn, args, kw = self._call(flat_state, inp, key, 0, sampling, mode)
@@ -170,21 +172,30 @@ class RolloutEngine:
             self._run(flat_state, inp, key, 0, sampling, mode)
         return len(inputs)
 
-    def _ensure_pool(self, state) -> None:
+    def _pool_factory(self, state) -> Callable[[], KVCache]:
+        """A function creating this engine's zero KV pool in the dtype ``state`` computes in."""
         probe = jax.eval_shape(
             lambda st: nnx.merge(self.graphdef, st).embed_tokens(jnp.zeros((1,), jnp.int32)), state)
-        if self.kv is None or self.kv.dtype != probe.dtype:
-            cfg = self.model_cfg
+        cfg = self.model_cfg
+
+        def create():
+            return KVCache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  num_pages=self.num_pages, page_size=self.page_size,
+                                  head_dim=cfg.head_dim, dtype=probe.dtype)
+        return create
+
+    def abstract_pool(self, state) -> KVCache:
+        """The KV pool as ``jax.ShapeDtypeStruct`` leaves (lowering steps without allocating it)."""
+        return jax.eval_shape(self._pool_factory(state))
+
+    def _ensure_pool(self, state) -> None:
+        create = self._pool_factory(state)
+        shape = jax.eval_shape(create)
+        if self.kv is None or self.kv.dtype != shape.dtype:
             # Committed to the device like the parameters, so the first and later calls hit
             # the same compiled step.
             # Created in place on the mesh (sharded by KV head): no full pool on one device.
-            def create():
-                return KVCache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                      num_pages=self.num_pages, page_size=self.page_size,
-                                      head_dim=cfg.head_dim, dtype=probe.dtype)
-
-            shape = jax.eval_shape(create).k.shape
-            self.kv = jax.jit(create, out_shardings=kv_pool_sharding(self.mesh, shape))()
+            self.kv = jax.jit(create, out_shardings=kv_pool_sharding(self.mesh, shape.k.shape))()
 
     def _validate(self, prompts, sampling: SamplingParams) -> list[np.ndarray | None]:
         if sampling.max_new_tokens < 1 or sampling.max_new_tokens > self.max_new_tokens:
@@ -215,15 +226,15 @@ class RolloutEngine:
         scalars = (np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
-            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
-                                    inp.draft_tokens, inp.draft_lens, key, *scalars), kw
+            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, key, *scalars), kw
         return step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
                          key, *scalars), kw
 
     def _run(self, flat_state, inp: StepInputs, key, step, sp, mode):
-        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; verify
-        (``VerifyInputs``) -> ``(tokens [S, K+1], logprobs [S, K+1], num_emitted [S])``."""
+        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
+        (``VerifyInputs``) -> ``(tokens [T], logprobs [T], num_emitted [S])``, packed."""
         fn, args, kw = self._call(flat_state, inp, key, step, sp, mode)
+        self.programs_run.add(batching.shape_of(inp))
         *out, self.kv = fn(*args, **kw)
         out = jax.device_get(tuple(out))
         if self.check_invariants:
@@ -231,32 +242,38 @@ class RolloutEngine:
         return out
 
     def _draft(self, drafter, ids, slot_req, slot_len, slot_tail, n_gen, limit, stats):
-        """Drafts ``i32[n, K]`` and lengths ``i32[n]`` of the live slots ``ids`` for this step
+        """Drafts ``i32[n, K]`` and lengths ``i64[n]`` of the live slots ``ids`` for this step
         (``K = 0`` without a drafter). Drafts never pass the request's ``max_new_tokens`` (room
         for the bonus token), are cut longest-first to the step's token budget, and only use
         pages the pool can give without preempting anyone (a draft is cut to the pages its slot
         holds otherwise)."""
         ps, alloc = self.page_size, self.allocator
         if drafter is None or ids.size == 0:
-            return np.zeros((ids.size, 0), np.int32), np.zeros(ids.size, np.int32)
+            return np.zeros((ids.size, 0), np.int32), np.zeros(ids.size, np.int64)
         t0 = time.perf_counter()
         reqs = slot_req[ids]
         budgets = np.maximum(limit - n_gen[reqs] - 1, 0)
         d_tok, got = drafter.draft(reqs, slot_tail[ids], budgets)
         stats["drafting_seconds"] += time.perf_counter() - t0
-        got = batching.trim_drafts(np.minimum(got, budgets), self.verify_budget)
+        got = batching.trim_drafts(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), self.verify_budget)
         lens = slot_len[ids]
         need = alloc.pages_for(lens + 1 + got) - alloc.num_held[ids]
         for i in np.flatnonzero((got > 0) & (need > 0)):  # drafts crossing into pages not held yet
             if alloc.can_alloc(int(need[i])):
                 alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))
         got = np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
-        k = batching.draft_bucket(int(got.max()))
-        drafts = np.zeros((ids.size, k), np.int32)
-        width = min(k, d_tok.shape[1])
-        drafts[:, :width] = d_tok[:, :width]
-        stats["drafted_tokens"] += int(got.sum())
-        return drafts, got.astype(np.int32)
+        return np.asarray(d_tok, np.int32), np.minimum(got, d_tok.shape[1]).astype(np.int64)
+
+    def _step_inputs(self, ids, drafts, d_lens, slot_len, slot_last, stats) -> batching.VerifyInputs:
+        """Bucket one decode/verify step of live slots ``ids`` (``self.plan.step_pair``; drafts
+        longer than the pair's ``max_q_len - 1`` are cut) and pack it. Counts drafted tokens."""
+        rows = shapes.seq_bucket(ids.size, self.max_slots)
+        t_total, q_len = self.plan.step_pair(rows, ids.size + int(d_lens.sum()))
+        d_lens = np.minimum(d_lens, q_len - 1)
+        stats["drafted_tokens"] += int(d_lens.sum())
+        width = self.plan.width(int(self.allocator.num_held[ids].max()))
+        return batching.verify_inputs(ids, slot_len, slot_last, drafts, d_lens, self.allocator.page_table,
+                                      self.page_size, rows, t_total, q_len, width)
 
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
@@ -409,7 +426,8 @@ class RolloutEngine:
                     if not (slot_req >= 0).any():  # pragma: no cover - excluded by construction check
                         raise EngineConfigError(f"{_WHERE}: KV pool cannot admit request {waiting[0]}")
                     break
-                inp = batching.prefill_inputs(batch, alloc.page_table, ps, slots, self.q_cap)
+                inp = batching.prefill_inputs(batch, alloc.page_table, ps, slots,
+                                              *self.plan.prefill_shape(total, max(len(b[1]) for b in batch)))
                 toks, lps = self._run(flat_state, inp, key, step, sampling, mode)
                 step += 1
                 stats["prefill_steps"] += 1
@@ -439,12 +457,12 @@ class RolloutEngine:
             # ---- one decode/verify step over the live slots: pending token + drafts
             ids = np.flatnonzero(active)
             drafts, d_lens = self._draft(drafter, ids, slot_req, slot_len, slot_tail, n_gen, limit, stats)
-            rows = batching.seq_bucket(ids.size, slots)
-            inp = batching.verify_inputs(ids, slot_len, slot_last, drafts, d_lens, alloc.page_table,
-                                         alloc.num_held, ps, rows,
-                                         batching.verify_tokens(rows, drafts.shape[1], self.verify_budget,
-                                                                ids.size + int(d_lens.sum())))
+            inp = self._step_inputs(ids, drafts, d_lens, slot_len, slot_last, stats)
+            d_lens = inp.draft_lens[: ids.size]
             toks, lps, n_emit = self._run(flat_state, inp, key, step, sampling, mode)
+            cu = inp.meta.cu_q_lens
+            toks = batching.unpack_rows(toks, cu, ids.size, inp.max_q_len)
+            lps = batching.unpack_rows(lps, cu, ids.size, inp.max_q_len)
             step += 1
             stats["decode_steps"] += 1
             stats["sequence_steps"] += ids.size

@@ -1,8 +1,8 @@
 """The engine's jitted steps: paged forward + on-device sampling, pure functions of their inputs.
 
 ``step_fn`` (prefill: one sampled token per sequence) and ``verify_step_fn`` (decode and
-HistoSpec verification: every sequence feeds its pending token plus ``K`` draft tokens; decode is
-the same step with ``K = 0``) are jitted once at module level with ``static`` (graphdef + state treedef) and the
+HistoSpec verification: every sequence feeds its pending token plus its draft, packed back to
+back; decode is the same step with one token per row) are jitted once at module level with ``static`` (graphdef + state treedef) and the
 shape-like ``max_q_len`` / sampling ``mode`` / ``attention_impl`` static, and the KV pool
 donated. No ``nnx.jit`` graph traversal happens per call: the state travels as flat leaves.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from rhyme_jax.rollout.forward import paged_forward
 from rhyme_jax.rollout.sampling import sample
-from rhyme_jax.rollout.verification import verify
+from rhyme_jax.rollout.verification import verify_packed
 
 
 class StaticModel:
@@ -61,24 +62,23 @@ def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions:
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
 def verify_step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
-                   logits_rows: Int[Array, "SK1"], draft_tokens: Int[Array, "S K"], draft_lens: Int[Array, "S"],
                    key, step: Int[Array, ""], temperature: Float[Array, ""], top_k: Int[Array, ""],
                    top_p: Float[Array, ""], *, max_q_len: int, mode: str, attention_impl: str, mesh=None):
-    """One forward pass over ``[pending token + drafts]`` of every slot, then lossless verification
-    (``rhyme_jax.rollout.verification.verify``) with key ``fold_in(key, step)``.
-
-    ``logits_rows`` holds ``S * (K + 1)`` packed rows, row ``s * (K + 1) + j`` being the
-    position of slot ``s``'s ``j``-th fed token (clamped to its last one).
+    """One forward pass over the packed ``[pending token + draft]`` of every row, then lossless
+    verification over the packed rows (``rhyme_jax.rollout.verification.verify_packed``) with key
+    ``fold_in(key, step)``. Plain decode is the same program with one token per row
+    (``max_q_len = 1``); a row's draft length is its query length minus one
+    (``meta.cu_q_lens``), so drafts add no dimension to the shape.
 
     Returns:
-      ``(tokens i32[S, K+1], behaviour logprobs f32[S, K+1], num_emitted i32[S], updated kv)``.
+      ``(tokens i32[T], behaviour logprobs f32[T], num_emitted i32[S], updated kv)``: row ``s``
+      emits ``tokens[cu[s] : cu[s] + num_emitted[s]]``.
     """
     graphdef, treedef = static.value
     state = jax.tree.unflatten(treedef, leaves)
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     logits, kv = paged_forward(graphdef, state, kv, tokens, positions, meta, max_q_len=max_q_len,
-                               logits_rows=logits_rows, attention_impl=attention_impl, mesh=mesh)
-    num_s, k = draft_tokens.shape
-    logits = logits.reshape(num_s, k + 1, logits.shape[-1])
-    toks, lps, n = verify(logits, draft_tokens, draft_lens, jax.random.fold_in(key, step), temperature,
-                          top_k, top_p, mode=mode)
+                               logits_rows=rows, attention_impl=attention_impl, mesh=mesh)
+    toks, lps, n = verify_packed(logits, tokens, meta.cu_q_lens, jax.random.fold_in(key, step), temperature,
+                                 top_k, top_p, mode=mode)
     return toks, lps, n, kv

@@ -117,4 +117,96 @@ def verify(
     return tokens, logprobs, num_emitted
 
 
-__all__ = ["verify"]
+
+def verify_packed(
+    logits: Float[Array, "T V"],
+    fed: Int[Array, "T"],
+    cu_q_lens: Int[Array, "S1"],
+    key: PRNGKeyArray,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    *,
+    mode: str,
+) -> tuple[Int[Array, "T"], Float[Array, "T"], Int[Array, "S"]]:
+    """``verify`` over packed rows: drafts are query tokens, not a ``K`` dimension.
+
+    Row ``s`` owns packed positions ``cu_q_lens[s] : cu_q_lens[s + 1]`` (``q_len = 1 + d`` with
+    ``d`` draft tokens; ``q_len = 0`` for padding rows): it fed its pending token then its draft
+    ``fed[cu + 1 : cu + 1 + d]``, and ``logits[cu + j]`` is the target distribution of the token
+    after fed token ``j``. The acceptance rule, the residual and the bonus token are exactly those
+    of ``verify`` (see the module docstring), so the emitted tokens have the distribution of plain
+    sampling; only the random stream is laid out per packed position.
+
+    Args:
+      logits: ``f32[T, V]`` raw target logits of every packed position (padding rows ignored).
+      fed: ``i32[T]`` tokens fed to the forward pass.
+      cu_q_lens: ``i32[S+1]`` cumulative query lengths (``cu[0] = 0``, nondecreasing).
+      key, temperature, top_k, top_p, mode: as in ``verify``.
+
+    Returns:
+      ``(tokens i32[T], logprobs f32[T], num_emitted i32[S])``: row ``s`` emits
+      ``tokens[cu[s] : cu[s] + num_emitted[s]]`` with behaviour logprobs at the same positions;
+      ``num_emitted`` is 0 for padding rows, else in ``[1, d + 1]``; other entries are 0.
+
+    Raises:
+      SamplingError: unknown ``mode`` or inconsistent shapes.
+    """
+    if mode not in MODES:
+        raise SamplingError(f"verify_packed: mode must be one of {MODES}, got {mode!r}")
+    t_total, vocab = logits.shape
+    num_s = cu_q_lens.shape[0] - 1
+    if fed.shape != (t_total,) or cu_q_lens.ndim != 1:
+        raise SamplingError(f"verify_packed: fed must be [T={t_total}] and cu_q_lens [S+1], got "
+                            f"{fed.shape} and {cu_q_lens.shape}")
+    logits = logits.astype(jnp.float32)
+    lp = _processed(logits, temperature, top_k, top_p, mode)  # [T, V]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [T]
+    key_u, key_tok = jax.random.split(key)
+    cu = cu_q_lens.astype(jnp.int32)
+    q_lens = cu[1:] - cu[:-1]  # [S]
+    lens = jnp.maximum(q_lens - 1, 0)  # draft tokens per row
+    pos = jnp.arange(t_total, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, num_s - 1).astype(jnp.int32)  # [T]
+    live = pos < cu[-1]
+    j = pos - cu[row]  # index of the position within its row
+    nxt = jnp.concatenate([fed[1:], jnp.zeros((1,), fed.dtype)]).astype(jnp.int32)  # draft checked at t
+    in_draft = live & (j < lens[row])
+    x = jnp.where(in_draft, nxt, 0)
+    lp_x = jnp.take_along_axis(lp, x[:, None], axis=-1)[:, 0]  # [T]
+    u = jax.random.uniform(key_u, (t_total,))
+    accept_sampled = u < jnp.exp(lp_x)
+    accept_greedy = x == argmax
+    if mode == "greedy":
+        accept = accept_greedy
+    elif mode == "dynamic":
+        accept = jnp.where(jnp.asarray(temperature) > 0, accept_sampled, accept_greedy)
+    else:
+        accept = accept_sampled
+    # Accepted prefix length per row: index of the first rejected draft position (else lens).
+    first_bad = jnp.where(in_draft & ~accept, j, jnp.iinfo(jnp.int32).max)
+    num_acc = jnp.minimum(jax.ops.segment_min(first_bad, row, num_segments=num_s), lens).astype(jnp.int32)
+    rejected = num_acc < lens
+    last_pos = jnp.minimum(cu[:-1] + num_acc, t_total - 1)  # [S] position emitting the last token
+    lp_last = lp[last_pos]  # [S, V]
+    x_rej = nxt[last_pos]
+    vocab_ids = jnp.arange(vocab, dtype=jnp.int32)
+    remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
+    sampled = jax.random.categorical(key_tok, jnp.where(remove, -jnp.inf, lp_last), axis=-1).astype(jnp.int32)
+    greedy_last = argmax[last_pos]
+    if mode == "greedy":
+        last = greedy_last
+    elif mode == "dynamic":
+        last = jnp.where(jnp.asarray(temperature) > 0, sampled, greedy_last)
+    else:
+        last = sampled
+    acc_row = num_acc[row]
+    tokens = jnp.where(live & (j < acc_row), nxt, 0)
+    tokens = jnp.where(live & (j == acc_row), last[row], tokens).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    logprobs = jnp.where(live & (j <= acc_row), logprobs, 0.0)
+    num_emitted = jnp.where(q_lens > 0, num_acc + 1, 0).astype(jnp.int32)
+    return tokens, logprobs, num_emitted
+
+
+__all__ = ["verify", "verify_packed"]

@@ -1,0 +1,177 @@
+"""The rollout engine's step programs: every shape a run compiles, from its config alone.
+
+Pure functions (no JAX): the engine picks each step's bucket here, its warm-up compiles
+``ShapePlan.programs()``, and ``rhyme-jax compile-report`` lists and times the same list, so a
+run never compiles a shape outside it (tests check both).
+
+* prefill: ``T`` packed tokens, a power of two in ``[16, prefill budget]``; ``S = min(max_slots, T)``
+  sequence rows; full page-table rows; ``max_q_len`` (``Q``) either ``min(T, q_cap)`` or, for
+  batches of fresh prompts, ``q_pack = pow2(max_prompt_len)`` (two programs per large ``T``).
+* decode / verify (one program family): the live slots are compacted into ``S`` rows
+  (``seq_buckets``); each feeds its pending token plus a draft of up to ``MAX_DRAFT`` tokens,
+  packed back to back (no draft dimension in the shape). Per ``S`` a short ladder of
+  ``(T, Q)`` pairs: ``(S, 1)`` is plain decode; with drafts ``(2S, 9)``, ``(4S, 17)`` and the cap
+  ``(min(budget, 33 S), 33)`` (``Q`` never above ``T - S + 1``; pairs below 16 tokens other
+  than decode are dropped: such steps cost the same at the cap). A step takes the first pair
+  whose ``T`` holds its tokens and cuts longer drafts to ``Q - 1`` (drafts are proposals, so
+  cutting one is lossless). Page-table width ``W``: ``pages_per_seq`` and its quarters
+  (``>= 8``), so the reference attention does not gather every column of short sequences.
+
+With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 32 programs (10 prefill +
+3 row buckets x 2 widths x (1 decode + 3 verify pairs)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MIN_PREFILL_BUCKET = 16
+MIN_DECODE_WIDTH = 8
+MAX_DRAFT = 32  # longest draft of one row in one step (drafter windows cap at 32)
+MIN_VERIFY_TOKENS = 16  # verify pairs below this many tokens are dropped (the cap costs the same)
+DEFAULT_PREFILL_TOKENS = 2048
+
+
+def pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def seq_buckets(max_slots: int) -> tuple[int, ...]:
+    """Sequence-row buckets of decode/verify steps: ``max_slots / 16``, ``/ 4`` and
+    ``max_slots`` (at least 1 each), so tail steps with few live sequences run small programs."""
+    return tuple(sorted({max(1, max_slots // 16), max(1, max_slots // 4), max_slots}))
+
+
+def seq_bucket(num_active: int, max_slots: int) -> int:
+    """Smallest of ``seq_buckets(max_slots)`` holding ``num_active`` sequences."""
+    return next(b for b in seq_buckets(max_slots) if b >= num_active)
+
+
+def decode_widths(pages_per_seq: int) -> tuple[int, ...]:
+    """Page-table widths of decode/verify steps: ``pages_per_seq`` and its quarters, sixteenths,
+    ... (rounded up) while ``>= MIN_DECODE_WIDTH``; ascending."""
+    out, w = {int(pages_per_seq)}, int(pages_per_seq)
+    while -(-w // 4) >= MIN_DECODE_WIDTH:
+        w = -(-w // 4)
+        out.add(w)
+    return tuple(sorted(out))
+
+
+def verify_pairs(num_rows: int, budget: int, spec: bool = True) -> tuple[tuple[int, int], ...]:
+    """``(T, Q)`` pairs of the decode/verify steps of ``num_rows`` sequence rows, ascending in
+    both: ``(S, 1)`` (plain decode) and, with ``spec``, ``(2S, 9)``, ``(4S, 17)`` and the cap
+    ``(max(S, min(budget, S * 33)), 33)``; ``Q <= T - S + 1``; verify pairs under
+    ``MIN_VERIFY_TOKENS`` tokens other than the cap are left out."""
+    s = int(num_rows)
+    pairs = [(s, 1)]
+    if not spec:
+        return tuple(pairs)
+    cap = max(s, min(int(budget), s * (MAX_DRAFT + 1)))
+    for m, q in ((2, 9), (4, 17)):
+        t = s * m
+        if MIN_VERIFY_TOKENS <= t < cap:
+            pairs.append((t, min(q, t - s + 1)))
+    if cap > s:
+        pairs.append((cap, min(MAX_DRAFT + 1, cap - s + 1)))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    """One compiled step program.
+
+    Attributes:
+      kind: ``"prefill"``, ``"decode"`` (``Q = 1``) or ``"verify"`` (drafts packed).
+      tokens: ``T``, packed tokens (``tokens/positions i32[T]``).
+      rows: ``S``, sequence rows (``kv_lens i32[S]``, ``cu_q_lens i32[S+1]``).
+      q_len: static ``max_q_len`` of the attention.
+      width: page-table columns (``page_indices i32[S, width]``).
+    """
+
+    kind: str
+    tokens: int
+    rows: int
+    q_len: int
+    width: int
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """Every bucket of one engine (see the module docstring); build it with ``plan``."""
+
+    max_slots: int
+    pages_per_seq: int
+    prefill_budget: int
+    q_cap: int
+    q_pack: int
+    verify_budget: int
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Prefill token buckets ``T``: powers of two from 16 to the prefill budget."""
+        return tuple(1 << i for i in range(MIN_PREFILL_BUCKET.bit_length() - 1, self.prefill_budget.bit_length()))
+
+    def prefill_q_lens(self, t_b: int) -> tuple[int, ...]:
+        """``max_q_len`` choices of prefill bucket ``t_b``, ascending."""
+        return tuple(sorted({min(t_b, self.q_cap), min(t_b, self.q_cap, self.q_pack)}))
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return decode_widths(self.pages_per_seq)
+
+    def prefill_shape(self, total: int, longest: int) -> tuple[int, int]:
+        """``(T, Q)`` of a prefill packing ``total`` tokens whose longest context has ``longest``."""
+        t_b = max(MIN_PREFILL_BUCKET, pow2(total))
+        return t_b, next(q for q in self.prefill_q_lens(t_b) if q >= min(longest, self.q_cap))
+
+    def width(self, max_pages_held: int) -> int:
+        """Smallest width holding ``max_pages_held`` page-table columns."""
+        return next(w for w in self.widths if w >= min(max_pages_held, self.pages_per_seq))
+
+    def step_pair(self, num_rows: int, used: int) -> tuple[int, int]:
+        """``(T, Q)`` of a decode/verify step of ``num_rows`` rows packing ``used`` tokens.
+
+        Raises:
+          ValueError: ``used`` exceeds the cap of the row bucket.
+        """
+        pairs = verify_pairs(num_rows, self.verify_budget)
+        for t, q in pairs:
+            if t >= used:
+                return t, q
+        raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
+
+    def programs(self, spec: bool = True) -> list[StepShape]:
+        """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""
+        out = [StepShape("prefill", t, min(self.max_slots, t), q, self.pages_per_seq)
+               for t in self.prefill_buckets for q in self.prefill_q_lens(t)]
+        for s in seq_buckets(self.max_slots):
+            for t, q in verify_pairs(s, self.verify_budget, spec):
+                out += [StepShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
+        return sorted(set(out))
+
+
+def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens: int,
+         max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_verify_tokens: int = 0) -> ShapePlan:
+    """The buckets of an engine with these sizes (``RolloutEngine`` arguments; 0 = default)."""
+    max_seq_len = int(max_prompt_len) + int(max_new_tokens)
+    max_prefill_len = max_seq_len - 1  # a preempted sequence re-prefills all but its last token
+    q_cap = pow2(max_prefill_len)
+    return ShapePlan(
+        max_slots=int(max_slots), pages_per_seq=-(-max_seq_len // int(page_size)),
+        prefill_budget=max(pow2(max_prefill_tokens), pow2(max_prefill_len), MIN_PREFILL_BUCKET),
+        q_cap=q_cap, q_pack=min(q_cap, max(MIN_PREFILL_BUCKET, pow2(max_prompt_len))),
+        verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)))
+
+
+def plan_from_config(cfg: Any) -> ShapePlan:
+    """``plan`` of a run config's ``rollout`` section (the engine the trainer builds)."""
+    r = cfg.rollout
+    return plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
+                max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
+
+
+def programs_from_config(cfg: Any) -> list[StepShape]:
+    """Step programs a run compiles: ``plan_from_config(cfg).programs(spec=cfg.spec.enabled)``."""
+    return plan_from_config(cfg).programs(spec=bool(cfg.spec.enabled))
