@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_jax import cli_memory, cli_models
+from rhyme_jax import cli_compile, cli_memory, cli_models
 from rhyme_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     an.add_argument("--window", choices=("aimd", "mimd", "fixed"), default="aimd",
                     help="draft window policy (default: %(default)s)")
     cli_models.add_parsers(sub)
+    cli_compile.add_parser(sub)
     return p
 
 
@@ -112,12 +113,25 @@ def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
         trainer.close()
     plot = plot_run(run_dir)
     summary = build_summary(run_dir, result, wall_seconds=time.perf_counter() - t0,
-                            compiles=counter.count)
+                            compiles=counter.count, compile_stats=_compile_stats(cfg, trainer, counter))
     counter.stop()
     write_summary(run_dir, summary)
     print(f"outputs: {run_dir} (metrics.jsonl, tb/, checkpoints/, rollouts/, eval/, schedule/, {plot.name}, "
           f"gantt.png, summary.md, summary.json)")
     return 0
+
+
+def _compile_stats(cfg, trainer, counter) -> dict:
+    """Warm-up figures of a run for its summary: XLA compiles vs persistent-cache loads, their
+    seconds, and the rollout step programs run vs enumerated (``rollout.shapes``)."""
+    from rhyme_jax.compile_cache import resolve
+    from rhyme_jax.rollout.shapes import programs_from_config
+
+    engines = getattr(trainer, "engines", None) or [trainer.engine]
+    run = set().union(*(getattr(e, "programs_run", set()) for e in engines))
+    path = resolve(cfg.run.compile_cache)
+    return {**counter.stats(), "cache_dir": str(path) if path else "",
+            "programs_run": len(run), "programs_enumerated": len(programs_from_config(cfg))}
 
 
 def cmd_eval(cfg, checkpoint: str) -> int:
@@ -160,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("models", "convert-gguf"):
         return cli_models.run(args)
+    if args.command == "compile-report":
+        return cli_compile.run(args)
     if args.command == "analyze":
         from rhyme_jax.spec.analyze import AnalyzeError
         from rhyme_jax.train.rollout_log import RolloutLogError
@@ -177,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "memory":
             return cli_memory.cmd_memory(cfg, args)
+        from rhyme_jax import compile_cache
+
+        compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
         from rhyme_jax.parallel import distributed
 
         distributed.initialize(cfg.parallel)  # before any device is touched; no-op on one host

@@ -134,6 +134,9 @@ class RunSection:
     eval_samples: int = 0  # >0: also mean@k held-out accuracy with k samples at rollout.temperature
     progress: bool = True
     init_from: str = ""  # params to start GRPO from: <run>/sft, <run>/checkpoints/<step> or a params dir
+    # persistent XLA cache: "" = <user cache>/compile_cache, a directory, or "off"
+    # (env RHYME_JAX_COMPILE_CACHE overrides; rhyme_jax/compile_cache.py)
+    compile_cache: str = ""
 
 
 @dataclass
@@ -287,6 +290,7 @@ def validate(cfg: Any, source: str) -> None:
     if cfg.grpo.num_prompts < 0 or cfg.rollout.max_verify_tokens < 0:
         raise ConfigError(f"{source}: grpo.num_prompts and rollout.max_verify_tokens must be >= 0 (0 = default)")
     _validate_parallel(cfg, source)
+    _validate_compile_cache(cfg, source)
     from rhyme_jax.parallel import distributed
 
     # Fail at load, not after SFT: the name must exist and run on this backend. A multi-host run
@@ -309,6 +313,14 @@ def validate(cfg: Any, source: str) -> None:
     if cfg.rollout.temperature < 0 or not 0 < cfg.rollout.top_p <= 1 or cfg.rollout.top_k < 0:
         raise ConfigError(f"{source}: rollout.temperature >= 0, 0 < rollout.top_p <= 1 and "
                           f"rollout.top_k >= 0 are required")
+
+
+def _validate_compile_cache(cfg: Any, source: str) -> None:
+    value = str(cfg.run.compile_cache or "").strip()
+    if value and value.lower() != "off" and Path(value).expanduser().exists() \
+            and not Path(value).expanduser().is_dir():
+        raise ConfigError(f"{source}: run.compile_cache={value!r} is a file; give a directory, "
+                          f"'' (the user's cache) or 'off'")
 
 
 def _validate_parallel(cfg: Any, source: str) -> None:

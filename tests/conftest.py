@@ -1,11 +1,17 @@
 """Shared fixtures."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import jax
 import pytest
+
+# rhyme-jax commands turn JAX's persistent cache on in the user's cache by default; tests never
+# write there (tests/test_compile_cache.py points it at tmp_path; the compile_cache fixture below
+# sets JAX's own options, which "off" leaves alone).
+os.environ["RHYME_JAX_COMPILE_CACHE"] = "off"
 
 _CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0.0,
                   "jax_persistent_cache_min_entry_size_bytes": 0}

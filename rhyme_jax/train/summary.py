@@ -13,13 +13,17 @@ from rich.table import Table
 from rhyme_jax.train.metrics import read_metrics
 
 
-def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles: int) -> dict:
+def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles: int,
+                  compile_stats: dict | None = None) -> dict:
     """Collect the headline figures of a GRPO run from its metrics file and ``fit()`` result.
 
     Returns a JSON-serialisable dict: greedy accuracy before/after (with n and binomial standard
     error), mean@k sampled accuracy before/after when the run measured it,
     the gain and its standard error (independent-samples approximation), reward per step, rollout
-    vs train seconds, mean rollout tokens/s, wall seconds, backend compilations.
+    vs train seconds, mean rollout tokens/s, wall seconds, backend compilations, and
+    ``compile_stats`` under ``"compile"`` when given (``compiled``, ``loaded_from_cache``,
+    ``seconds`` spent compiling or loading = the run's warm-up, ``cache_dir``, rollout
+    ``programs_run`` / ``programs_enumerated``).
     """
     rows = [r for r in read_metrics(run_dir) if r.get("phase") == "train"]
     rows = sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
@@ -47,6 +51,7 @@ def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles:
         "nonfinite_skipped": result.get("nonfinite_skipped", 0),
         "wall_seconds": wall_seconds,
         "compilations": compiles,
+        **({"compile": compile_stats} if compile_stats else {}),
     }
 
 
@@ -150,9 +155,21 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     rows += [
         ("non-finite steps skipped", str(summary["nonfinite_skipped"])),
         ("backend compilations", str(summary["compilations"])),
+        *_compile_rows(summary.get("compile")),
         ("wall time", f"{summary['wall_seconds']:.0f} s"),
     ]
     return rows
+
+
+def _compile_rows(c: dict | None) -> list[tuple[str, str]]:
+    """Summary rows of the warm-up figures (``build_summary``'s ``compile``), if any."""
+    if not c:
+        return []
+    return [("warm-up (XLA compile or cache load)",
+             f"{c['seconds']:.0f} s: {c['compiled']} compiled, {c['loaded_from_cache']} loaded from "
+             f"{c.get('cache_dir') or 'no persistent cache'}"),
+            ("rollout step programs", f"{c.get('programs_run', 0)} run of {c.get('programs_enumerated', 0)} "
+                                      f"enumerated (rhyme-jax compile-report)")]
 
 
 def print_summary(summary: dict, *, console: Console | None = None) -> None:
