@@ -35,7 +35,7 @@ def _batch(rows=8, seq=24, seed=0):
     return {k: jnp.asarray(v) for k, v in b.items()}
 
 
-@pytest.mark.parametrize("chunk", [0, 7, 16, 1000])
+@pytest.mark.parametrize("chunk", [0, 7, pytest.param(1000, marks=pytest.mark.slow)])
 def test_chunked_logprobs_match_full_logits(chunk):
     """Values and gradients of the chunked log-probs equal the [B, T, V] path within 1e-5."""
     model = Decoder(CFG, rngs=nnx.Rngs(1))
@@ -77,7 +77,8 @@ def test_num_micro_batches():
 @pytest.mark.parametrize("loss_agg,memory", [
     ("token_mean", UpdateMemory(micro_batch_tokens=2 * 32, logit_chunk=16)),
     ("seq_mean_token_mean", UpdateMemory(micro_batch_tokens=4 * 32, logit_chunk=0, remat=True)),
-    ("token_mean", UpdateMemory(micro_batch_tokens=0, logit_chunk=5, remat=True)),
+    pytest.param("token_mean", UpdateMemory(micro_batch_tokens=0, logit_chunk=5, remat=True),
+                 marks=pytest.mark.slow),
 ])
 def test_micro_batched_update_equals_one_pass(loss_agg, memory):
     """Accumulating over micro-batches (with chunking / remat) gives the one-pass update."""
