@@ -195,13 +195,13 @@ def _count_compiles(fn):
 
 
 def test_no_recompilation_on_second_generate():
-    eng = _engine(max_prefill_tokens=32)  # prefill buckets 16, 32; decode width 7
-    assert eng.prefill_buckets == (16, 32) and eng.decode_widths == (7,)
-    assert eng.plan.prefill_q_lens(32) == (16, 32)  # fresh prompts (<= 16 tokens) and re-prefills
+    eng = _engine(max_prefill_tokens=32)  # one prefill bucket (64 tokens); decode width 7
+    assert eng.prefill_buckets == (64,) and eng.decode_widths == (7,)
+    assert eng.plan.prefill_q_lens(64) == (16, 32)  # fresh prompts (<= 16 tokens) and re-prefills
     state = _model()[1]
     sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)  # shares programs
     eng.generate(state, _prompts(1, (5, 9, 4, 12, 6)), sp, jax.random.key(1))
-    # different prompts, same buckets (prefill packs 5+9+4 / 12+6 then 8+3+10 / 9+9: all in 32)
+    # different prompts, same buckets (prefill packs 5+9+4 / 12+6 then 8+3+10 / 9+9: all in 64)
     n, res = _count_compiles(lambda: eng.generate(state, _prompts(2, (8, 3, 10, 9, 9)), sp,
                                                   jax.random.key(2)))
     assert n == 0
@@ -236,15 +236,16 @@ def test_warmup_compiles_every_bucket():
 
 def test_step_pairs():
     """A decode/verify step packs the first ``(T, Q)`` pair of its row bucket holding its tokens;
-    plain decode is ``(S, 1)``; the cap is every row's 33 tokens limited by the budget."""
+    plain decode is ``(S, 1)``; three packed sizes from 1.5 S to the cap (every row's 33 tokens
+    limited by the budget), geometrically; ``Q <= min(33, T - S + 1, 4 T / S + 1)``."""
     from rhyme_jax.rollout import shapes
-    assert shapes.verify_pairs(128, 512) == ((128, 1), (256, 9), (512, 33))
-    assert shapes.verify_pairs(32, 512) == ((32, 1), (64, 9), (128, 17), (512, 33))
-    assert shapes.verify_pairs(1, 64) == ((1, 1), (33, 33))  # under 16 tokens: the cap costs the same
+    assert shapes.verify_pairs(128, 512) == ((128, 1), (192, 7), (320, 11), (512, 17))
+    assert shapes.verify_pairs(32, 512) == ((32, 1), (48, 7), (160, 21), (512, 33))
+    assert shapes.verify_pairs(1, 64) == ((1, 1), (2, 2), (8, 8), (33, 33))
     assert shapes.verify_pairs(128, 512, spec=False) == ((128, 1),)
     plan = shapes.plan(max_slots=32, page_size=16, max_prompt_len=64, max_new_tokens=64)
     assert [plan.step_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
-        [(32, 1), (32, 1), (64, 9), (64, 9), (128, 33), (128, 33)]
+        [(32, 1), (32, 1), (48, 7), (80, 11), (80, 11), (128, 17)]
     with pytest.raises(ValueError, match="more than the cap 128"):
         plan.step_pair(32, 129)
 

@@ -4,32 +4,33 @@ Pure functions (no JAX): the engine picks each step's bucket here, its warm-up c
 ``ShapePlan.programs()``, and ``rhyme-jax compile-report`` lists and times the same list, so a
 run never compiles a shape outside it (tests check both).
 
-* prefill: ``T`` packed tokens, a power of two in ``[16, prefill budget]``; ``S = min(max_slots, T)``
+* prefill: ``T`` packed tokens, a power of two in ``[64, prefill budget]``; ``S = min(max_slots, T)``
   sequence rows; full page-table rows; ``max_q_len`` (``Q``) either ``min(T, q_cap)`` or, for
   batches of fresh prompts, ``q_pack = pow2(max_prompt_len)`` (two programs per large ``T``).
 * decode / verify (one program family): the live slots are compacted into ``S`` rows
   (``seq_buckets``); each feeds its pending token plus a draft of up to ``MAX_DRAFT`` tokens,
   packed back to back (no draft dimension in the shape). Per ``S`` a short ladder of
-  ``(T, Q)`` pairs: ``(S, 1)`` is plain decode; with drafts ``(2S, 9)``, ``(4S, 17)`` and the cap
-  ``(min(budget, 33 S), 33)`` (``Q`` never above ``T - S + 1``; pairs below 16 tokens other
-  than decode are dropped: such steps cost the same at the cap). A step takes the first pair
-  whose ``T`` holds its tokens and cuts longer drafts to ``Q - 1`` (drafts are proposals, so
-  cutting one is lossless). Page-table width ``W``: ``pages_per_seq`` and its quarters
-  (``>= 8``), so the reference attention does not gather every column of short sequences.
+  ``(T, Q)`` pairs (``verify_pairs``): ``(S, 1)`` is plain decode; with drafts three packed sizes
+  from ``1.5 S`` to the cap ``min(budget, 33 S)``, geometrically, with
+  ``Q = min(33, T - S + 1, 4 T / S + 1)``. A step takes the first pair whose ``T`` holds its
+  tokens and cuts longer drafts to ``Q - 1`` (drafts are proposals, so cutting one is
+  lossless). Page-table width ``W``: ``pages_per_seq`` and its quarters (``>= 8``), so the
+  reference attention does not gather every column of short sequences.
 
-With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 32 programs (10 prefill +
+With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 32 programs (8 prefill +
 3 row buckets x 2 widths x (1 decode + 3 verify pairs)).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-MIN_PREFILL_BUCKET = 16
+MIN_PREFILL_BUCKET = 64  # a shorter prefill costs about the same padded to 64
+MIN_PREFILL_Q = 16
 MIN_DECODE_WIDTH = 8
 MAX_DRAFT = 32  # longest draft of one row in one step (drafter windows cap at 32)
-MIN_VERIFY_TOKENS = 16  # verify pairs below this many tokens are dropped (the cap costs the same)
 DEFAULT_PREFILL_TOKENS = 2048
 
 
@@ -60,21 +61,22 @@ def decode_widths(pages_per_seq: int) -> tuple[int, ...]:
 
 
 def verify_pairs(num_rows: int, budget: int, spec: bool = True) -> tuple[tuple[int, int], ...]:
-    """``(T, Q)`` pairs of the decode/verify steps of ``num_rows`` sequence rows, ascending in
-    both: ``(S, 1)`` (plain decode) and, with ``spec``, ``(2S, 9)``, ``(4S, 17)`` and the cap
-    ``(max(S, min(budget, S * 33)), 33)``; ``Q <= T - S + 1``; verify pairs under
-    ``MIN_VERIFY_TOKENS`` tokens other than the cap are left out."""
+    """``(T, Q)`` pairs of the decode/verify steps of ``num_rows`` rows, ascending in both:
+    ``(S, 1)`` (plain decode) and, with ``spec``, three packed sizes from ``lo = max(S + 1, 1.5 S)``
+    to the cap ``max(S, min(budget, 33 S))``, geometrically (``lo``, their geometric mean rounded
+    up to a multiple of 8, the cap), so a step pads at most about ``sqrt(cap / lo)`` times its
+    tokens. ``Q = min(33, T - S + 1, 4 T / S + 1)``: no draft longer than four times the mean
+    room per row (the reference attention's work grows with ``S * Q``)."""
     s = int(num_rows)
     pairs = [(s, 1)]
-    if not spec:
-        return tuple(pairs)
     cap = max(s, min(int(budget), s * (MAX_DRAFT + 1)))
-    for m, q in ((2, 9), (4, 17)):
-        t = s * m
-        if MIN_VERIFY_TOKENS <= t < cap:
-            pairs.append((t, min(q, t - s + 1)))
-    if cap > s:
-        pairs.append((cap, min(MAX_DRAFT + 1, cap - s + 1)))
+    if not spec or cap == s:
+        return tuple(pairs)
+    lo = min(cap, max(s + 1, -(-3 * s // 2)))
+    mid = min(cap, -(-int(round(math.sqrt(lo * cap))) // 8) * 8)
+    for t in sorted({lo, mid, cap}):
+        if t > s:
+            pairs.append((t, min(MAX_DRAFT + 1, t - s + 1, 4 * t // s + 1)))
     return tuple(pairs)
 
 
@@ -161,7 +163,7 @@ def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens:
     return ShapePlan(
         max_slots=int(max_slots), pages_per_seq=-(-max_seq_len // int(page_size)),
         prefill_budget=max(pow2(max_prefill_tokens), pow2(max_prefill_len), MIN_PREFILL_BUCKET),
-        q_cap=q_cap, q_pack=min(q_cap, max(MIN_PREFILL_BUCKET, pow2(max_prompt_len))),
+        q_cap=q_cap, q_pack=min(q_cap, max(MIN_PREFILL_Q, pow2(max_prompt_len))),
         verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)))
 
 

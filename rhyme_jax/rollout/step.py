@@ -2,9 +2,9 @@
 
 ``step_fn`` (prefill: one sampled token per sequence) and ``verify_step_fn`` (decode and
 HistoSpec verification: every sequence feeds its pending token plus its draft, packed back to
-back; decode is the same step with one token per row) are jitted once at module level with ``static`` (graphdef + state treedef) and the
-shape-like ``max_q_len`` / sampling ``mode`` / ``attention_impl`` static, and the KV pool
-donated. No ``nnx.jit`` graph traversal happens per call: the state travels as flat leaves.
+back; decode is the same step with one token per row) are jitted once at module level with
+``static`` (graphdef + state treedef) and the shape-like ``max_q_len`` / sampling ``mode`` /
+``attention_impl`` static, and the KV pool donated. No ``nnx.jit`` graph traversal happens per call: the state travels as flat leaves.
 """
 
 from __future__ import annotations
