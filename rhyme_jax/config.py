@@ -44,6 +44,7 @@ class ModelSection:
     #               (rhyme-jax models list: imported offline into the user's cache on first use); "" = tiny demo model
     tokenizer_path: str = ""  # tokenizer.json; "" = <path>/tokenizer.json or the demo tokenizer
     dtype: str = "float32"  # compute/param dtype: float32 | bfloat16
+    scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
@@ -269,7 +270,7 @@ def validate(cfg: Any, source: str) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{source}: {key}={value!r} must be one of {list(allowed)}")
-    positive = ["rollout.max_slots", "rollout.page_size", "rollout.max_prompt_len",
+    positive = ["model.scan_unroll", "rollout.max_slots", "rollout.page_size", "rollout.max_prompt_len",
                 "rollout.max_new_tokens", "sft.batch_size", "grpo.prompts_per_step",
                 "grpo.samples_per_prompt", "grpo.minibatches", "run.checkpoint_every",
                 "run.keep_checkpoints", "data.num_eval"]

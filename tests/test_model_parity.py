@@ -130,3 +130,18 @@ def test_bf16_compute_close_to_f32(pair):
     hi = np.asarray(model(tokens, _positions(1, 9)))
     assert lo.dtype == np.float32
     assert np.abs(lo - hi).max() < 0.05 * np.abs(hi).max() + 0.05
+
+
+def test_scan_unroll_gives_the_same_logits(pair):
+    """Unrolling the layer scan (``model.scan_unroll``) changes the program, not the values."""
+    _, _, _, cfg, model = pair
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 128, (2, 9)))
+    pos = _positions(2, 9)
+    scanned = np.asarray(model(tokens, pos))
+    model.scan_unroll = cfg.num_layers
+    try:
+        unrolled = np.asarray(model(tokens, pos))
+    finally:
+        model.scan_unroll = 1
+    np.testing.assert_allclose(unrolled, scanned, atol=1e-5, rtol=0)
+    assert np.abs(scanned).max() > 0.1

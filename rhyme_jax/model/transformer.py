@@ -87,13 +87,15 @@ def layer_at(layers: DecoderLayer, index: int) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree.map(lambda x: x[index], params))
 
 
-def scan_layers(layers: DecoderLayer, h: Float[Array, "..."], step, extra=None, *, remat: bool = False):
+def scan_layers(layers: DecoderLayer, h: Float[Array, "..."], step, extra=None, *, remat: bool = False,
+                unroll: int = 1):
     """Run a stacked ``DecoderLayer`` over ``h`` with ``jax.lax.scan``.
 
     ``step(layer, h, index, extra) -> (h, extra)`` applies one block (``layer`` is a one-layer
     view merged from the stacked parameters' slice ``index``); ``extra`` is carried state (e.g.
     the paged KV pool). With ``remat`` the step is ``jax.checkpoint``-ed: its activations are
-    recomputed in the backward pass instead of stored.
+    recomputed in the backward pass instead of stored. ``unroll`` blocks run per scan iteration
+    (``jax.lax.scan(unroll=)``): 1 compiles one block whatever the depth; ``>= L`` unrolls fully.
 
     Returns ``(h, extra)`` after the last layer.
     """
@@ -107,7 +109,8 @@ def scan_layers(layers: DecoderLayer, h: Float[Array, "..."], step, extra=None, 
 
     if remat:
         body = jax.checkpoint(body)
-    (h, extra), _ = jax.lax.scan(body, (h, extra), (params, jnp.arange(n, dtype=jnp.int32)))
+    (h, extra), _ = jax.lax.scan(body, (h, extra), (params, jnp.arange(n, dtype=jnp.int32)),
+                                 unroll=max(1, min(int(unroll), n)))
     return h, extra
 
 
@@ -123,11 +126,16 @@ class Decoder(nnx.Module):
     ``lm_head`` is ``None`` when ``cfg.tie_word_embeddings`` (logits = h @ embed.embedding.T).
     ``layers`` is one ``DecoderLayer`` with ``[num_layers, ...]`` parameters, initialised layer by
     layer in order from ``rngs`` (the same values as ``num_layers`` separate blocks).
+    ``scan_unroll`` (``model.scan_unroll``): blocks per ``lax.scan`` iteration in every forward
+    (training and rollout); 1 = compile time independent of depth, ``>= num_layers`` = unrolled
+    (a few small blocks run faster unrolled on CPU). A plain attribute: set it after loading.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 scan_unroll: int = 1):
         dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.cfg = cfg
+        self.scan_unroll = int(scan_unroll)
         self.dtype = dtype
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
@@ -181,7 +189,7 @@ class Decoder(nnx.Module):
         def block(layer, h, index, extra):
             return constrain(layer(h, positions, allowed), ("batch", None, None)), extra
 
-        h, _ = scan_layers(self.layers, h, block, remat=remat)
+        h, _ = scan_layers(self.layers, h, block, remat=remat, unroll=self.scan_unroll)
         return h
 
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],

@@ -106,6 +106,6 @@ def paged_forward(
         h = h + layer.attn.project_out(o.astype(h.dtype))
         return h + layer.mlp(layer.post_attn_norm(h)), (k_pool, v_pool)
 
-    h, (k_pool, v_pool) = scan_layers(model.layers, h, block, (kv.k, kv.v))
+    h, (k_pool, v_pool) = scan_layers(model.layers, h, block, (kv.k, kv.v), unroll=model.scan_unroll)
     logits = model.unembed(h[logits_rows]).astype(jnp.float32)
     return logits, KVCache(k=k_pool, v=v_pool)

@@ -98,12 +98,13 @@ def build_model(cfg: Any, tokenizer: Tokenizer, seed: int) -> Decoder:
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
         _, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype)
+        model.scan_unroll = cfg.model.scan_unroll
         return model
     # The same jitted initialisation as build_sharded on one device, so both give equal values.
     model_cfg = tiny_model_config(cfg, tokenizer)
     graphdef, state, _ = create_sharded(
-        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed)),
-        train_mesh(1, 1, 1))
+        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed),
+                        scan_unroll=cfg.model.scan_unroll), train_mesh(1, 1, 1))
     return nnx.merge(graphdef, state)
 
 
@@ -117,11 +118,13 @@ def build_sharded(cfg: Any, tokenizer: Tokenizer, seed: int, mesh) -> tuple[nnx.
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
         model_cfg, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, mesh=mesh)
+        model.scan_unroll = cfg.model.scan_unroll
         graphdef, state = nnx.split(model)
         return graphdef, state, model_cfg
     model_cfg = tiny_model_config(cfg, tokenizer)
     graphdef, state, _ = create_sharded(
-        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed)), mesh)
+        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed),
+                        scan_unroll=cfg.model.scan_unroll), mesh)
     return graphdef, state, model_cfg
 
 
