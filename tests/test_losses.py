@@ -251,6 +251,12 @@ def test_weight_decay_and_clipping():
     u, _ = tx.update(zero, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(u["w"]), -0.05 * np.ones((2, 2)), rtol=1e-6)  # -lr*wd*w
     np.testing.assert_allclose(np.asarray(u["b"]), 0.0)  # biases are not decayed
+    # stacked decoder blocks (leading layer axis): kernels decayed, norm scales / biases not
+    stacked = {"layers": {"k": jnp.ones((3, 2, 2)), "norm": jnp.ones((3, 2))}, "head": jnp.ones((2, 2))}
+    u, _ = tx.update(jax.tree.map(jnp.zeros_like, stacked), tx.init(stacked), stacked)
+    np.testing.assert_allclose(np.asarray(u["layers"]["k"]), -0.05, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(u["layers"]["norm"]), 0.0)
+    np.testing.assert_allclose(np.asarray(u["head"]), -0.05, rtol=1e-6)
     # clipping: Adam's first moment after one step is (1 - b1) * clipped gradient (global norm 1)
     g = {"w": jnp.full((2, 2), 100.0), "b": jnp.zeros(2)}
     for max_norm, want_norm in ((1.0, 1.0), (0.0, 200.0)):

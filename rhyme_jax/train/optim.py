@@ -71,9 +71,22 @@ def make_schedule(
     raise OptimizerConfigError(f"optim: schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
+def _first_key(path) -> str:
+    for attr in ("key", "name", "idx"):
+        if path and hasattr(path[0], attr):
+            return str(getattr(path[0], attr))
+    return ""
+
+
 def _decay_mask(params):
-    """Weight-decay only matrices (ndim >= 2): no decay on biases and norm scales."""
-    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+    """Weight-decay only matrices: no decay on biases and norm scales. Parameters under
+    ``layers`` carry a leading stacked-layer axis (``transformer.stack_layers``), so a block's
+    matrix there has ndim 3 and its biases / norm scales ndim 2."""
+    def is_matrix(path, p):
+        stacked = _first_key(path) == "layers"
+        return getattr(p, "ndim", 0) - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(
