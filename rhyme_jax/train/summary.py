@@ -166,8 +166,9 @@ def _compile_rows(c: dict | None) -> list[tuple[str, str]]:
     if not c:
         return []
     return [("warm-up (XLA compile or cache load)",
-             f"{c['seconds']:.0f} s: {c['compiled']} compiled, {c['loaded_from_cache']} loaded from "
-             f"{c.get('cache_dir') or 'no persistent cache'}"),
+             f"{c['seconds']:.0f} s: {c['compiled']} compiled, " + (
+                 f"{c['loaded_from_cache']} loaded from {c['cache_dir']}" if c.get("cache_dir")
+                 else "persistent cache off")),
             ("rollout step programs", f"{c.get('programs_run', 0)} run of {c.get('programs_enumerated', 0)} "
                                       f"enumerated (rhyme-jax compile-report)")]
 
