@@ -32,6 +32,24 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from rhyme_jax.rollout.sampling import MODES, SamplingError, _processed
 
 
+def _by_mode(mode: str, temperature, sampled, greedy):
+    """``greedy`` under mode ``greedy``, ``sampled`` under the sampling modes, and per call by
+    ``temperature > 0`` under ``dynamic`` (the same rule as ``sampling.sample``)."""
+    if mode == "greedy":
+        return greedy
+    if mode == "dynamic":
+        return jnp.where(jnp.asarray(temperature) > 0, sampled, greedy)
+    return sampled
+
+
+def _correction(key, lp_last: Float[Array, "S V"], rejected, x_rej) -> Int[Array, "S"]:
+    """The token after the accepted prefix: from the residual (``p`` without the rejected draft
+    token ``x_rej``, renormalised) where ``rejected``, else the bonus token from ``p``."""
+    vocab_ids = jnp.arange(lp_last.shape[-1], dtype=jnp.int32)
+    remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
+    return jax.random.categorical(key, jnp.where(remove, -jnp.inf, lp_last), axis=-1).astype(jnp.int32)
+
+
 def verify(
     logits: Float[Array, "S K1 V"],
     draft_tokens: Int[Array, "S K"],
@@ -83,12 +101,7 @@ def verify(
     u = jax.random.uniform(key_u, (num_s, k))
     accept_sampled = u < jnp.exp(lp_draft)
     accept_greedy = drafts == argmax[:, :k]
-    if mode == "greedy":
-        accept = accept_greedy
-    elif mode == "dynamic":
-        accept = jnp.where(jnp.asarray(temperature) > 0, accept_sampled, accept_greedy)
-    else:
-        accept = accept_sampled
+    accept = _by_mode(mode, temperature, accept_sampled, accept_greedy)
     accept = accept & in_draft
     # Accepted prefix length: index of the first non-accepted position.
     num_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # [S]
@@ -97,16 +110,9 @@ def verify(
     # Token at position num_acc: residual (draft token removed) on rejection, else bonus from p.
     lp_last = jnp.take_along_axis(lp, num_acc[:, None, None], axis=1)[:, 0]  # [S, V]
     x_rej = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), num_acc[:, None], axis=1)[:, 0]
-    vocab_ids = jnp.arange(vocab, dtype=jnp.int32)
-    remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
-    sampled = jax.random.categorical(key_tok, jnp.where(remove, -jnp.inf, lp_last), axis=-1).astype(jnp.int32)
+    sampled = _correction(key_tok, lp_last, rejected, x_rej)
     greedy_last = jnp.take_along_axis(argmax, num_acc[:, None], axis=1)[:, 0]
-    if mode == "greedy":
-        last = greedy_last
-    elif mode == "dynamic":
-        last = jnp.where(jnp.asarray(temperature) > 0, sampled, greedy_last)
-    else:
-        last = sampled
+    last = _by_mode(mode, temperature, sampled, greedy_last)
 
     full_pos = jnp.arange(k1, dtype=jnp.int32)
     tokens = jnp.where(full_pos[None, :] < num_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
@@ -154,7 +160,7 @@ def verify_packed(
     """
     if mode not in MODES:
         raise SamplingError(f"verify_packed: mode must be one of {MODES}, got {mode!r}")
-    t_total, vocab = logits.shape
+    t_total = logits.shape[0]
     num_s = cu_q_lens.shape[0] - 1
     if fed.shape != (t_total,) or cu_q_lens.ndim != 1:
         raise SamplingError(f"verify_packed: fed must be [T={t_total}] and cu_q_lens [S+1], got "
@@ -177,12 +183,7 @@ def verify_packed(
     u = jax.random.uniform(key_u, (t_total,))
     accept_sampled = u < jnp.exp(lp_x)
     accept_greedy = x == argmax
-    if mode == "greedy":
-        accept = accept_greedy
-    elif mode == "dynamic":
-        accept = jnp.where(jnp.asarray(temperature) > 0, accept_sampled, accept_greedy)
-    else:
-        accept = accept_sampled
+    accept = _by_mode(mode, temperature, accept_sampled, accept_greedy)
     # Accepted prefix length per row: index of the first rejected draft position (else lens).
     first_bad = jnp.where(in_draft & ~accept, j, jnp.iinfo(jnp.int32).max)
     num_acc = jnp.minimum(jax.ops.segment_min(first_bad, row, num_segments=num_s), lens).astype(jnp.int32)
@@ -190,16 +191,9 @@ def verify_packed(
     last_pos = jnp.minimum(cu[:-1] + num_acc, t_total - 1)  # [S] position emitting the last token
     lp_last = lp[last_pos]  # [S, V]
     x_rej = nxt[last_pos]
-    vocab_ids = jnp.arange(vocab, dtype=jnp.int32)
-    remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
-    sampled = jax.random.categorical(key_tok, jnp.where(remove, -jnp.inf, lp_last), axis=-1).astype(jnp.int32)
+    sampled = _correction(key_tok, lp_last, rejected, x_rej)
     greedy_last = argmax[last_pos]
-    if mode == "greedy":
-        last = greedy_last
-    elif mode == "dynamic":
-        last = jnp.where(jnp.asarray(temperature) > 0, sampled, greedy_last)
-    else:
-        last = sampled
+    last = _by_mode(mode, temperature, sampled, greedy_last)
     acc_row = num_acc[row]
     tokens = jnp.where(live & (j < acc_row), nxt, 0)
     tokens = jnp.where(live & (j == acc_row), last[row], tokens).astype(jnp.int32)
