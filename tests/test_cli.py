@@ -56,7 +56,7 @@ def test_demo_writes_every_output(demo_run):
     assert summary["reward_per_step"] == [round(r["reward/mean"], 4) for r in train]
     assert summary["nonfinite_skipped"] == 0
     comp = summary["compile"]  # warm-up figures: compiles vs cache loads, programs run vs enumerated
-    assert comp["compiled"] + comp["loaded_from_cache"] == summary["compilations"] and "seconds" in comp
+    assert comp["compiled"] + comp["loaded_from_cache"] == summary["compilations"]
     assert 0 < comp["programs_run"] <= comp["programs_enumerated"] and comp["cache_dir"] == ""
 
 
