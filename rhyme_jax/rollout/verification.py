@@ -42,12 +42,37 @@ def _by_mode(mode: str, temperature, sampled, greedy):
     return sampled
 
 
-def _correction(key, lp_last: Float[Array, "S V"], rejected, x_rej) -> Int[Array, "S"]:
-    """The token after the accepted prefix: from the residual (``p`` without the rejected draft
-    token ``x_rej``, renormalised) where ``rejected``, else the bonus token from ``p``."""
+def _residual(lp_last: Float[Array, "S V"], rejected, x_rej) -> Float[Array, "S V"]:
+    """Log-weights of the token after the accepted prefix: the residual (``p`` without the
+    rejected draft token ``x_rej``, unnormalised) where ``rejected``, else ``p`` (bonus token)."""
     vocab_ids = jnp.arange(lp_last.shape[-1], dtype=jnp.int32)
     remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
-    return jax.random.categorical(key, jnp.where(remove, -jnp.inf, lp_last), axis=-1).astype(jnp.int32)
+    return jnp.where(remove, -jnp.inf, lp_last)
+
+
+def _correction(key, lp_last: Float[Array, "S V"], rejected, x_rej) -> Int[Array, "S"]:
+    """A draw from ``_residual`` with ``jax.random.categorical``."""
+    return jax.random.categorical(key, _residual(lp_last, rejected, x_rej), axis=-1).astype(jnp.int32)
+
+
+def _uniforms(key, t_total: int, rows: int, vocab: int):
+    """``(u f32[T], gumbel f32[rows, V])`` from ONE threefry draw (one random-bits loop in the
+    program rather than three: split, uniform and the categorical's uniform; compile time).
+    ``u`` lies in ``[tiny, 1)``; ``gumbel = -log(-log(u'))`` are standard Gumbel variates, so
+    ``argmax(logw + gumbel)`` is a draw from ``softmax(logw)`` (the Gumbel-max trick, the same
+    rule as ``jax.random.categorical``)."""
+    tiny = jnp.finfo(jnp.float32).tiny
+    flat = jax.random.uniform(key, (t_total + rows * vocab,), jnp.float32, minval=tiny, maxval=1.0)
+    return flat[:t_total], -jnp.log(-jnp.log(flat[t_total:].reshape(rows, vocab)))
+
+
+def _row_of(cu: Int[Array, "S1"], t_total: int) -> Int[Array, "T"]:
+    """Row of every packed position: ``#{s : cu[s + 1] <= pos}`` clipped to ``[0, S - 1]`` (the
+    same as ``searchsorted(cu[1:], pos, side="right")``, written as one compare-and-count so it
+    compiles to a single fused kernel rather than a binary-search loop)."""
+    pos = jnp.arange(t_total, dtype=jnp.int32)
+    row = jnp.sum((cu[None, 1:] <= pos[:, None]).astype(jnp.int32), axis=1)
+    return jnp.clip(row, 0, cu.shape[0] - 2).astype(jnp.int32)
 
 
 def verify(
@@ -168,19 +193,18 @@ def verify_packed(
     logits = logits.astype(jnp.float32)
     lp = _processed(logits, temperature, top_k, top_p, mode)  # [T, V]
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [T]
-    key_u, key_tok = jax.random.split(key)
+    u, gumbel = _uniforms(key, t_total, num_s, logits.shape[-1])
     cu = cu_q_lens.astype(jnp.int32)
     q_lens = cu[1:] - cu[:-1]  # [S]
     lens = jnp.maximum(q_lens - 1, 0)  # draft tokens per row
     pos = jnp.arange(t_total, dtype=jnp.int32)
-    row = jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, num_s - 1).astype(jnp.int32)  # [T]
+    row = _row_of(cu, t_total)  # [T]
     live = pos < cu[-1]
     j = pos - cu[row]  # index of the position within its row
     nxt = jnp.concatenate([fed[1:], jnp.zeros((1,), fed.dtype)]).astype(jnp.int32)  # draft checked at t
     in_draft = live & (j < lens[row])
     x = jnp.where(in_draft, nxt, 0)
     lp_x = jnp.take_along_axis(lp, x[:, None], axis=-1)[:, 0]  # [T]
-    u = jax.random.uniform(key_u, (t_total,))
     accept_sampled = u < jnp.exp(lp_x)
     accept_greedy = x == argmax
     accept = _by_mode(mode, temperature, accept_sampled, accept_greedy)
@@ -191,7 +215,7 @@ def verify_packed(
     last_pos = jnp.minimum(cu[:-1] + num_acc, t_total - 1)  # [S] position emitting the last token
     lp_last = lp[last_pos]  # [S, V]
     x_rej = nxt[last_pos]
-    sampled = _correction(key_tok, lp_last, rejected, x_rej)
+    sampled = jnp.argmax(_residual(lp_last, rejected, x_rej) + gumbel, axis=-1).astype(jnp.int32)
     greedy_last = argmax[last_pos]
     last = _by_mode(mode, temperature, sampled, greedy_last)
     acc_row = num_acc[row]
