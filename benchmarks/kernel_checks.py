@@ -207,7 +207,7 @@ def _print(res: dict) -> None:
 
 def run_checks(args) -> int:
     """Entry point of ``kernels.py --check-only``; exit code 1 if any check fails."""
-    from rhyme_jax.train.atomic import atomic_write
+    from rhyme_jax.io.atomic import atomic_write
 
     backend = jax.default_backend()
     kernel = args.kernel_impl or DEFAULT_KERNEL.get(backend, "reference")

@@ -93,7 +93,7 @@ def markdown(meta: dict, rows: list[dict], summary: dict) -> str:
 
 def write_results(out_dir: Path, meta: dict, rows: list[dict], stem: str = "kernels") -> dict:
     """Write ``<stem>.json`` and ``<stem>.md`` atomically; returns the summary."""
-    from rhyme_jax.train.atomic import atomic_write
+    from rhyme_jax.io.atomic import atomic_write
 
     summary = summarize(rows)
     with atomic_write(out_dir / f"{stem}.json", "w") as fh:

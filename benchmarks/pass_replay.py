@@ -47,7 +47,7 @@ from rhyme_jax.spec.self_lookup import self_lookup_drafts  # noqa: E402
 from rhyme_jax.spec.suffix_index import SuffixIndex  # noqa: E402
 from rhyme_jax.spec.window import initial_window, next_window  # noqa: E402
 from rhyme_jax.train.policy import build_tokenizer  # noqa: E402
-from rhyme_jax.train.rollout_log import list_rollout_steps, load_rollouts  # noqa: E402
+from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts  # noqa: E402
 from rhyme_jax.train.trainer import epoch_of_step  # noqa: E402
 
 

@@ -219,7 +219,7 @@ def run_temperature(setup: Setup, temp: float, args, out: Path) -> dict:
     from rhyme_jax.rollout.engine import SamplingParams
     from rhyme_jax.spec.drafter import Drafter
     from rhyme_jax.spec.history import HistoryStore
-    from rhyme_jax.train.rollout_log import save_rollouts
+    from rhyme_jax.io.rollout_log import save_rollouts
 
     sp = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
     k1, k2 = jax.random.split(jax.random.key(args.seed))

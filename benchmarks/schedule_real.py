@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rhyme_jax.sched.cost_model import FORM, CostModel  # noqa: E402
 from rhyme_jax.sched.length_predictor import predict_lengths  # noqa: E402
 from rhyme_jax.sched.timeline import plot_gantt  # noqa: E402
-from rhyme_jax.train.atomic import atomic_write  # noqa: E402
+from rhyme_jax.io.atomic import atomic_write  # noqa: E402
 from schedule_replay import StepLengths, load_steps  # noqa: E402
 
 # ------------------------------------------------------------------ real model: profile / workers

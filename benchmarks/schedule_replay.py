@@ -17,7 +17,7 @@ from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel  # noqa: E4
 from rhyme_jax.sched.length_predictor import predict_lengths  # noqa: E402
 from rhyme_jax.sched.planner import Plan, check_plan, plan_step  # noqa: E402
 from rhyme_jax.sched.timeline import WorkerInterval, bubble_metrics, plot_gantt  # noqa: E402
-from rhyme_jax.train.atomic import atomic_write  # noqa: E402
+from rhyme_jax.io.atomic import atomic_write  # noqa: E402
 
 # name -> (plan_step keyword arguments, simulate tail migration)
 CONFIGS: dict[str, tuple[dict, bool]] = {
@@ -47,7 +47,7 @@ def load_steps(run_dir: str | Path) -> tuple[list[StepLengths], int]:
     Raises:
       ValueError: no rollout files, or a step whose rows are not n consecutive samples per prompt.
     """
-    from rhyme_jax.train.rollout_log import list_rollout_steps, load_rollouts
+    from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 
     run_dir = Path(run_dir)
     steps = list_rollout_steps(run_dir)

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return cli_compile.run(args)
     if args.command == "analyze":
         from rhyme_jax.spec.analyze import AnalyzeError
-        from rhyme_jax.train.rollout_log import RolloutLogError
+        from rhyme_jax.io.rollout_log import RolloutLogError
 
         try:
             return cmd_analyze(args.run_dir, args.branch, args.window)

@@ -1,6 +1,6 @@
 """``rhyme-jax memory``: per-device memory of a run's training state and of one GRPO update.
 
-Everything comes from shapes (``parallel.memory.state_memory``) and from XLA's compiled memory
+Everything comes from shapes (``train.state_memory.state_memory``) and from XLA's compiled memory
 analysis with abstract weights (``train.update_memory``): nothing the size of the model is
 allocated, so the real recipe can be planned on a laptop before renting hardware.
 """
@@ -64,7 +64,7 @@ def memory_report(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     compiled update is single-device, so its gradients are whole)."""
     import jax
 
-    from rhyme_jax.parallel.memory import state_memory
+    from rhyme_jax.train.state_memory import state_memory
     from rhyme_jax.parallel.mesh import mesh_shape
 
     model_cfg, source = model_config_of(cfg, args.model_config)

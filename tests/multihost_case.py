@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         overrides += ["parallel.rollout_workers=2"]
     from rhyme_jax.config import load_config
     from rhyme_jax.parallel.reshard import leaf_checksums
-    from rhyme_jax.train.rollout_log import load_rollouts
+    from rhyme_jax.io.rollout_log import load_rollouts
     from rhyme_jax.train.trainer import GRPOTrainer
 
     import jax

@@ -193,7 +193,7 @@ def run_trainer(runs_dir: str, name: str, overrides: list[str], steps=(1, 2)):
         for step in steps:
             metrics.append(tr.train_step(step))
             tr.step = step
-            from rhyme_jax.train.rollout_log import load_rollouts
+            from rhyme_jax.io.rollout_log import load_rollouts
             rollouts.append([r.tolist() for r in load_rollouts(tr.run_dir, step)["responses"]])
         return host(tr.state), rollouts, metrics
     finally:

@@ -101,7 +101,7 @@ def case_trainer_histopipe_run():
     """Two GRPO steps with sched.mode=histopipe on 4 workers x tensor 2 (sampling at temperature
     1): every row of each step comes back once, in row order (same prompt ids as fifo), sched
     metrics are logged and the per-step schedule files written."""
-    from rhyme_jax.train.rollout_log import load_rollouts
+    from rhyme_jax.io.rollout_log import load_rollouts
 
     with tempfile.TemporaryDirectory() as d:
         common = ["parallel.rollout_tensor=2", "parallel.rollout_workers=4", "grpo.prompts_per_step=4"]

@@ -8,7 +8,7 @@ import pytest
 from rhyme_jax.cli import main
 from rhyme_jax.spec.analyze import MARKER, analyze, length_percentiles, write_analysis
 from rhyme_jax.spec.suffix_index import SuffixIndex
-from rhyme_jax.train.rollout_log import save_rollouts
+from rhyme_jax.io.rollout_log import save_rollouts
 
 SCHEDULE = [[0, 1], [2, 3], [0, 1, 2], [3, 0], [0, 1, 2, 3], [1, 2]]  # prompt ids per step
 N = 3  # samples per prompt

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from rhyme_jax.config import ConfigError, load_config
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.parallel import distributed
-from rhyme_jax.parallel.memory import state_memory
+from rhyme_jax.train.state_memory import state_memory
 from rhyme_jax.parallel.mesh import MeshConfigError, mesh_shape, rollout_meshes
 from rhyme_jax.parallel.rules import ShardingRuleError, logical_to_spec, param_logical_axes
 from rhyme_jax.rollout.engine import RolloutResult

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.train.rollout_log import load_rollouts
+from rhyme_jax.io.rollout_log import load_rollouts
 
 NEW_TOKENS = 12
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.config import ConfigError, load_config
-from rhyme_jax.train.rollout_log import load_rollouts
+from rhyme_jax.io.rollout_log import load_rollouts
 from rhyme_jax.train.trainer import GRPOTrainer, prompt_schedule
 
 TESTS = Path(__file__).resolve().parent

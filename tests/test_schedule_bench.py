@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.sched.cost_model import CostModel
-from rhyme_jax.train.rollout_log import save_rollouts
+from rhyme_jax.io.rollout_log import save_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,7 +32,7 @@ from rhyme_jax.data import DataError, load_problems
 from rhyme_jax.rollout.engine import PromptTooLongError
 from rhyme_jax.train.checkpoint import Checkpointer
 from rhyme_jax.train.metrics import read_metrics
-from rhyme_jax.train.rollout_log import load_rollouts
+from rhyme_jax.io.rollout_log import load_rollouts
 from rhyme_jax.train.trainer import GRPOTrainer, NonFiniteLossError, prompt_schedule
 
 REPO = Path(__file__).resolve().parents[1]

@@ -155,7 +155,7 @@ def train_demo_tokenizer(texts: Iterable[str], vocab_size: int, path) -> Tokeniz
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     file.parent.mkdir(parents=True, exist_ok=True)
-    from rhyme_jax.train.atomic import atomic_write
+    from rhyme_jax.io.atomic import atomic_write
 
     # Atomic: the processes of a multi-host run may all write the same (deterministic) file.
     with atomic_write(file, "w") as fh:

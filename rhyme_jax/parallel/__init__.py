@@ -5,5 +5,4 @@
   activation constraints.
 - ``reshard``: sharded model creation, weight sync, host batch -> global array, checksums.
 - ``distributed``: ``jax.distributed.initialize`` from config or environment.
-- ``memory``: per-device bytes of params + optimizer state from shapes alone.
 """

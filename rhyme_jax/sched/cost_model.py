@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import Float
 
-from rhyme_jax.train.atomic import atomic_write
+from rhyme_jax.io.atomic import atomic_write
 
 FORMAT_VERSION = 1
 FORM = "T(tokens, batch) = tokens * (a + b * batch) + c * batch"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rhyme_jax.train.atomic import atomic_write
+from rhyme_jax.io.atomic import atomic_write
 
 
 NEXT_STEP = "next step"  # kind of an interval spent on the next step's rows (cross-step queues)

@@ -1,7 +1,7 @@
 """``rhyme-jax analyze RUN_DIR``: how much do a run's rollouts rhyme across epochs?
 
 RhymeRL (arXiv 2508.18588) s.3 observations, measured on a run's saved rollouts
-(``<run>/rollouts/step_*.npz``, ``train/rollout_log.py``). The epoch of a prompt at a step is how
+(``<run>/rollouts/step_*.npz``, ``io/rollout_log.py``). The epoch of a prompt at a step is how
 many times it has been rolled out up to and including that step; for every epoch e >= 2:
 
 * O5 "rhyme": share of epoch-e response tokens a HistoSpec drafter over the prompt's previous
@@ -32,8 +32,8 @@ import numpy as np
 
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, draft_batch
 from rhyme_jax.spec.window import initial_window, next_window
-from rhyme_jax.train.atomic import atomic_write
-from rhyme_jax.train.rollout_log import list_rollout_steps, load_rollouts
+from rhyme_jax.io.atomic import atomic_write
+from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 
 MARKER = np.arange(2**31 - 5, 2**31, dtype=np.int64).astype(np.int32)  # synthetic prompt tail
 PAPER = {"o5": (0.75, 0.95), "o6": (0.02, 0.04)}

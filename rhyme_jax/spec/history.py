@@ -8,7 +8,7 @@ Entries are immutable (read-only arrays in frozen dataclasses) and ``update`` sw
 in under a lock, so index builds in a background thread can read an entry while the trainer
 updates the store.
 
-On disk (``save``/``load``, or ``to_bytes``/``from_bytes`` for checkpoint blobs): one ``.npz`` in CSR layout (like ``train/rollout_log.py``):
+On disk (``save``/``load``, or ``to_bytes``/``from_bytes`` for checkpoint blobs): one ``.npz`` in CSR layout (like ``io/rollout_log.py``):
 
 * ``prompt_ids int64[P]``, ``prompt_offsets int64[P+1]`` into ``prompt_tokens int32``;
 * ``rollout_offsets int64[P+1]`` into the per-rollout arrays ``rollout_steps int64[R]`` and
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import Float, Int
 
-from rhyme_jax.train.atomic import atomic_write
+from rhyme_jax.io.atomic import atomic_write
 
 
 class HistoryError(ValueError):

@@ -21,7 +21,7 @@ from rhyme_jax.data.rewards import reward
 from rhyme_jax.data.rewards import reward_fn as reward_fn_of
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
-from rhyme_jax.train.atomic import atomic_write
+from rhyme_jax.io.atomic import atomic_write
 
 
 @dataclass(frozen=True)

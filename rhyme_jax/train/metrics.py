@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rhyme_jax.train.atomic import atomic_write
+from rhyme_jax.io.atomic import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

@@ -44,7 +44,7 @@ from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.train.optim import make_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, eos_ids
-from rhyme_jax.train.rollout_log import save_rollouts
+from rhyme_jax.io.rollout_log import save_rollouts
 
 SEQ_BUCKET = 64  # training sequence lengths are padded to a multiple of this (bounded recompiles)
 

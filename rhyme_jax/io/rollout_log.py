@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import Float, Int
 
-from rhyme_jax.train.atomic import atomic_write
+from rhyme_jax.io.atomic import atomic_write
 
 ROLLOUT_DIR = "rollouts"
 _STEP_FILE = re.compile(r"^step_(\d{6,})\.npz$")
