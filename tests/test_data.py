@@ -135,15 +135,19 @@ def test_corpus_and_load_problems(tmp_path):
     cfg = load_config(overrides=["data.num_train=50", "data.num_eval=20", "data.seed=4"])
     train, ev = load_problems(cfg.data)
     assert train == make_problems(4, "train", 50) and ev == make_problems(4, "eval", 20)
-    # The config loader rejects the value up front; load_problems guards its own input too.
-    from omegaconf import OmegaConf
+    # The config loader (and the DataSection itself) rejects the value up front; load_problems
+    # guards its own input too.
+    import dataclasses
+    from types import SimpleNamespace
 
     from rhyme_jax.config import ConfigError, DataSection
 
     with pytest.raises(ConfigError, match="data.source"):
         load_config(overrides=["data.source=parquet"])
+    with pytest.raises(ConfigError, match="data.source='parquet'"):
+        DataSection(source="parquet")
     with pytest.raises(DataError, match="data.source"):
-        load_problems(OmegaConf.structured(DataSection(source="parquet")))
+        load_problems(SimpleNamespace(**{**dataclasses.asdict(DataSection()), "source": "parquet"}))
     with pytest.raises(DataError, match="data.train_path"):
         load_problems(load_config(overrides=["data.source=gsm8k"]).data)
     f = tmp_path / "t.jsonl"

@@ -1,0 +1,143 @@
+"""``load_config``: YAML files and dotted ``--set`` overrides merged by OmegaConf, returned as
+a frozen ``RunConfig``; ``to_dict`` / ``to_yaml`` write one back.
+
+OmegaConf merges onto the structured schema of ``RunConfig`` (so an unknown key, a value of the
+wrong type or outside a ``Literal`` fails naming the key), then ``OmegaConf.to_object`` builds
+the dataclasses, whose ``__post_init__`` checks the values. Every error is one ``ConfigError``
+line ``<file or --set>: <key>...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from rhyme_jax.config.checks import ConfigError, field_types, literal_choices
+from rhyme_jax.config.run_config import RunConfig
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Build the run configuration from defaults, a YAML file and dotted overrides.
+
+    Args:
+      path: YAML file whose keys follow ``RunConfig``; a top-level ``defaults: [other.yaml]``
+        list loads those files first (paths relative to this file).
+      overrides: ``["grpo.steps=10", "run.name=x"]`` style strings, applied last.
+
+    Returns:
+      A frozen ``RunConfig``; ``model.path`` naming a known offline model (``rhyme-jax models
+      list``) and not an existing directory is that model's cache directory.
+
+    Raises:
+      ConfigError: the file is missing or not valid YAML, a key is unknown, a value has the wrong
+        type or fails a check of ``RunConfig`` / its sections; the message names the file (or
+        ``--set``) and the key.
+    """
+    node = OmegaConf.structured(RunConfig)
+    if path is not None:
+        node = _merge_file(node, Path(path), seen=())
+    for item in overrides or []:
+        node = _merge_override(node, item, f"{path} --set {item!r}" if path is not None else f"--set {item!r}")
+    source = str(path) if path is not None else "--set"
+    source += " with --set overrides" if path is not None and overrides else ""
+    node = _resolve_model_name(node)
+    try:
+        return OmegaConf.to_object(node)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _merge_override(node: DictConfig, item: str, where: str) -> DictConfig:
+    """``node`` with the dotted override ``item`` (``a.b=value``, the value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"{where}: expected KEY=VALUE, e.g. grpo.steps=10")
+    try:
+        return OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{where}: {_one_line(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not a YAML value: {' '.join(str(exc).split())}") from None
+
+
+def _resolve_model_name(node: DictConfig) -> DictConfig:
+    """``model.path`` naming a known offline model (``rhyme_jax.model.hub.MODELS``) and not an
+    existing directory becomes that model's cache directory (imported on first use by ``hub.ensure``)."""
+    from rhyme_jax.model import hub
+
+    name = node.model.path
+    if name in hub.MODELS and not Path(name).is_dir():
+        return OmegaConf.merge(node, {"model": {"path": str(hub.model_dir(name))}})
+    return node
+
+
+def _merge_file(node: DictConfig, path: Path, seen: tuple) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: circular 'defaults' include")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends carry line numbers in their text
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    includes = raw.pop("defaults", [])
+    for inc in includes:
+        node = _merge_file(node, path.parent / str(inc), seen + (path.resolve(),))
+    try:
+        return OmegaConf.merge(node, raw)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's error as ``key: problem`` (``key=value must be one of [...]`` for a
+    ``Literal`` field, worded like the sections' own checks), without its type noise."""
+    key = getattr(exc, "full_key", None) or ""
+    choices = literal_choices(_annotation(key)) if key else None
+    if isinstance(exc, ValidationError) and choices is not None:
+        return f"{key}={exc.value!r} must be one of {list(choices)}"
+    lines = [line.strip() for line in str(getattr(exc, "msg", None) or exc).splitlines() if line.strip()]
+    first = next((ln for ln in lines if not ln.startswith("full_key:")), type(exc).__name__)
+    return f"{key}: {first}" if key else first
+
+
+def _annotation(key: str) -> Any:
+    """The annotation of the ``RunConfig`` field at dotted ``key`` (None if there is none)."""
+    cls: Any = RunConfig
+    annotation = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls) or part not in field_types(cls):
+            return None
+        annotation = cls = field_types(cls)[part]
+    return annotation
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """Plain nested dict of a config (``dataclasses.asdict``), e.g. for saving next to a run."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML text that ``load_config`` reads back to an equal ``RunConfig``."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+
+
+def schema_fields() -> list[str]:
+    """Dotted names of every configurable field (for docs and error hints)."""
+    out = []
+
+    def walk(cls, prefix):
+        for name, annotation in field_types(cls).items():
+            if dataclasses.is_dataclass(annotation):
+                walk(annotation, prefix + name + ".")
+            else:
+                out.append(prefix + name)
+
+    walk(RunConfig, "")
+    return out

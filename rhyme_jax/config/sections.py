@@ -1,0 +1,338 @@
+"""The sections of a run configuration: frozen dataclasses that check their own values.
+
+Each section's ``__post_init__`` checks what the section alone determines (ranges, choices,
+relations between its fields); ``RunConfig`` (``run_config.py``) checks across sections. The
+allowed values of a choice field are its ``Literal[...]`` annotation (``checks.check_fields``
+reads it). ``KEY`` is the section's dotted name in the YAML files and in error messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from rhyme_jax.config.checks import ConfigError, above, at_least, check_fields, fail
+
+Family = Literal["qwen2", "qwen3", "llama"]
+Dtype = Literal["float32", "bfloat16"]
+DataSource = Literal["synthetic", "gsm8k"]
+AnswerExtraction = Literal["marker", "last_number"]
+OverlongPrompt = Literal["error", "skip"]
+LRSchedule = Literal["constant", "cosine"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+DraftBranch = Literal["reward", "count"]
+DraftWindow = Literal["aimd", "mimd", "fixed"]
+SchedMode = Literal["fifo", "histopipe"]
+SchedPipeline = Literal["sync", "one_step_off"]
+LengthStat = Literal["mean", "max", "p90"]
+
+MAX_DRAFT = 32  # longest draft window (rollout/shapes.py MAX_DRAFT; the window policies cap there)
+MAX_PATTERN = 256  # longest matched suffix: the drafter's self-lookup context (spec/drafter.py)
+SEED_LIMIT = 2 ** 32  # jax.random.key keeps 32 bits of a seed without x64
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of a freshly initialised demo model (used when ``model.path`` is empty)."""
+
+    KEY: ClassVar[str] = "model.tiny"
+
+    family: Family = "qwen3"
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 512
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 1, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings")
+        if self.num_heads % self.num_kv_heads:
+            raise fail(self, "num_kv_heads", f"must divide model.tiny.num_heads={self.num_heads}")
+        above(self, 0.0, "rope_theta")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Policy model: a HF checkpoint directory, or a tiny model initialised from ``tiny``."""
+
+    KEY: ClassVar[str] = "model"
+
+    path: str = ""  # directory with config.json + *.safetensors (+ tokenizer.json), or a known model name
+    #               (rhyme-jax models list: imported offline into the user's cache on first use); "" = tiny demo model
+    tokenizer_path: str = ""  # tokenizer.json; "" = <path>/tokenizer.json or the demo tokenizer
+    dtype: Dtype = "float32"  # compute/param dtype
+    scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
+    prompt_template: str = "{question}\n"  # formats a problem into the prompt text
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 1, "scan_unroll")
+        try:
+            self.prompt_template.format(question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise fail(self, "prompt_template", f"may only use the field {{question}} ({exc!r}); "
+                                                f"write a literal brace as {{{{ or }}}}") from None
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Training / evaluation problems."""
+
+    KEY: ClassVar[str] = "data"
+
+    source: DataSource = "synthetic"
+    answer_extraction: AnswerExtraction = "marker"  # marker (#### / \\boxed) | last_number (marker, else the last number)
+    train_path: str = ""  # gsm8k: path to train.jsonl
+    test_path: str = ""  # gsm8k: path to test.jsonl
+    seed: int = 0
+    num_train: int = 20000  # synthetic: problems in the train split
+    num_eval: int = 300  # held-out problems evaluated before/after RL
+    min_steps: int = 2  # synthetic: arithmetic steps per problem
+    max_steps: int = 4
+    max_number: int = 20  # synthetic: operands drawn from [1, max_number]
+    tokenizer_vocab_size: int = 256  # demo tokenizer (trained on the task corpus)
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 1, "num_train", "num_eval", "min_steps", "tokenizer_vocab_size")
+        at_least(self, self.min_steps, "max_steps", note=" (data.min_steps)")
+        at_least(self, 2, "max_number")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Rollout engine: paged KV pool, continuous batching and sampling."""
+
+    KEY: ClassVar[str] = "rollout"
+
+    max_slots: int = 64  # concurrent sequences (continuous-batching slots)
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # KV pages in the pool; 0 = enough for max_slots full-length sequences
+    max_prompt_len: int = 128  # tokens
+    max_new_tokens: int = 96
+    temperature: float = 1.0  # > 0: the GRPO loss scores tokens at this temperature
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    on_overlong_prompt: OverlongPrompt = "error"
+    attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu | *_interpret | "a,b" (tried in order)
+    max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots
+    share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 1, "max_slots", "page_size", "max_prompt_len", "max_new_tokens")
+        at_least(self, 0, "num_pages", "max_verify_tokens", note=" (0 = default)")
+        at_least(self, 0, "top_k", note=" (0 = off)")
+        above(self, 0.0, "temperature", note=" (the GRPO loss scores the rollout's tokens at this "
+                                             "temperature; held-out evaluation is greedy anyway)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise fail(self, "top_p", "must be in (0, 1] (1 = off)")
+        seq = self.max_prompt_len + self.max_new_tokens
+        pages = -(-seq // self.page_size)
+        if self.num_pages and self.num_pages - 1 < pages:
+            raise fail(self, "num_pages", f"cannot hold one full-length sequence: max_prompt_len + "
+                                          f"max_new_tokens = {seq} tokens need {pages} pages of "
+                                          f"{self.page_size} plus scratch page 0 (0 = enough for max_slots)")
+
+
+def _check_warmup(section) -> None:
+    """``0 <= warmup_steps <= steps`` (any warmup when ``steps`` is 0)."""
+    if section.warmup_steps < 0 or (section.steps > 0 and section.warmup_steps > section.steps):
+        raise fail(section, "warmup_steps", f"must be in [0, {section.KEY}.steps={section.steps}]")
+
+
+@dataclass(frozen=True)
+class SFTSection:
+    """Supervised warm start on worked solutions."""
+
+    KEY: ClassVar[str] = "sft"
+
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    schedule: LRSchedule = "constant"  # after linear warmup
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 0, "steps", "weight_decay")
+        at_least(self, 1, "batch_size")
+        above(self, 0.0, "learning_rate")
+        _check_warmup(self)
+
+
+@dataclass(frozen=True)
+class GRPOSection:
+    """GRPO family objective (ARCHITECTURE.md section 7)."""
+
+    KEY: ClassVar[str] = "grpo"
+
+    steps: int = 40
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8  # group size n
+    num_prompts: int = 0  # train problems GRPO cycles over (epochs of this set); 0 = all
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
+    scale_by_std: bool = True  # False = Dr.GRPO advantages (r - mean)
+    loss_agg: LossAgg = "token_mean"
+    minibatches: int = 1  # optimizer steps per GRPO step (PPO minibatches); divides the rollout batch
+    micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
+    logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
+    remat: bool = False  # recompute each decoder block in the backward pass
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    schedule: LRSchedule = "constant"  # after linear warmup
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # <= 0 = no clipping
+    max_consecutive_nonfinite: int = 3
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches",
+                 "max_consecutive_nonfinite")
+        at_least(self, 0, "num_prompts", note=" (0 = all train problems)")
+        at_least(self, 0, "micro_batch_tokens", "logit_chunk", note=" (0 = off)")
+        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "weight_decay")
+        above(self, 0.0, "learning_rate")
+        _check_warmup(self)
+        rows = self.prompts_per_step * self.samples_per_prompt
+        batch = f"the rollout batch grpo.prompts_per_step * grpo.samples_per_prompt = {rows}"
+        if self.minibatches > rows:
+            raise fail(self, "minibatches", f"exceeds {batch}")
+        if rows % self.minibatches:
+            raise fail(self, "minibatches", f"must divide {batch} rows")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """Where and how a run writes its outputs."""
+
+    KEY: ClassVar[str] = "run"
+
+    name: str = "demo"
+    runs_dir: str = "runs"
+    seed: int = 0
+    checkpoint_every: int = 10  # steps
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # steps; 0 = only before and after
+    eval_samples: int = 0  # >0: also mean@k held-out accuracy with k samples at rollout.temperature
+    progress: bool = True
+    init_from: str = ""  # params to start GRPO from: <run>/sft, <run>/checkpoints/<step> or a params dir
+    # persistent XLA cache: "" = <user cache>/compile_cache, a directory, or "off"
+    # (env RHYME_JAX_COMPILE_CACHE overrides; rhyme_jax/compile_cache.py)
+    compile_cache: str = ""
+
+    def __post_init__(self):
+        check_fields(self)
+        if not self.name.strip():
+            raise fail(self, "name", "must name the run's directory under run.runs_dir")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise fail(self, "seed", "must be in [0, 2**32)")
+        at_least(self, 1, "checkpoint_every", "keep_checkpoints")
+        at_least(self, 0, "eval_every", "eval_samples", note=" (0 = off)")
+        if self.init_from and not Path(self.init_from).exists():
+            raise fail(self, "init_from", "does not exist (a params directory, <run>/sft or "
+                                          "<run>/checkpoints/<step>)")
+        value = self.compile_cache.strip()
+        if value and value.lower() != "off" and Path(value).expanduser().exists() \
+                and not Path(value).expanduser().is_dir():
+            raise fail(self, "compile_cache", "is a file; give a directory, '' (the user's cache) or 'off'")
+
+
+@dataclass(frozen=True)
+class SpecSection:
+    """HistoSpec switches (ARCHITECTURE.md section 5; paper defaults, specRL variants as options)."""
+
+    KEY: ClassVar[str] = "spec"
+
+    enabled: bool = False  # draft from the previous rollout of each prompt (epoch 2 on)
+    branch: DraftBranch = "reward"  # branch choice in the suffix index: reward (paper) | count (specRL)
+    window: DraftWindow = "aimd"  # draft window: aimd (2, +2, reset 2, cap 32) | mimd (2, x2, /2, cap 16) | fixed
+    fixed_window: int = 8  # draft length of window=fixed
+    min_token_prob: float = 0.1  # stop drafting when the branch probability falls below (0 = off)
+    pattern_max: int = 7  # longest suffix of the running sequence matched in the index
+    pattern_min: int = 3  # shortest match accepted (back-off floor)
+    history_depth: int = 1  # rollouts of each prompt kept in the history store
+    self_lookup: bool = False  # extension: no history match -> draft from the sequence's own earlier tokens
+
+    def __post_init__(self):
+        check_fields(self)
+        if not 1 <= self.fixed_window <= MAX_DRAFT:
+            raise fail(self, "fixed_window", f"must be in [1, {MAX_DRAFT}]")
+        if not 0.0 <= self.min_token_prob < 1.0:
+            raise fail(self, "min_token_prob", "must be in [0, 1) (0 = off)")
+        at_least(self, 1, "pattern_min", "history_depth")
+        if not self.pattern_min <= self.pattern_max <= MAX_PATTERN:
+            raise fail(self, "pattern_max", f"must be in [spec.pattern_min={self.pattern_min}, {MAX_PATTERN}]")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """Device meshes and multi-host start-up (ARCHITECTURE.md section 9; rhyme_jax/parallel/)."""
+
+    KEY: ClassVar[str] = "parallel"
+
+    data: int = 1  # train mesh: data-parallel replicas (-1 = the devices left)
+    fsdp: int = 1  # train mesh: parameter/optimizer sharding over the hidden dimension
+    tensor: int = 1  # train mesh: tensor parallelism over heads / MLP features / vocabulary
+    rollout_tensor: int = 1  # devices per rollout worker (tensor parallel over heads, KV pool by KV head)
+    rollout_workers: int = 1  # data-parallel rollout workers per process; 0 = local devices / rollout_tensor
+    distributed: bool = False  # multi-host: jax.distributed.initialize (auto-detect unless the fields below are set)
+    coordinator_address: str = ""  # host:port of process 0; "" = $RHYME_COORDINATOR_ADDRESS
+    num_processes: int = 0  # 0 = $RHYME_NUM_PROCESSES
+    process_id: int = -1  # -1 = $RHYME_PROCESS_ID
+
+    def __post_init__(self):
+        check_fields(self)
+        axes = ("data", "fsdp", "tensor")
+        for name in axes:
+            if getattr(self, name) == 0 or getattr(self, name) < -1:
+                raise fail(self, name, "must be >= 1 or -1 (the devices left)")
+        fill = [name for name in axes if getattr(self, name) == -1]
+        if len(fill) > 1:
+            raise ConfigError(f"parallel.{fill[0]} and parallel.{fill[1]} are both -1; at most one may fill")
+        at_least(self, 1, "rollout_tensor")
+        at_least(self, 0, "rollout_workers", note=" (0 = local devices / rollout_tensor)")
+        at_least(self, 0, "num_processes", note=" (0 = $RHYME_NUM_PROCESSES)")
+        at_least(self, -1, "process_id", note=" (-1 = $RHYME_PROCESS_ID)")
+
+
+@dataclass(frozen=True)
+class SchedSection:
+    """Rollout scheduling over the rollout workers (ARCHITECTURE.md section 6; rhyme_jax/sched/)."""
+
+    KEY: ClassVar[str] = "sched"
+
+    mode: SchedMode = "fifo"  # fifo (groups split over workers in order) | histopipe
+    pipeline: SchedPipeline = "sync"  # sync (on-policy) | one_step_off (rollout s+1 overlaps update s; staleness 1)
+    cross_step: bool = False  # one_step_off: per-worker queues, a worker starts step s+1 when its part of s is done
+    tier1: bool = True  # histopipe: ranking groups by predicted length, odd steps ascending / even descending
+    tier2: bool = True  # histopipe: more workers for long groups (binary search on the makespan)
+    migration: bool = True  # histopipe: tails longer than growth x predicted move to an idle worker
+    num_groups: int = 0  # ranking groups; 0 = max(1, workers // 2)
+    length_stat: LengthStat = "mean"  # length prediction from the last rollout
+    growth: float = 1.5  # migration: generated > growth x predicted length
+    tail_fraction: float = 0.1  # migration: the worker has at most this share of its rows unfinished
+    cost_model: str = ""  # profiled cost model JSON (benchmarks/schedule.py --mode profile); "" = placeholder
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 0, "num_groups", note=" (0 = auto)")
+        above(self, 0.0, "growth")
+        if not 0.0 < self.tail_fraction <= 1.0:
+            raise fail(self, "tail_fraction", "must be in (0, 1]")
+        if self.cross_step and self.pipeline != "one_step_off":
+            raise ConfigError(f"sched.cross_step=true needs sched.pipeline=one_step_off "
+                              f"(got sched.pipeline={self.pipeline!r})")
+        if self.cost_model and not Path(self.cost_model).is_file():
+            raise fail(self, "cost_model", "is not a file (a profiled cost model JSON; '' = placeholder)")
