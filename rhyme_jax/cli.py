@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from rhyme_jax import cli_compile, cli_memory, cli_models
-from rhyme_jax.config import ConfigError, load_config
+from rhyme_jax.config import ConfigError, RunConfig, load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -60,7 +60,7 @@ def cmd_analyze(run_dir: str, branch: str, window: str) -> int:
     return 0
 
 
-def _banner(cfg, command: str) -> None:
+def _banner(cfg: RunConfig, command: str) -> None:
     import jax
 
     print(f"rhyme-jax {command}: run '{cfg.run.name}' on {jax.device_count()} "
@@ -68,7 +68,7 @@ def _banner(cfg, command: str) -> None:
           f"data: {cfg.data.source}", flush=True)
 
 
-def cmd_sft(cfg) -> int:
+def cmd_sft(cfg: RunConfig) -> int:
     from rhyme_jax.train.trainer import run_dir_of
     from rhyme_jax.train.warm_start import run_warm_start
 
@@ -80,7 +80,7 @@ def cmd_sft(cfg) -> int:
     return 0
 
 
-def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
+def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False) -> int:
     from rhyme_jax.compile_count import CompileCounter
     from rhyme_jax.train.plots import plot_run
     from rhyme_jax.train.summary import build_summary, print_summary, write_summary
@@ -121,7 +121,7 @@ def cmd_train(cfg, resume: bool, *, warm_start: bool = False) -> int:
     return 0
 
 
-def _compile_stats(cfg, trainer, counter) -> dict:
+def _compile_stats(cfg: RunConfig, trainer, counter) -> dict:
     """Warm-up figures of a run for its summary: XLA compiles vs persistent-cache loads, their
     seconds, and the rollout step programs run vs enumerated (``rollout.shapes``)."""
     from rhyme_jax.compile_cache import resolve
@@ -134,7 +134,7 @@ def _compile_stats(cfg, trainer, counter) -> dict:
             "programs_run": len(run), "programs_enumerated": len(programs_from_config(cfg))}
 
 
-def cmd_eval(cfg, checkpoint: str) -> int:
+def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     from flax import nnx
 
     from rhyme_jax.data import load_problems

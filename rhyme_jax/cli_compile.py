@@ -21,6 +21,8 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+from rhyme_jax.config import RunConfig
+
 DEFAULT_SAMPLE = 3
 
 
@@ -62,7 +64,7 @@ def sample_programs(programs: list, n: int) -> list:
     return out
 
 
-def _abstract_engine(cfg: Any, model_cfg):
+def _abstract_engine(cfg: RunConfig, model_cfg):
     """``(engine, abstract state)``: the run's engine over an ``nnx.eval_shape``'d model in
     ``model.dtype`` with an abstract KV pool."""
     from flax import nnx
@@ -94,7 +96,7 @@ def compile_seconds(engine, state, program, sampling) -> float:
     return time.perf_counter() - t0
 
 
-def report(cfg: Any, model_config: str, sample: int) -> dict[str, Any]:
+def report(cfg: RunConfig, model_config: str, sample: int) -> dict[str, Any]:
     """What ``rhyme-jax compile-report`` prints: ``programs`` (count), ``by_kind``, ``shapes``
     (every program), ``sampled`` (the timed ones, each with ``compile_s``) and
     ``sample_compile_s`` (their seconds, in the same order)."""

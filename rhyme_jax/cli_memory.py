@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rhyme_jax.config import RunConfig
 from rhyme_jax.model.config import ModelConfig
 
 GIB = 2.0 ** 30
@@ -31,7 +32,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def model_config_of(cfg: Any, model_config: str) -> tuple[ModelConfig, str]:
+def model_config_of(cfg: RunConfig, model_config: str) -> tuple[ModelConfig, str]:
     """The architecture a command sizes: ``model_config`` (an HF config.json or its directory),
     else ``cfg.model.path``'s (a known model name is imported on first use), else the tiny demo
     model. Returns ``(ModelConfig, source description)``.
@@ -56,7 +57,7 @@ def model_config_of(cfg: Any, model_config: str) -> tuple[ModelConfig, str]:
     return tiny_model_config(cfg, tok), "tiny demo model"
 
 
-def memory_report(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+def memory_report(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
     """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (params + optimizer per
     device on the train mesh), ``rollout_param_bytes_per_device``, and unless ``--no-update``
     the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
@@ -111,7 +112,7 @@ def print_report(r: dict[str, Any]) -> None:
               f"(params + optimizer + temporaries)")
 
 
-def cmd_memory(cfg: Any, args: argparse.Namespace) -> int:
+def cmd_memory(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Run ``rhyme-jax memory``; returns the exit status."""
     report = memory_report(cfg, args)
     if args.json:

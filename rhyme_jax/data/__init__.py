@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from rhyme_jax.config import DataSection
 from rhyme_jax.data.gsm8k import load_gsm8k
 from rhyme_jax.data.problems import DataError, Problem
 from rhyme_jax.data.rewards import answers_match, extract_answer, reward
@@ -17,11 +16,11 @@ __all__ = [
 ]
 
 
-def load_problems(data_cfg: Any) -> tuple[list[Problem], list[Problem]]:
+def load_problems(data_cfg: DataSection) -> tuple[list[Problem], list[Problem]]:
     """Train and held-out eval problems for a run's ``data`` config section.
 
     Args:
-      data_cfg: a ``DataSection`` (or the OmegaConf node ``cfg.data``). ``source == "synthetic"``
+      data_cfg: the run config's ``DataSection`` (``cfg.data``). ``source == "synthetic"``
         uses ``seed, num_train, num_eval, min_steps, max_steps, max_number``; ``"gsm8k"`` reads
         ``train_path`` and ``test_path`` (the test split serves as eval).
 

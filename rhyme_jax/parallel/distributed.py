@@ -16,10 +16,11 @@ workers (``process_groups``).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import numpy as np
+
+from rhyme_jax.config import ParallelSection
 
 ENV = ("RHYME_COORDINATOR_ADDRESS", "RHYME_NUM_PROCESSES", "RHYME_PROCESS_ID")
 
@@ -28,7 +29,7 @@ class DistributedConfigError(ValueError):
     """Multi-host settings are incomplete or inconsistent (names the field or variable)."""
 
 
-def settings(section: Any) -> dict | None:
+def settings(section: ParallelSection) -> dict | None:
     """``{"coordinator_address", "num_processes", "process_id"}`` from the config section or
     the environment; ``{}`` = let JAX auto-detect; ``None`` = single process.
 
@@ -53,7 +54,7 @@ def settings(section: Any) -> dict | None:
     return {} if section.distributed else None
 
 
-def initialize(section: Any) -> bool:
+def initialize(section: ParallelSection) -> bool:
     """Start JAX's distributed runtime when the config or environment asks for it.
 
     Must run before any other JAX call that touches devices. Returns True when running

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
+from rhyme_jax.config import RunConfig
 from rhyme_jax.data import Problem
 from rhyme_jax.data.rewards import reward
 from rhyme_jax.data.rewards import reward_fn as reward_fn_of
@@ -108,7 +109,7 @@ def evaluate(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: Seque
 
 
 def evaluate_run(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: Sequence[Problem],
-                 cfg, reward_fn: Callable[[str, Problem], float] | None = None) -> EvalResult:
+                 cfg: RunConfig, reward_fn: Callable[[str, Problem], float] | None = None) -> EvalResult:
     """``evaluate`` with the settings of a run config (``model.prompt_template``,
     ``rollout.*`` sampling, ``run.eval_samples``, key from ``run.seed``); the reward defaults to
     ``data.answer_extraction``'s."""

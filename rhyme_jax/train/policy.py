@@ -9,11 +9,12 @@ evaluation reads the very same file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax.numpy as jnp
 from flax import nnx
 
+from rhyme_jax.config import RunConfig
 from rhyme_jax.data import Problem
 from rhyme_jax.data.synthetic import corpus
 from rhyme_jax.model import hub
@@ -43,7 +44,7 @@ def compute_dtype(name: str):
         raise PolicyConfigError(f"model.dtype={name!r}: expected one of {sorted(_DTYPES)}") from None
 
 
-def tokenizer_file(cfg: Any, run_dir: Path) -> Path:
+def tokenizer_file(cfg: RunConfig, run_dir: Path) -> Path:
     """Where this run's tokenizer.json lives (config override, checkpoint dir, or run dir)."""
     if cfg.model.tokenizer_path:
         return Path(cfg.model.tokenizer_path)
@@ -52,7 +53,7 @@ def tokenizer_file(cfg: Any, run_dir: Path) -> Path:
     return run_dir / "tokenizer.json"
 
 
-def build_tokenizer(cfg: Any, run_dir: Path, train_problems: Sequence[Problem]) -> Tokenizer:
+def build_tokenizer(cfg: RunConfig, run_dir: Path, train_problems: Sequence[Problem]) -> Tokenizer:
     """Load the run's tokenizer, training the demo tokenizer on first use.
 
     For the tiny demo model (``model.path == ""``) the tokenizer is trained on the train split's
@@ -72,7 +73,7 @@ def build_tokenizer(cfg: Any, run_dir: Path, train_problems: Sequence[Problem]) 
     return train_demo_tokenizer(corpus(train_problems), cfg.data.tokenizer_vocab_size, path)
 
 
-def tiny_model_config(cfg: Any, tokenizer: Tokenizer) -> ModelConfig:
+def tiny_model_config(cfg: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
     """ModelConfig of the demo model: shape from ``model.tiny``, vocabulary from the tokenizer."""
     t = cfg.model.tiny
     return ModelConfig(
@@ -93,7 +94,7 @@ def tiny_model_config(cfg: Any, tokenizer: Tokenizer) -> ModelConfig:
     )
 
 
-def build_model(cfg: Any, tokenizer: Tokenizer, seed: int) -> Decoder:
+def build_model(cfg: RunConfig, tokenizer: Tokenizer, seed: int) -> Decoder:
     """The policy: loaded from ``model.path`` or freshly initialised from ``model.tiny``."""
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
@@ -108,7 +109,7 @@ def build_model(cfg: Any, tokenizer: Tokenizer, seed: int) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
-def build_sharded(cfg: Any, tokenizer: Tokenizer, seed: int, mesh) -> tuple[nnx.GraphDef, nnx.State, ModelConfig]:
+def build_sharded(cfg: RunConfig, tokenizer: Tokenizer, seed: int, mesh) -> tuple[nnx.GraphDef, nnx.State, ModelConfig]:
     """The policy created directly in its shardings on ``mesh`` (``parallel.rules``).
 
     A HF checkpoint is read block by block into each device's shard; the tiny model is

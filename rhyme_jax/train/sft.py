@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
+from rhyme_jax.config import SFTSection
 from rhyme_jax.train.losses import sequence_batch, token_logprobs
 from rhyme_jax.train.optim import make_optimizer
 
@@ -128,7 +129,7 @@ def run_sft(
     model: nnx.Module,
     tokenizer: Any,
     problems: Sequence[Any],
-    cfg_sft: Any,
+    cfg_sft: SFTSection,
     *,
     prompt_template: str,
     seed: int,

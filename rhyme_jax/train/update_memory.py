@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rhyme_jax.config import RunConfig
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.grpo_step import UpdateMemory, make_grpo_step, num_micro_batches
@@ -24,7 +25,7 @@ from rhyme_jax.train.losses import SEQ_LEN_MULTIPLE
 from rhyme_jax.train.optim import make_optimizer
 
 
-def config_micro_batch(cfg: Any, shards: int) -> tuple[int, int]:
+def config_micro_batch(cfg: RunConfig, shards: int) -> tuple[int, int]:
     """``(rows, tokens)`` of one gradient micro-batch per device under ``cfg``: the longest
     sequence (``max_prompt_len + max_new_tokens``, rounded up to 16) and the minibatch's rows per
     device divided into ``num_micro_batches`` under ``grpo.micro_batch_tokens``."""
@@ -46,7 +47,7 @@ def _abstract_batch(rows: int, tokens: int, kl: bool) -> dict:
     return batch
 
 
-def update_memory(model_cfg: ModelConfig, cfg: Any, rows: int, tokens: int) -> dict[str, Any]:
+def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int) -> dict[str, Any]:
     """Compile one update over a micro-batch of ``rows x tokens`` (one device) and report bytes.
 
     The micro-batch is the whole batch of the compiled step (no further split); logit chunking

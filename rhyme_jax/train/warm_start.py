@@ -7,10 +7,10 @@ tokenizer.json; a later ``rhyme-jax train`` with the same run name starts from t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from flax import nnx
 
+from rhyme_jax.config import RunConfig
 from rhyme_jax.data import load_problems
 from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
@@ -24,7 +24,7 @@ def sft_params_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "sft" / "params"
 
 
-def run_warm_start(cfg: Any, run_dir: Path) -> EvalResult:
+def run_warm_start(cfg: RunConfig, run_dir: Path) -> EvalResult:
     """Train the policy on ``prompt + solution + <eos>`` for ``sft.steps`` steps, save it, and
     report held-out greedy accuracy.
 
