@@ -110,6 +110,7 @@ BAD_VALUES = [
     ("run.eval_every=-1", "run.eval_every"),
     ("run.eval_samples=-1", "run.eval_samples"),
     ("run.name=", "run.name"),
+    ("run.name=' '", "run.name"),
     ("run.init_from=/nonexistent/params", "run.init_from"),
     ("spec.pattern_max=1000", "spec.pattern_max"),
     ("spec.pattern_min=0", "spec.pattern_min"),
