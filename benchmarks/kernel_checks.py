@@ -127,7 +127,7 @@ class OracleDrafter:
 
     def __init__(self, prompts, answers, k: int, vocab: int, pattern_max: int):
         self.prompts, self.answers, self.k, self.vocab = prompts, answers, k, vocab
-        self.pattern_max = pattern_max
+        self.context_width = pattern_max  # tails the engine passes (rollout.types.Drafter)
         self.calls = 0
 
     def draft(self, reqs, tails, budgets):

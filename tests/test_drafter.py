@@ -1,4 +1,4 @@
-"""HistoSpec drafter: batched drafts vs per-sequence SuffixIndex.draft, buckets, budgets, windows,
+"""HistoSpec drafter: batched drafts vs per-sequence SuffixIndex.draft, budgets, windows,
 cold start and background index rebuilds."""
 
 import threading
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.spec import drafter as D
-from rhyme_jax.spec.drafter import K_BUCKETS, Drafter, bucket
+from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.spec.suffix_index import SuffixIndex
 from rhyme_jax.spec.window import initial_window, next_window
@@ -71,16 +71,15 @@ def test_batched_draft_equals_per_sequence(branch, window):
     pids = [3, 5, 8, 3, 99, 5, 3, 8, 99]  # 99: no history (cold start)
     with Drafter(cfg, store) as d:
         d.rebuild([3, 5, 8])
-        d.begin(pids)
+        batch = d.batch(pids)  # what the trainer's rollout workers drive the engine with
         for _ in range(6):
             reqs = rng.permutation(len(pids))[: rng.integers(1, len(pids) + 1)]
             tails = _tails(rng, store, [pids[r] for r in reqs])
             budgets = rng.integers(0, 40, reqs.size)
-            windows = d.windows[reqs]
-            drafts, lens = d.draft(reqs, tails, budgets)
+            windows = batch.windows[reqs]
+            drafts, lens = batch.draft(reqs, tails, budgets)
             assert drafts.dtype == lens.dtype == np.int32
-            assert drafts.shape == (reqs.size, bucket(int(lens.max())))
-            assert drafts.shape[1] in K_BUCKETS
+            assert drafts.shape == (reqs.size, int(lens.max()))  # the engine fits drafts to its steps
             assert np.all(lens <= np.minimum(windows, budgets))
             for b, r in enumerate(reqs):
                 want = _reference(store, pids[r], tails[b], min(windows[b], budgets[b]), cfg)
@@ -89,11 +88,11 @@ def test_batched_draft_equals_per_sequence(branch, window):
                 if pids[r] == 99:
                     assert lens[b] == 0
             accepted = np.array([rng.integers(0, n + 1) for n in lens])
-            d.observe(reqs, lens, accepted)
-            assert np.array_equal(d.windows[reqs], next_window(window, windows, lens, accepted, 16))
+            batch.observe(reqs, lens, accepted)
+            assert np.array_equal(batch.windows[reqs], next_window(window, windows, lens, accepted, 16))
 
 
-def test_bucket_and_budget_limits():
+def test_budget_and_window_limits():
     rng = np.random.default_rng(1)
     store = _store(rng, [0])
     e = store.entry(0)
@@ -107,10 +106,10 @@ def test_bucket_and_budget_limits():
             drafts, lens = d.draft(np.arange(3), tail, np.array([budget, 0, min(budget, 1)]))
             want = full.draft(tail[0], min(budget, 32), branch="reward", min_token_prob=0.0)
             assert lens.tolist() == [want.size, 0, min(want.size, 1)]
-            assert drafts.shape == (3, bucket(want.size))
+            assert drafts.shape == (3, want.size)  # K = the longest draft (the engine fits K)
             assert drafts[0, : lens[0]].tolist() == want.tolist()
             seen.add(drafts.shape[1])
-    assert seen == set(K_BUCKETS)  # every bucket was exercised
+    assert seen == {0, 1, 2, 3, 5, 9, 17, 32}  # the budget binds below the window, the window (32) above
 
 
 def _window_reference(policy, w, drafted, accepted, fixed):

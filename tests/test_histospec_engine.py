@@ -27,7 +27,7 @@ class HistoryDrafter:
       corrupt: probability of replacing each draft token by a random one.
     """
 
-    pattern_max = PATTERN
+    context_width = PATTERN  # tails of PATTERN tokens (rhyme_jax.rollout.types.Drafter)
 
     def __init__(self, history, window=4, corrupt=0.0, vocab=64, seed=0):
         self.history, self.window, self.corrupt = history, window, corrupt

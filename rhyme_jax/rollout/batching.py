@@ -74,21 +74,6 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     return StepInputs(tokens, positions, meta, rows, int(q_len))
 
 
-K_BUCKETS = (0, 2, 4, 8, 16, 32)
-
-
-def draft_bucket(max_len: int) -> int:
-    """Smallest draft bucket ``K`` in ``K_BUCKETS`` holding ``max_len`` draft tokens.
-
-    Raises:
-      ValueError: ``max_len`` exceeds the largest bucket (32).
-    """
-    for k in K_BUCKETS:
-        if max_len <= k:
-            return k
-    raise ValueError(f"draft length {max_len} exceeds the largest draft bucket {K_BUCKETS[-1]}")
-
-
 def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
     """Cut the longest drafts first until ``sum(1 + draft_lens) <= budget`` (water-filling).
 

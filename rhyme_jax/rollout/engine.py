@@ -21,7 +21,6 @@ its only static arguments are shape-like (bucket sizes) or the sampling program 
 from __future__ import annotations
 
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -37,9 +36,10 @@ from rhyme_jax.rollout.batching import StepInputs
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.sampling import sampling_mode
+from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
-    EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
+    Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
 
 _WHERE = "rhyme_jax/rollout/engine.py"
 
@@ -241,22 +241,22 @@ class RolloutEngine:
             self.allocator.check()
         return out
 
-    def _draft(self, drafter, ids, slot_req, slot_len, slot_tail, n_gen, limit, stats):
+    def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Drafts ``i32[n, K]`` and lengths ``i64[n]`` of the live slots ``ids`` for this step
-        (``K = 0`` without a drafter). Drafts never pass the request's ``max_new_tokens`` (room
-        for the bonus token), are cut longest-first to the step's token budget, and only use
-        pages the pool can give without preempting anyone (a draft is cut to the pages its slot
-        holds otherwise)."""
+        (``K = 0`` without a drafter). The engine alone sizes drafts: they never pass the
+        request's ``max_new_tokens`` (room for the bonus token) nor ``shapes.MAX_DRAFT``, are cut
+        longest-first to the step's token budget, and only use pages the pool can give without
+        preempting anyone (a draft is cut to the pages its slot holds otherwise)."""
         ps, alloc = self.page_size, self.allocator
         if drafter is None or ids.size == 0:
             return np.zeros((ids.size, 0), np.int32), np.zeros(ids.size, np.int64)
         t0 = time.perf_counter()
-        reqs = slot_req[ids]
-        budgets = np.maximum(limit - n_gen[reqs] - 1, 0)
-        d_tok, got = drafter.draft(reqs, slot_tail[ids], budgets)
-        stats["drafting_seconds"] += time.perf_counter() - t0
+        reqs = table.req[ids]
+        budgets = np.maximum(table.limit - table.n_generated[reqs] - 1, 0)
+        d_tok, got = drafter.draft(reqs, table.tail[ids], budgets)
+        table.stats["drafting_seconds"] += time.perf_counter() - t0
         got = batching.trim_drafts(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), self.verify_budget)
-        lens = slot_len[ids]
+        lens = table.length[ids]
         need = alloc.pages_for(lens + 1 + got) - alloc.num_held[ids]
         for i in np.flatnonzero((got > 0) & (need > 0)):  # drafts crossing into pages not held yet
             if alloc.can_alloc(int(need[i])):
@@ -264,20 +264,53 @@ class RolloutEngine:
         got = np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
         return np.asarray(d_tok, np.int32), np.minimum(got, d_tok.shape[1]).astype(np.int64)
 
-    def _step_inputs(self, ids, drafts, d_lens, slot_len, slot_last, stats) -> batching.VerifyInputs:
+    def _step_inputs(self, ids, drafts, d_lens, table: SlotTable) -> batching.VerifyInputs:
         """Bucket one decode/verify step of live slots ``ids`` (``self.plan.step_pair``; drafts
         longer than the pair's ``max_q_len - 1`` are cut) and pack it. Counts drafted tokens."""
         rows = shapes.seq_bucket(ids.size, self.max_slots)
         t_total, q_len = self.plan.step_pair(rows, ids.size + int(d_lens.sum()))
         d_lens = np.minimum(d_lens, q_len - 1)
-        stats["drafted_tokens"] += int(d_lens.sum())
+        table.stats["drafted_tokens"] += int(d_lens.sum())
         width = self.plan.width(int(self.allocator.num_held[ids].max()))
-        return batching.verify_inputs(ids, slot_len, slot_last, drafts, d_lens, self.allocator.page_table,
+        return batching.verify_inputs(ids, table.length, table.pending, drafts, d_lens, self.allocator.page_table,
                                       self.page_size, rows, t_total, q_len, width)
+
+    def _prefill(self, table: SlotTable, batch: list, run: "_Passes") -> None:
+        """One packed prefill pass over the rows ``admit`` chose; records each row's first token."""
+        total = sum(len(new) for _, new, _ in batch)
+        inp = batching.prefill_inputs(batch, self.allocator.page_table, self.page_size, self.max_slots,
+                                      *self.plan.prefill_shape(total, max(len(b[1]) for b in batch)))
+        toks, lps = run(inp)
+        table.stats["prefill_steps"] += 1
+        table.stats["sequence_steps"] += len(batch)
+        table.stats["prefill_tokens"] += total
+        filled = np.array([b[0] for b in batch], np.int64)
+        table.record(filled, toks[: len(batch), None], lps[: len(batch), None], np.ones(len(batch), np.int64))
+
+    def _decode(self, table: SlotTable, run: "_Passes", drafter: Drafter | None) -> None:
+        """One decode/verify pass over the live slots: each feeds its pending token plus its draft;
+        the emitted tokens (accepted drafts + one sampled) are recorded and the drafter told."""
+        ids = table.live()
+        drafts, d_lens = self._draft(drafter, table, ids)
+        inp = self._step_inputs(ids, drafts, d_lens, table)
+        d_lens = inp.draft_lens[: ids.size]
+        toks, lps, n_emit = run(inp)
+        cu = inp.meta.cu_q_lens
+        toks = batching.unpack_rows(toks, cu, ids.size, inp.max_q_len)
+        lps = batching.unpack_rows(lps, cu, ids.size, inp.max_q_len)
+        table.stats["decode_steps"] += 1
+        table.stats["sequence_steps"] += ids.size
+        accepted = n_emit[: ids.size] - 1
+        table.stats["accepted_tokens"] += int(accepted.sum())
+        if drafter is not None:
+            drafter.observe(table.req[ids], d_lens, accepted)
+        # KV now holds the pending token and the accepted drafts; the last emitted token is the
+        # new pending one (rejected draft positions are overwritten later).
+        table.length[ids] += table.record(ids, toks[: ids.size], lps[: ids.size], n_emit[: ids.size])
 
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,
-                 key: jax.Array, drafter=None, *, prefixes: Sequence | None = None,
+                 key: jax.Array, drafter: Drafter | None = None, *, prefixes: Sequence | None = None,
                  monitor: Callable[["Progress"], Sequence[int]] | None = None,
                  on_stop: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> RolloutResult:
         """Generate one response per prompt.
@@ -287,10 +320,11 @@ class RolloutEngine:
           prompts: token id lists (1 <= len <= max_prompt_len unless skipping overlong ones).
           sampling: sampling settings; ``max_new_tokens`` <= the engine's.
           key: PRNG key; forward pass ``i`` samples with ``jax.random.fold_in(key, i)``.
-          drafter: optional HistoSpec drafter (``rhyme_jax.spec.drafter.Drafter`` after
-            ``begin(prompt_ids)`` for these prompts): each decode step asks it for drafts of the
-            active requests (``draft(reqs, tails, budgets)``) and reports acceptance
-            (``observe``). The emitted tokens have exactly the distribution of plain decoding.
+          drafter: optional ``types.Drafter`` (HistoSpec: ``rhyme_jax.spec.drafter.Drafter.batch``
+            of these prompts): each decode step asks it for drafts of the active requests
+            (``draft(reqs, tails, budgets)``, tails of ``context_width`` tokens) and reports
+            acceptance (``observe``). The emitted tokens have exactly the distribution of plain
+            decoding.
           prefixes: optional per request ``(tokens int32[m], logprobs f32[m])`` of a response
             already begun elsewhere (a migrated sequence): the request is prefilled with prompt +
             those tokens and continues from there; they count toward ``max_new_tokens`` and are
@@ -307,192 +341,44 @@ class RolloutEngine:
 
         Raises:
           PromptTooLongError: a prompt is longer than ``max_prompt_len`` in "error" mode.
-          EngineConfigError: empty prompt, token id outside the vocabulary, bad sampling params.
+          EngineConfigError: empty prompt, token id outside the vocabulary, bad sampling params,
+            bad prefixes.
         """
         t0 = time.perf_counter()
-        ps, slots, alloc = self.page_size, self.max_slots, self.allocator
         reqs = self._validate(prompts, sampling)
         self._ensure_pool(state)
-        flat_state = self._flat_state(state)
-        mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
-        limit = sampling.max_new_tokens
-        n = len(reqs)
-        out_tok = np.zeros((n, limit), np.int32)
-        out_lp = np.zeros((n, limit), np.float32)
-        n_gen = np.zeros(n, np.int64)
-        finish = ["skipped" if r is None else "" for r in reqs]
-        for r, (ptok, plp) in enumerate(prefixes or ()):
-            m = len(ptok)
-            if m >= limit or len(plp) != m:
-                raise EngineConfigError(f"{_WHERE}: prefix of request {r} has {m} tokens / {len(plp)} "
-                                        f"logprobs; needs equal counts below max_new_tokens={limit}")
-            out_tok[r, :m], out_lp[r, :m], n_gen[r] = ptok, plp, m
-        eos = np.zeros(self.model_cfg.vocab_size, bool)
-        eos[list(self.eos_ids)] = True
-        waiting = deque(i for i, r in enumerate(reqs) if r is not None)
-        slot_req = np.full(slots, -1, np.int64)  # request in slot, -1 = free
-        slot_len = np.zeros(slots, np.int64)  # tokens in KV
-        slot_last = np.zeros(slots, np.int32)  # pending input token (last sampled)
-        slot_order = np.zeros(slots, np.int64)  # admission counter (preempt the newest)
-        admitted = 0
-        stats = dict(prefill_tokens=0, generated_tokens=0, decode_steps=0, prefill_steps=0,
-                     preemptions=0, skipped=int(sum(r is None for r in reqs)), drafted_tokens=0,
-                     accepted_tokens=0, drafting_seconds=0.0, sequence_steps=0)
-        step = 0
-        pattern = int(getattr(drafter, "context_width", getattr(drafter, "pattern_max", 0))) \
-            if drafter is not None else 0
-        slot_tail = np.full((slots, max(pattern, 1)), -1, np.int32)  # last tokens (drafting pattern)
-
-        prefix_holders: dict[bytes, set[int]] = {}  # prompt -> live slots holding its full pages
-        slot_key: dict[int, bytes] = {}
-
-        def release(s):
-            alloc.free(s)
-            slot_req[s] = -1
-            pkey = slot_key.pop(s, None)
-            if pkey is not None:
-                prefix_holders[pkey].discard(s)
-
-        def record(ids, toks, lps, counts):
-            """Append the emitted tokens of slots ``ids`` (row i: ``toks[i, :counts[i]]``) to
-            their requests, cut at EOS / the length limit; finish and free the slots that are
-            done. Vectorised over the rows. Returns ``int[len(ids)]`` tokens kept per slot."""
-            r = slot_req[ids]
-            j = n_gen[r]
-            cols = np.arange(toks.shape[1])
-            m = np.minimum(counts, limit - j)
-            hit = eos[toks] & (cols < m[:, None])
-            ended = hit.any(axis=1)
-            m = np.where(ended, hit.argmax(axis=1) + 1, m)
-            keep = cols < m[:, None]
-            rows, at = np.nonzero(keep)
-            out_tok[r[rows], j[rows] + at] = toks[rows, at]
-            out_lp[r[rows], j[rows] + at] = lps[rows, at]
-            n_gen[r] = j + m
-            slot_last[ids] = toks[np.arange(ids.size), m - 1]
-            if pattern:  # the last `pattern` tokens of old tail + kept tokens
-                both = np.concatenate([slot_tail[ids], toks], axis=1)
-                slot_tail[ids] = np.take_along_axis(both, m[:, None] + np.arange(pattern), axis=1)
-            stats["generated_tokens"] += int(m.sum())
-            for i in np.flatnonzero(ended | (j + m >= limit)):
-                finish[r[i]] = "eos" if ended[i] else "length"
-                release(int(ids[i]))
-            return m
-
-        def preempt(s):
-            r = slot_req[s]
-            release(s)
-            waiting.appendleft(int(r))
-            stats["preemptions"] += 1
-
-        while waiting or (slot_req >= 0).any():
-            # ---- admission: packed prefill calls until slots, pages or the queue run out
-            while waiting and (slot_req < 0).any():
-                batch, total = [], 0
-                free_slots = list(np.flatnonzero(slot_req < 0))
-                # Keep one page for every running slot about to cross a page boundary, so an
-                # admission does not immediately force a preemption (thrashing).
-                reserve = int(((slot_req >= 0) & (slot_len >= alloc.num_held * ps)).sum())
-                while waiting and free_slots:
-                    r = waiting[0]
-                    fresh = n_gen[r] == 0
-                    ctx = reqs[r] if fresh else np.concatenate([reqs[r], out_tok[r, : n_gen[r]]])
-                    # Pages the prompt fills completely (its last token's page stays private).
-                    full = (len(ctx) - 1) // ps if fresh and self.share_prompt_prefix else 0
-                    pkey = reqs[r].tobytes() if full else None
-                    holders = prefix_holders.get(pkey) if full else None
-                    shared = full if holders else 0
-                    new = ctx[shared * ps:]
-                    if total + len(new) > self.prefill_budget:
-                        break
-                    if not alloc.can_alloc(alloc.pages_for(len(ctx) + 1) - shared + reserve):
-                        break
-                    s = free_slots.pop(0)
-                    if shared:
-                        alloc.share(s, next(iter(holders)), shared)
-                    alloc.ensure(s, len(ctx))
-                    waiting.popleft()
-                    slot_req[s], slot_len[s], slot_order[s] = r, len(ctx), admitted
-                    admitted += 1
-                    # Same-batch sharing is safe: every layer writes the new K/V before attending.
-                    batch.append((s, new, shared * ps))
-                    total += len(new)
-                    if full:
-                        prefix_holders.setdefault(pkey, set()).add(s)
-                        slot_key[s] = pkey
-                    if pattern:
-                        slot_tail[s] = np.concatenate([np.full(pattern, -1, np.int32), ctx])[-pattern:]
+        run = _Passes(self, self._flat_state(state), key, sampling)
+        table = SlotTable(reqs, self.allocator, limit=sampling.max_new_tokens, eos_ids=self.eos_ids,
+                          vocab_size=self.model_cfg.vocab_size, share_prompt_prefix=self.share_prompt_prefix,
+                          context_width=0 if drafter is None else int(drafter.context_width), prefixes=prefixes)
+        while table.waiting or table.any_live():
+            while table.waiting and table.has_free():  # admission: packed prefills until full
+                batch = table.admit(self.prefill_budget)
                 if not batch:
-                    if not (slot_req >= 0).any():  # pragma: no cover - excluded by construction check
-                        raise EngineConfigError(f"{_WHERE}: KV pool cannot admit request {waiting[0]}")
                     break
-                inp = batching.prefill_inputs(batch, alloc.page_table, ps, slots,
-                                              *self.plan.prefill_shape(total, max(len(b[1]) for b in batch)))
-                toks, lps = self._run(flat_state, inp, key, step, sampling, mode)
-                step += 1
-                stats["prefill_steps"] += 1
-                stats["sequence_steps"] += len(batch)
-                stats["prefill_tokens"] += total
-                filled = np.array([b[0] for b in batch], np.int64)
-                record(filled, toks[: len(batch), None], lps[: len(batch), None], np.ones(len(batch), np.int64))
-            active = slot_req >= 0
-            if not active.any():
+                self._prefill(table, batch, run)
+            if not table.any_live():
                 continue
-            # ---- page growth for the token each active slot writes now (at position slot_len)
-            needy = np.flatnonzero(active & (slot_len >= alloc.num_held.astype(np.int64) * ps))
-            for s in sorted(needy, key=lambda x: slot_order[x]):
-                if slot_req[s] < 0:
-                    continue
-                while not alloc.can_alloc(1):
-                    running = np.flatnonzero(slot_req >= 0)
-                    victim = running[np.argmax(slot_order[running])]
-                    preempt(victim)
-                    if victim == s:
-                        break
-                if slot_req[s] >= 0:
-                    alloc.ensure(s, slot_len[s] + 1)
-            active = slot_req >= 0
-            if not active.any():
+            table.grow_pages()  # may preempt the newest sequences
+            if not table.any_live():
                 continue
-            # ---- one decode/verify step over the live slots: pending token + drafts
-            ids = np.flatnonzero(active)
-            drafts, d_lens = self._draft(drafter, ids, slot_req, slot_len, slot_tail, n_gen, limit, stats)
-            inp = self._step_inputs(ids, drafts, d_lens, slot_len, slot_last, stats)
-            d_lens = inp.draft_lens[: ids.size]
-            toks, lps, n_emit = self._run(flat_state, inp, key, step, sampling, mode)
-            cu = inp.meta.cu_q_lens
-            toks = batching.unpack_rows(toks, cu, ids.size, inp.max_q_len)
-            lps = batching.unpack_rows(lps, cu, ids.size, inp.max_q_len)
-            step += 1
-            stats["decode_steps"] += 1
-            stats["sequence_steps"] += ids.size
-            accepted = n_emit[: ids.size] - 1
-            stats["accepted_tokens"] += int(accepted.sum())
-            if drafter is not None:
-                drafter.observe(slot_req[ids], d_lens, accepted)
-            # KV now holds the pending token and the accepted drafts; the last emitted token is
-            # the new pending one (rejected draft slots are overwritten later).
-            slot_len[ids] += record(ids, toks[: ids.size], lps[: ids.size], n_emit[: ids.size])
+            self._decode(table, run, drafter)
             if monitor is not None:
-                running = slot_req[slot_req >= 0]
-                for r in monitor(Progress(running=running.copy(), waiting=np.array(waiting, np.int64),
-                                          generated=n_gen.copy(), decode_steps=stats["decode_steps"])):
-                    r = int(r)
-                    if finish[r]:
-                        continue
-                    if r in running:
-                        release(int(np.flatnonzero(slot_req == r)[0]))
-                    else:
-                        waiting.remove(r)
-                    finish[r] = "migrated"
-                    if on_stop is not None:
-                        on_stop(r, out_tok[r, :n_gen[r]].copy(), out_lp[r, :n_gen[r]].copy())
+                table.stop(monitor(table.progress()), on_stop)
+        return table.result(time.perf_counter() - t0)
 
-        seconds = time.perf_counter() - t0
-        stats["forward_passes"] = stats["decode_steps"] + stats["prefill_steps"]
-        stats["seconds"] = seconds
-        derive_rates(stats)
-        return RolloutResult(
-            tokens=[out_tok[i, : n_gen[i]].copy() for i in range(n)],
-            logprobs=[out_lp[i, : n_gen[i]].copy() for i in range(n)],
-            finish_reasons=finish, stats=stats)
+
+class _Passes:
+    """The forward passes of one ``generate`` call: runs a step's inputs with the call's model
+    leaves, key and sampling program; pass ``i`` samples with ``fold_in(key, i)``."""
+
+    def __init__(self, engine: RolloutEngine, flat_state, key: jax.Array, sampling: SamplingParams):
+        self.engine, self.flat_state, self.key, self.sampling = engine, flat_state, key, sampling
+        self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        self.count = 0
+
+    def __call__(self, inp: StepInputs):
+        """``RolloutEngine._run`` of ``inp`` as the next pass."""
+        out = self.engine._run(self.flat_state, inp, self.key, self.count, self.sampling, self.mode)
+        self.count += 1
+        return out

@@ -1,4 +1,4 @@
-"""Public types of the rollout engine: sampling settings, results, progress, errors.
+"""Public types of the rollout engine: sampling settings, results, progress, drafter, errors.
 
 Kept apart from ``engine.py`` so schedulers and gatherers can use them without the engine's
 machinery; ``rhyme_jax.rollout.engine`` re-exports them.
@@ -7,8 +7,10 @@ machinery; ``rhyme_jax.rollout.engine`` re-exports them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+from jaxtyping import Int
 
 
 @dataclass(frozen=True)
@@ -75,3 +77,32 @@ def derive_rates(stats: dict) -> dict:
     stats["tokens_per_forward"] = stats["generated_tokens"] / max(stats["sequence_steps"], 1)
     stats["tokens_per_s"] = stats["generated_tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
     return stats
+
+
+class Drafter(Protocol):
+    """What ``RolloutEngine.generate`` needs of a speculative drafter (HistoSpec's
+    ``rhyme_jax.spec.drafter.DraftBatch``, or a test drafter). Requests are indices into the
+    call's prompts. The engine alone fits drafts to its step: it caps each length at the
+    request's remaining budget, ``shapes.MAX_DRAFT``, the step's token budget and the pages it
+    can give, so a drafter may return any width ``K``.
+
+    Attributes:
+      context_width: tokens of each running sequence (prompt + response) the engine passes as
+        ``tails`` (>= 0).
+    """
+
+    context_width: int
+
+    def draft(self, reqs: Int[np.ndarray, "n"], tails: Int[np.ndarray, "n W"],
+              budgets: Int[np.ndarray, "n"]) -> tuple[Int[np.ndarray, "n K"], Int[np.ndarray, "n"]]:
+        """Drafts of ``n`` running requests ``reqs`` (distinct), from their last
+        ``W = context_width`` tokens ``tails`` (left-padded with -1); row i may use up to
+        ``budgets[i]`` tokens. Returns ``(tokens int32[n, K], lens int[n])``, ``lens <= K``
+        (tokens past ``lens[i]`` are ignored)."""
+        ...
+
+    def observe(self, reqs: Int[np.ndarray, "n"], draft_lens: Int[np.ndarray, "n"],
+                accepted: Int[np.ndarray, "n"]) -> None:
+        """After the verify step: row i fed ``draft_lens[i]`` draft tokens (after the engine's
+        cuts) of which the first ``accepted[i]`` were accepted."""
+        ...

@@ -1,9 +1,11 @@
 """HistoSpec drafter: what the rollout engine calls every decode step (ARCHITECTURE.md s.3, s.5).
 
-Per rollout batch (``begin``) each request is tied to its prompt's suffix index (built from the
-history store in a background thread by ``rebuild``); every step ``draft`` returns one padded
-``int32[B, K]`` draft batch (K bucketed so the verify step compiles a bounded number of times),
-and ``observe`` updates each request's draft window. RhymeRL (arXiv 2508.18588) s.4.
+Per rollout batch (``batch``, or ``begin`` for a drafter's default batch) each request is tied to
+its prompt's suffix index (built from the history store in a background thread by ``rebuild``);
+every step ``draft`` returns one padded ``int32[B, K]`` draft batch (K = the longest draft; the
+engine fits drafts to its step shapes) and ``observe`` updates each request's draft window.
+A ``DraftBatch`` (and a ``Drafter`` after ``begin``) is a ``rhyme_jax.rollout.types.Drafter``.
+RhymeRL (arXiv 2508.18588) s.4.
 """
 
 from __future__ import annotations
@@ -16,14 +18,12 @@ from typing import Sequence
 import numpy as np
 from jaxtyping import Int
 
-from rhyme_jax.rollout.batching import K_BUCKETS, draft_bucket
 from rhyme_jax.spec.history import HistoryEntry, HistoryStore
 from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
-from rhyme_jax.spec.window import initial_window, next_window
+from rhyme_jax.spec.window import MAX_WINDOW, initial_window, next_window
 
 SELF_LOOKUP_WIDTH = 256  # tokens of the running sequence searched by spec.self_lookup
-bucket = draft_bucket  # smallest of K_BUCKETS >= n (the engine's verify-step draft buckets)
 
 
 def index_of(entry: HistoryEntry) -> SuffixIndex:
@@ -128,8 +128,9 @@ class Drafter:
         return DraftBatch(self, IndexPack.of(indexes), np.array([slot_of.get(p, -1) for p in pids], np.int64))
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Start the default batch (``batch``) that ``draft`` / ``observe`` / ``windows`` act on;
-        every window starts at the policy's initial value."""
+        """Start the default batch (``batch``) that ``draft`` / ``observe`` act on (so the
+        drafter itself can be passed to ``RolloutEngine.generate``); every window starts at the
+        policy's initial value."""
         self._current = self.batch(prompt_ids)
 
     def draft(self, reqs, tails, budgets):
@@ -139,11 +140,6 @@ class Drafter:
     def observe(self, reqs, drafted, accepted) -> None:
         """``DraftBatch.observe`` of the batch started by ``begin``."""
         self._current.observe(reqs, drafted, accepted)
-
-    @property
-    def windows(self) -> Int[np.ndarray, "R"]:
-        """Copy of the current ``int32[R]`` windows of the ``begin`` batch's requests."""
-        return self._current.windows
 
     def close(self) -> None:
         """Stop the background build thread (queued builds are dropped, a running one finishes)."""
@@ -161,13 +157,12 @@ class DraftBatch:
     and its draft window. The engine calls ``draft`` every decode step and ``observe`` after it.
 
     Attributes:
-      pattern_max, context_width: from the parent drafter (how many tokens ``tails`` must hold).
+      context_width: from the parent drafter (how many tokens ``tails`` must hold).
       seconds: host time inside ``draft`` (also added to the parent's ``seconds``).
     """
 
     def __init__(self, parent: Drafter, pack: IndexPack, slots: np.ndarray):
         self.parent = parent
-        self.pattern_max = parent.pattern_max
         self.context_width = parent.context_width
         self._pack, self._slots = pack, slots
         self._window = initial_window(parent.window_policy, slots.size, parent.fixed_window)
@@ -198,8 +193,8 @@ class DraftBatch:
 
         Returns:
           ``(drafts int32[B, K], lens int32[B])``; lens[b] <= min(window[reqs[b]], budgets[b]);
-          padding 0; K = smallest of ``K_BUCKETS`` >= max(lens). Row b equals
-          ``SuffixIndex.draft`` of its prompt's index.
+          padding 0; K = max(lens). Row b equals ``SuffixIndex.draft`` of its prompt's index
+          (or, with self-lookup, ``self_lookup_drafts`` of its tail where the index has none).
 
         Raises:
           ValueError: shapes or request indices that do not fit (named).
@@ -223,7 +218,7 @@ class DraftBatch:
             miss = np.flatnonzero((lens == 0) & (max_lens > 0))
             if miss.size:
                 own, own_lens = self_lookup_drafts(tails[miss], max_lens[miss], pattern_max=p.pattern_max,
-                                                   pattern_min=p.pattern_min, max_draft=K_BUCKETS[-1])
+                                                   pattern_min=p.pattern_min, max_draft=MAX_WINDOW)
                 width = max(out.shape[1], int(own_lens.max(initial=0)))
                 if width > out.shape[1]:
                     out = np.concatenate([out, np.zeros((out.shape[0], width - out.shape[1]), out.dtype)], axis=1)
@@ -231,7 +226,7 @@ class DraftBatch:
                 out[miss, :w] = own[:, :w]
                 lens = lens.copy()
                 lens[miss] = own_lens
-        k = bucket(int(lens.max(initial=0)))
+        k = int(lens.max(initial=0))
         drafts = np.zeros((r.size, k), np.int32)
         w = min(k, out.shape[1])
         drafts[:, :w] = out[:, :w]

@@ -68,19 +68,28 @@ def lookup(cptr, ctok, cto, htab, state, tok):
         h = (h + 1) & mask
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add_edge(hk, hv, e_tok, e_to, e_from, e_next, head, ne, s, v, c, to):
+    """Build-time edge ``ne``: transition (v, c) -> ``to``, entered in the (state, token) hash
+    at its empty slot ``s`` (``_find_slot``) and at the head of v's edge list. Returns the next
+    edge id."""
+    hk[s] = _key(v, c)
+    hv[s] = ne
+    e_tok[ne] = c
+    e_to[ne] = to
+    e_from[ne] = v
+    e_next[ne] = head[v]
+    head[v] = ne
+    return ne + 1
+
+
 @numba.njit(cache=True, nogil=True)
-def build_sam(text, pos_reward, pos_resp):
-    """Suffix automaton of ``text`` (int32[n], n >= 1) with per-state statistics.
-
-    Args:
-      text: int32[n] the concatenated strings (terminators are negative).
-      pos_reward: float64[n] reward of the response string holding each position (0 elsewhere).
-      pos_resp: int8[n] 1 where the position lies in a response string.
-
-    Returns:
-      (length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab) as described in the module
-      docstring.
-    """
+def _automaton(text, pos_reward, pos_resp):
+    """The online suffix-automaton construction over ``text``, with each position's own
+    occurrence (``cnt``, ``rcnt``, ``rsum`` of the state it creates; not yet summed up the link
+    tree). Returns ``(length, link, cnt, rcnt, rsum, e_tok, e_to, e_from, size, ne)``: state
+    arrays of capacity ``2n + 2`` (``size`` used) and edge arrays of capacity ``3n + 4`` (``ne``
+    used; ``e_from`` = source state)."""
     n = text.shape[0]
     max_states = 2 * n + 2
     max_edges = 3 * n + 4
@@ -117,14 +126,7 @@ def build_sam(text, pos_reward, pos_resp):
             s = _find_slot(hk, mask, p, c)
             if hk[s] != -1:
                 break
-            hk[s] = _key(p, c)
-            hv[s] = ne
-            e_tok[ne] = c
-            e_to[ne] = cur
-            e_from[ne] = p
-            e_next[ne] = head[p]
-            head[p] = ne
-            ne += 1
+            ne = _add_edge(hk, hv, e_tok, e_to, e_from, e_next, head, ne, s, p, c, cur)
             p = link[p]
         if p == -1:
             link[cur] = 0
@@ -132,7 +134,7 @@ def build_sam(text, pos_reward, pos_resp):
             q = e_to[hv[_find_slot(hk, mask, p, c)]]
             if length[p] + 1 == length[q]:
                 link[cur] = q
-            else:
+            else:  # clone q: same edges, length of p + 1; redirect p's suffix chain to it
                 clone = size
                 size += 1
                 length[clone] = length[p] + 1
@@ -140,14 +142,7 @@ def build_sam(text, pos_reward, pos_resp):
                 e = head[q]
                 while e != -1:
                     s = _find_slot(hk, mask, clone, e_tok[e])
-                    hk[s] = _key(clone, e_tok[e])
-                    hv[s] = ne
-                    e_tok[ne] = e_tok[e]
-                    e_to[ne] = e_to[e]
-                    e_from[ne] = clone
-                    e_next[ne] = head[clone]
-                    head[clone] = ne
-                    ne += 1
+                    ne = _add_edge(hk, hv, e_tok, e_to, e_from, e_next, head, ne, s, clone, e_tok[e], e_to[e])
                     e = e_next[e]
                 while p != -1:
                     s = _find_slot(hk, mask, p, c)
@@ -158,8 +153,13 @@ def build_sam(text, pos_reward, pos_resp):
                 link[q] = clone
                 link[cur] = clone
         last = cur
+    return length, link, cnt, rcnt, rsum, e_tok, e_to, e_from, size, ne
 
-    # Occurrence statistics: end positions flow up the suffix-link tree (longest states first).
+
+@numba.njit(cache=True, nogil=True)
+def _sum_occurrences(length, link, cnt, rcnt, rsum, size, n):
+    """End positions flow up the suffix-link tree, longest states first (a counting sort by
+    length): afterwards each state's ``cnt``/``rcnt``/``rsum`` cover all its occurrences."""
     by_len = np.zeros(n + 2, np.int64)
     for v in range(size):
         by_len[length[v]] += 1
@@ -176,7 +176,11 @@ def build_sam(text, pos_reward, pos_resp):
         rcnt[u] += rcnt[v]
         rsum[u] += rsum[v]
 
-    # Children in CSR, and a compact hash of edge ids for (state, token) lookups.
+
+@numba.njit(cache=True, nogil=True)
+def _children(e_tok, e_to, e_from, size, ne):
+    """The ``ne`` build edges as CSR children ``(cptr[size + 1], ctok[ne], cto[ne])`` (build
+    order within a state) and the compact open-addressing hash ``htab`` of their edge ids."""
     cptr = np.zeros(size + 1, np.int32)
     for e in range(ne):
         cptr[e_from[e] + 1] += 1
@@ -201,6 +205,25 @@ def build_sam(text, pos_reward, pos_resp):
             while htab[h] != -1:
                 h = (h + 1) & mask
             htab[h] = k
+    return cptr, ctok, cto, htab
+
+
+@numba.njit(cache=True, nogil=True)
+def build_sam(text, pos_reward, pos_resp):
+    """Suffix automaton of ``text`` (int32[n], n >= 1) with per-state statistics.
+
+    Args:
+      text: int32[n] the concatenated strings (terminators are negative).
+      pos_reward: float64[n] reward of the response string holding each position (0 elsewhere).
+      pos_resp: int8[n] 1 where the position lies in a response string.
+
+    Returns:
+      (length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab) as described in the module
+      docstring.
+    """
+    length, link, cnt, rcnt, rsum, e_tok, e_to, e_from, size, ne = _automaton(text, pos_reward, pos_resp)
+    _sum_occurrences(length, link, cnt, rcnt, rsum, size, text.shape[0])
+    cptr, ctok, cto, htab = _children(e_tok, e_to, e_from, size, ne)
     return (length[:size].copy(), link[:size].copy(), cnt[:size].copy(), rcnt[:size].copy(),
             rsum[:size].copy(), cptr, ctok, cto, htab)
 

@@ -19,7 +19,7 @@ POLICIES = ("aimd", "mimd", "fixed")
 START = 2
 AIMD_STEP, AIMD_CAP = 2, 32
 MIMD_CAP = 16
-MAX_WINDOW = 32  # largest draft bucket (drafter.K_BUCKETS)
+MAX_WINDOW = 32  # longest draft window (the engine caps drafts at shapes.MAX_DRAFT = 32 too)
 
 
 def _check(policy: str, fixed: int) -> None:
