@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import RunConfig
 
 MIN_PREFILL_BUCKET = 64  # a shorter prefill costs about the same padded to 64
 MIN_PREFILL_Q = 16
@@ -167,13 +170,13 @@ def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens:
         verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)))
 
 
-def plan_from_config(cfg: Any) -> ShapePlan:
+def plan_from_config(cfg: RunConfig) -> ShapePlan:
     """``plan`` of a run config's ``rollout`` section (the engine the trainer builds)."""
     r = cfg.rollout
     return plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
                 max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
 
 
-def programs_from_config(cfg: Any) -> list[StepShape]:
+def programs_from_config(cfg: RunConfig) -> list[StepShape]:
     """Step programs a run compiles: ``plan_from_config(cfg).programs(spec=cfg.spec.enabled)``."""
     return plan_from_config(cfg).programs(spec=bool(cfg.spec.enabled))

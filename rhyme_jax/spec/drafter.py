@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from jaxtyping import Int
@@ -22,6 +22,9 @@ from rhyme_jax.spec.history import HistoryEntry, HistoryStore
 from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
 from rhyme_jax.spec.window import MAX_WINDOW, initial_window, next_window
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import SpecSection
 
 SELF_LOOKUP_WIDTH = 256  # tokens of the running sequence searched by spec.self_lookup
 
@@ -37,7 +40,7 @@ class Drafter:
     """Batched HistoSpec drafts for the requests of one rollout batch.
 
     Args:
-      cfg: SpecSection-like object (attribute access): ``branch``, ``window``, ``fixed_window``,
+      cfg: the run's ``spec`` section (``rhyme_jax.config.SpecSection``): ``branch``, ``window``, ``fixed_window``,
         ``min_token_prob``, ``pattern_max``, ``pattern_min``.
       store: the history store the indexes are built from.
 
@@ -48,7 +51,7 @@ class Drafter:
       ValueError: a bad config value (named).
     """
 
-    def __init__(self, cfg, store: HistoryStore):
+    def __init__(self, cfg: SpecSection, store: HistoryStore):
         self.branch = str(cfg.branch)
         self.window_policy = str(cfg.window)
         self.fixed_window = int(cfg.fixed_window)
