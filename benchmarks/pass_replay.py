@@ -3,9 +3,10 @@
 Given the tokens a sequence emitted, the number of verify passes HistoSpec needed for it is fixed:
 a draft token is accepted exactly when it equals the emitted token at its position (a rejected
 draft token is resampled from the residual, which excludes it), so each pass emits the longest
-common prefix of draft and emitted tokens plus one. Replaying the run's own drafter settings
-(suffix index over the previous rollout of the prompt, branch policy, window policy, self-lookup)
-over ``<run>/rollouts/step_*.npz`` gives every sequence's pass count without a model:
+common prefix of draft and emitted tokens plus one. Running the run's own drafter
+(``rhyme_jax.spec.drafter`` with the run's ``spec`` settings, over a history store written back
+step by step as the trainer writes it) over ``<run>/rollouts/step_*.npz`` gives every sequence's
+pass count without a model:
 
 * per-sequence ratio: generated tokens / sequence passes, prefill included (tokens per sequence
   forward pass; plain decode: 1);
@@ -42,17 +43,53 @@ sys.path.insert(0, str(ROOT))
 
 from rhyme_jax.config import load_config  # noqa: E402
 from rhyme_jax.data import load_problems  # noqa: E402
-from rhyme_jax.spec.drafter import SELF_LOOKUP_WIDTH  # noqa: E402
-from rhyme_jax.spec.self_lookup import self_lookup_drafts  # noqa: E402
-from rhyme_jax.spec.suffix_index import SuffixIndex  # noqa: E402
-from rhyme_jax.spec.window import initial_window, next_window  # noqa: E402
-from rhyme_jax.train.policy import build_tokenizer  # noqa: E402
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts  # noqa: E402
-from rhyme_jax.train.trainer import epoch_of_step  # noqa: E402
+from rhyme_jax.spec.drafter import Drafter  # noqa: E402
+from rhyme_jax.spec.history import HistoryEntry, HistoryStore, Rollout  # noqa: E402
+from rhyme_jax.train.policy import build_tokenizer  # noqa: E402
+from rhyme_jax.train.prompts import PromptTokens, epoch_of_step  # noqa: E402
 
 
-def replay_step(spec, max_new: int, prompts, pids, responses, rewards, history, siblings: bool):
-    """Passes per sequence of one step (all sequences start together after one prefill).
+class _WithSiblings:
+    """The history store as the drafter sees it under ``--siblings``: each prompt's entry plus one
+    more rollout holding the responses of its samples that already finished in this step
+    (``finish``); entries are rebuilt only when that set changes."""
+
+    def __init__(self, history: HistoryStore, prompts: dict, responses, rewards):
+        self.history, self.prompts, self.responses, self.rewards = history, prompts, responses, rewards
+        self.done: dict[int, list[int]] = {}
+        self._entries: dict[int, tuple[tuple, HistoryEntry | None]] = {}
+
+    def finish(self, pid: int, row: int) -> None:
+        self.done.setdefault(int(pid), []).append(int(row))
+
+    def entry(self, pid: int) -> HistoryEntry | None:
+        pid = int(pid)
+        done = tuple(sorted(self.done.get(pid, ())))
+        if pid not in self._entries or self._entries[pid][0] != done:
+            old = self.history.entry(pid)
+            rollouts = old.rollouts if old is not None else ()
+            if done:
+                resp = tuple(np.asarray(self.responses[j], np.int32) for j in done)
+                rollouts += (Rollout(-1, resp, np.array([self.rewards[j] for j in done], np.float32),
+                                     np.array([r.size for r in resp], np.int32)),)
+            prompt = old.prompt if old is not None else np.asarray(self.prompts[pid], np.int32)
+            self._entries[pid] = (done, HistoryEntry(prompt, rollouts) if rollouts else None)
+        return self._entries[pid][1]
+
+
+def replay_step(spec, max_new: int, prompts, pids, responses, rewards, history: HistoryStore,
+                siblings: bool) -> np.ndarray:
+    """Passes per sequence of one step (all sequences start together after one prefill), drafted
+    by the run's own drafter (``rhyme_jax.spec.drafter``: one ``DraftBatch`` over ``history`` for
+    the step, ``draft`` / ``observe`` after every pass as the engine calls them; with
+    ``siblings``, over the history plus the same prompt's responses finished in earlier passes).
+
+    Args:
+      spec: the ``spec`` config section; ``max_new``: ``rollout.max_new_tokens``.
+      prompts: prompt id -> ``int32[p]`` prompt tokens; ``pids``: ``int[N]`` prompt id per row.
+      responses, rewards: the step's emitted ``int32[L_i]`` responses and their rewards.
+      history: the history store as the trainer held it when the step ran.
 
     Returns ``int[N]`` verify passes of each sequence after the prefill pass, which emitted its
     first token."""
@@ -60,44 +97,36 @@ def replay_step(spec, max_new: int, prompts, pids, responses, rewards, history, 
     lengths = np.array([len(r) for r in responses])
     pos = np.minimum(1, lengths)  # the prefill pass samples each first token
     passes = np.zeros(n, np.int64)
-    finished_at = np.full(n, np.iinfo(np.int64).max)
-    window = initial_window(spec.window, n, spec.fixed_window)
-    indexes: dict[tuple, SuffixIndex | None] = {}
-    t = 0
-    while (pos < lengths).any():
-        t += 1
-        for i in np.flatnonzero(pos < lengths):
-            pid, y = int(pids[i]), responses[i]
-            done = tuple(j for j in range(n) if siblings and pids[j] == pid and finished_at[j] < t)
-            if (pid, done) not in indexes:
-                old, old_rewards = history.get(pid, ([], []))
-                resp = list(old) + [responses[j] for j in done]
-                rew = np.array(list(old_rewards) + [rewards[j] for j in done], np.float32)
-                indexes[(pid, done)] = SuffixIndex.build(prompts[pid], resp, rew) if resp else None
-            index = indexes[(pid, done)]
-            context = np.concatenate([prompts[pid], y[: pos[i]]])
-            budget = int(min(window[i], max_new - pos[i] - 1))
-            draft = np.zeros(0, np.int32)
-            if index is not None and budget > 0:
-                draft = index.draft(context[-spec.pattern_max:], budget, branch=spec.branch,
-                                    min_token_prob=spec.min_token_prob, pattern_max=spec.pattern_max,
-                                    pattern_min=spec.pattern_min)
-            if draft.size == 0 and spec.self_lookup and budget > 0:
-                tail = np.full((1, SELF_LOOKUP_WIDTH), -1, np.int64)
-                c = context[-SELF_LOOKUP_WIDTH:]
-                tail[0, -c.size:] = c
-                own, own_len = self_lookup_drafts(tail, np.array([budget]), pattern_max=spec.pattern_max,
-                                                  pattern_min=spec.pattern_min, max_draft=32)
-                draft = own[0, : own_len[0]]
-            rest = y[pos[i]:]
-            m = min(draft.size, rest.size)
-            accepted = int(np.argmin(np.append(draft[:m] == rest[:m], False)))
-            pos[i] += min(accepted + 1, rest.size)
-            passes[i] += 1
-            window[i: i + 1] = next_window(spec.window, window[i: i + 1], np.array([draft.size]),
-                                           np.array([accepted]), spec.fixed_window)
-            if pos[i] >= y.size:
-                finished_at[i] = t
+    store = _WithSiblings(history, prompts, responses, rewards) if siblings else history
+    drafter = Drafter(spec, store)
+    try:
+        batch, log = drafter.batch(pids), []
+        while (pos < lengths).any():
+            live = np.flatnonzero(pos < lengths)
+            width = batch.context_width
+            tails = np.full((live.size, width), -1, np.int64)
+            for b, i in enumerate(live):
+                c = np.concatenate([prompts[int(pids[i])], responses[i][: pos[i]]])[-width:]
+                tails[b, width - c.size:] = c
+            drafts, lens = batch.draft(live, tails, max_new - pos[live] - 1)
+            accepted = np.zeros(live.size, np.int64)
+            for b, i in enumerate(live):
+                rest = responses[i][pos[i]:]
+                m = min(int(lens[b]), rest.size)
+                accepted[b] = int(np.argmin(np.append(drafts[b, :m] == rest[:m], False)))
+                pos[i] += min(accepted[b] + 1, rest.size)
+            passes[live] += 1
+            batch.observe(live, lens, accepted)
+            log.append((live, lens, accepted))
+            ended = live[pos[live] >= lengths[live]]
+            if siblings and ended.size:  # their responses become draft sources from the next pass on
+                for i in ended:
+                    store.finish(pids[i], i)
+                batch = drafter.batch(pids)
+                for step_obs in log:  # the windows are a function of the observations: replay them
+                    batch.observe(*step_obs)
+    finally:
+        drafter.close()
     return passes
 
 
@@ -145,16 +174,12 @@ def main(argv=None) -> int:
         return 2
     cfg = load_config(str(run / "config.yaml"), [])
     train, _ = load_problems(cfg.data)
-    tok = build_tokenizer(cfg, run, train)
-    prompt_cache: dict[int, np.ndarray] = {}
+    tokens = PromptTokens(build_tokenizer(cfg, run, train), train, cfg.model.prompt_template)
 
     def prompt(pid: int) -> np.ndarray:
-        if pid not in prompt_cache:
-            text = tok.format_prompt(cfg.model.prompt_template, train[pid].question)
-            prompt_cache[pid] = np.array(tok.encode(text), np.int32)
-        return prompt_cache[pid]
+        return np.array(tokens(pid), np.int32)
 
-    history: dict[int, tuple[list, list]] = {}  # depth-1 history, written back after each step
+    history = HistoryStore(cfg.spec.history_depth)  # written back after each step, as the trainer does
     rows = []
     for step in list_rollout_steps(run):
         ro = load_rollouts(run, step)
@@ -165,7 +190,7 @@ def main(argv=None) -> int:
             if args.oracle:
                 passes = np.array([oracle_passes(prompts[int(p)], y, [prompts[int(p)]] + [
                                                      np.concatenate([prompts[int(p)], h])
-                                                     for h in history.get(int(p), ([], []))[0]],
+                                                     for h in (history.responses(int(p))[0] if int(p) in history else [])],
                                                  cfg.rollout.max_new_tokens, args.oracle_window)
                                    for p, y in zip(pids, resp)])
             else:
@@ -174,9 +199,7 @@ def main(argv=None) -> int:
             lengths = np.array([len(r) for r in resp])
             rows.append(dict(step=step, epoch=epoch, longest=int(lengths.max()), most_passes=int(passes.max()),
                              tokens=int(lengths.sum()), sequence_passes=int(passes.sum()) + len(resp)))  # + prefills
-        for p in np.unique(pids):
-            m = np.flatnonzero(pids == p)
-            history[int(p)] = ([resp[j] for j in m], [float(rew[j]) for j in m])
+        history.update(step, pids, [prompt(int(p)) for p in pids], resp, rew)
     if not rows:
         print(f"benchmarks/pass_replay.py: no steps of epoch >= {args.from_epoch} in {run}", file=sys.stderr)
         return 2

@@ -89,6 +89,28 @@ def write_report(rows, out: Path, final: bool, meta: dict) -> None:
         print(f"written: {out / 'rollout_benchmark.md'}")
 
 
+def paired_rollouts(rows: list):
+    """The ``wrap_generate`` hook of this benchmark: every engine call of the run's rollout
+    workers first generates the same inputs with plain decoding (output discarded), then with the
+    HistoSpec drafter, and appends both calls' stats (and XLA compiles inside each) to ``rows``;
+    the HistoSpec rollout is what the trainer gets."""
+    from rhyme_jax.compile_count import CompileCounter
+
+    def wrap(generate):
+        def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
+            with CompileCounter() as plain_compiles:  # a compile inside a timed rollout would skew it
+                plain = generate(state, prompts, sampling, key, **kw)
+            with CompileCounter() as spec_compiles:
+                spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
+            rows.append({"plain": {**plain.stats, "compiles": plain_compiles.count},
+                         "spec": {**spec.stats, "compiles": spec_compiles.count}})
+            return spec
+
+        return paired_generate
+
+    return wrap
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/default.yaml")
@@ -108,15 +130,16 @@ def main(argv=None) -> int:
 
     # Reuse compiled programs across benchmark runs (warm-up is excluded from timings anyway).
     jax.config.update("jax_compilation_cache_dir", str(Path("runs") / ".jax_cache"))
-    from rhyme_jax.compile_count import CompileCounter
     from rhyme_jax.config import load_config
     from rhyme_jax.rollout.engine import SamplingParams
-    from rhyme_jax.train.trainer import GRPOTrainer, epoch_of_step
+    from rhyme_jax.train.prompts import epoch_of_step
+    from rhyme_jax.train.trainer import GRPOTrainer
 
     cfg = load_config(args.config, [*args.overrides, "spec.enabled=true", f"grpo.steps={args.steps}",
                                     f"run.name={args.name}", f"run.init_from={args.init_from}",
                                     "run.progress=false", f"run.checkpoint_every={args.steps}"])
-    trainer = GRPOTrainer(cfg)
+    rows = []
+    trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(rows))
     r = cfg.rollout
     sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     t0 = time.perf_counter()
@@ -129,19 +152,6 @@ def main(argv=None) -> int:
     meta = {"backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
             "attention_impl": trainer.engine.attention_impl,
             "warmup_s": round(time.perf_counter() - t0, 1)}
-    rows = []
-    generate = trainer.engine.generate
-
-    def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
-        with CompileCounter() as plain_compiles:  # a compile inside a timed rollout would skew it
-            plain = generate(state, prompts, sampling, key, **kw)
-        with CompileCounter() as spec_compiles:
-            spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
-        rows.append({"plain": {**plain.stats, "compiles": plain_compiles.count},
-                     "spec": {**spec.stats, "compiles": spec_compiles.count}})
-        return spec
-
-    trainer.engine.generate = paired_generate
     for step in range(1, args.steps + 1):
         trainer.train_step(step)
         trainer.step = step

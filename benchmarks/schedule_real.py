@@ -52,24 +52,6 @@ class BenchSetupError(RuntimeError):
     rollouts, devices); the message says what to run."""
 
 
-@dataclass
-class Policy:
-    """The demo policy as the trainer builds it: config, tokenizer, train problems, model
-    ``graphdef``/``model_cfg`` and the SFT ``state`` (on the first device)."""
-
-    cfg: object
-    tokenizer: object
-    problems: list
-    graphdef: object
-    model_cfg: object
-    state: object
-
-    def prompt_tokens(self, idx: int) -> list[int]:
-        """Prompt token ids of train problem ``idx``, built as ``GRPOTrainer._prompt_ids`` does."""
-        p = self.problems[int(idx)]
-        return self.tokenizer.encode(self.tokenizer.format_prompt(self.cfg.model.prompt_template, p.question))
-
-
 def _enable_compile_cache(path: str) -> None:
     """Persistent XLA compilation cache (as benchmarks/rollout.py; warm-up is never timed)."""
     import jax
@@ -84,31 +66,29 @@ def _require_params(init_from: str) -> None:
         raise BenchSetupError(f"no params at --init-from {init_from}; run `rhyme-jax sft` (the demo) first")
 
 
-def load_policy(config: str, overrides: list[str], init_from: str, run_dir: str) -> Policy:
-    """Config, the run's tokenizer (``<run_dir>/tokenizer.json`` for the demo model; never trained
-    anew, it must match the params), the train problems and the params of ``init_from``
-    (``rhyme_jax.train.checkpoint.load_params``: ``runs/demo/sft`` or a ``checkpoints/<step>``).
+def load_policy(config: str, overrides: list[str], init_from: str, run_dir: str):
+    """The demo policy as the trainer builds it (``rhyme_jax.train.assembly.build_policy`` on one
+    device: config, the run's tokenizer, train problems, model) with the params of ``init_from``
+    (``runs/demo/sft`` or a ``checkpoints/<step>``). The tokenizer (``<run_dir>/tokenizer.json``
+    for the demo model) is never trained anew: it must match the params. Returns
+    ``(policy, params)``.
 
     Raises:
       BenchSetupError: no params at ``init_from`` or no tokenizer file.
     """
     from rhyme_jax.config import load_config
-    from rhyme_jax.data import load_problems
-    from rhyme_jax.model.tokenizer import Tokenizer
     from rhyme_jax.parallel.mesh import train_mesh
+    from rhyme_jax.train.assembly import build_policy
     from rhyme_jax.train.checkpoint import load_params
-    from rhyme_jax.train.policy import build_sharded, tokenizer_file
+    from rhyme_jax.train.policy import tokenizer_file
 
     _require_params(init_from)
     cfg = load_config(config, overrides)
     tok = tokenizer_file(cfg, Path(run_dir))
     if not tok.is_file():
         raise BenchSetupError(f"no tokenizer at {tok} (the run that trained --init-from writes it; pass --run-dir)")
-    tokenizer = Tokenizer.from_file(tok)
-    train, _ = load_problems(cfg.data)
-    graphdef, state, model_cfg = build_sharded(cfg, tokenizer, cfg.run.seed, train_mesh(1, 1, 1))
-    state = load_params(init_from, state)
-    return Policy(cfg, tokenizer, train, graphdef, model_cfg, state)
+    policy, state = build_policy(cfg, Path(run_dir), train_mesh(1, 1, 1))
+    return policy, load_params(init_from, state)
 
 
 def profile_grid(max_slots: int, max_new_tokens: int, batches=PROFILE_BATCHES,
@@ -144,7 +124,7 @@ def format_profile_table(cm: CostModel, rows: list[dict]) -> str:
 def run_profile(args) -> int:
     """``--mode profile``: measure one rollout worker's ``T(tokens, batch)`` and save the fit.
 
-    One engine as the trainer builds it (``make_engine`` with the config's ``rollout`` section) but
+    One engine as the trainer builds it (``assembly.make_engine`` with the config's ``rollout`` section) but
     with ``eos_ids=()``, so every sequence generates exactly ``tokens`` new tokens. The batch is
     GRPO-shaped: ``ceil(batch / n)`` train prompts with ``n = grpo.samples_per_prompt`` samples each
     (prompt-prefix sharing as in training). Per grid point: one warm-up ``generate`` (compiles the
@@ -156,15 +136,15 @@ def run_profile(args) -> int:
     from rhyme_jax.parallel.rules import param_shardings
     from rhyme_jax.rollout.batching import seq_buckets
     from rhyme_jax.rollout.engine import SamplingParams
-    from rhyme_jax.train.trainer import make_engine
+    from rhyme_jax.train.assembly import make_engine
 
     t_start = time.perf_counter()
     _require_params(args.init_from)
     _enable_compile_cache(args.jax_cache)
-    pol = load_policy(args.config, args.overrides, args.init_from, args.run_dir)
+    pol, params = load_policy(args.config, args.overrides, args.init_from, args.run_dir)
     cfg, r = pol.cfg, pol.cfg.rollout
     engine = make_engine(pol.graphdef, pol.model_cfg, cfg, (), mesh=None)  # no EOS: exact lengths
-    state = reshard(pol.state, param_shardings(pol.state, engine.mesh))
+    state = reshard(params, param_shardings(params, engine.mesh))
     batches, tokens = profile_grid(r.max_slots, r.max_new_tokens)
     n = int(cfg.grpo.samples_per_prompt)
     dev = jax.devices()[0]
@@ -351,11 +331,11 @@ def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float
 def run_workers_mode(args) -> int:
     """``--mode workers``: the four configurations on W real rollout workers.
 
-    W engines on ``rollout_meshes(1, W)`` (one device each), the params resharded into each
-    worker's layout, every engine warmed up (compiled) before timing. For each step of
-    ``--start-step .. + --steps`` of ``--run-dir``'s saved rollouts: that step's prompts (n samples
-    each, prompt ids as the trainer built them), the predictions from each prompt's previous
-    occurrence (``worker_steps``), the trainer's key for the step; every configuration of
+    W engines on ``rollout_meshes(1, W)`` (one device each; ``assembly.build_rollout``), the params
+    resharded into each worker's layout, every engine warmed up (compiled) before timing. For each
+    step of ``--start-step .. + --steps`` of ``--run-dir``'s saved rollouts: that step's prompts
+    (n samples each, prompt ids as the trainer built them), the predictions from each prompt's
+    previous occurrence (``worker_steps``), the trainer's key for the step; every configuration of
     ``WORKER_CONFIGS`` runs ``RolloutScheduler.rollout`` on the same inputs (configurations
     interleaved per step, so drift of the machine hits all alike). No HistoSpec drafter: only the
     scheduling differs. Then each of ``CROSS_STEP_CONFIGS`` runs the same steps chained through
@@ -374,75 +354,134 @@ def run_workers_mode(args) -> int:
             f"--workers {W}")
     if args.cost_model:
         CostModel.load(args.cost_model)  # fail early on a bad file
-    from rhyme_jax.config import load_config
-    from rhyme_jax.parallel.mesh import rollout_meshes
-    from rhyme_jax.parallel.reshard import reshard
-    from rhyme_jax.parallel.rules import param_shardings
-    from rhyme_jax.rollout.engine import SamplingParams
-    from rhyme_jax.sched.scheduler import RolloutScheduler
-    from rhyme_jax.train.policy import eos_ids
-    from rhyme_jax.train.trainer import make_engine
-
     t_start = time.perf_counter()
     batches = worker_steps(args.run_dir, args.start_step, args.steps)  # fail before building anything
     _require_params(args.init_from)
     _enable_compile_cache(args.jax_cache)
-    pol = load_policy(args.config, args.overrides, args.init_from, args.run_dir)
-    cfg, r = pol.cfg, pol.cfg.rollout
-    max_new = int(r.max_new_tokens)
-    meshes = rollout_meshes(1, W)
-    eos = eos_ids(pol.model_cfg, pol.tokenizer)
-    engines = [make_engine(pol.graphdef, pol.model_cfg, cfg, eos, mesh=m) for m in meshes]
-    states = [reshard(pol.state, param_shardings(pol.state, m)) for m in meshes]
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=max_new)
-    cm_set = [f"sched.cost_model={args.cost_model}"] if args.cost_model else []
-    scheds = {name: RolloutScheduler(engines, load_config(args.config, [*args.overrides, *sets, *cm_set]).sched,
-                                     max_new) for name, sets in WORKER_CONFIGS.items()}
-    cost = next(iter(scheds.values())).cost_model
-    cost_src = args.cost_model or cfg.sched.cost_model or "placeholder defaults"
-    print(f"HistoPipe workers: W={W} engines on {jax.default_backend()} devices "
-          f"{[m.devices.ravel()[0].id for m in meshes]} ({os.cpu_count()} host CPU cores), params {args.init_from}, "
-          f"steps {[st.step for st, _ in batches]} of {args.run_dir}, temperature {r.temperature}, "
-          f"max_new_tokens {max_new}; planner cost model a={cost.a:.4g} s, b={cost.b:.4g} s, c={cost.c:.4g} s "
-          f"({cost_src})", flush=True)
-    t0 = time.perf_counter()
-    warm = warm_up(engines, states, sampling, threads=args.warmup_threads)
-    print(f"  warm-up done in {time.perf_counter() - t0:.1f} s", flush=True)
+    bench = _WorkersBench.build(args, W, [st.step for st, _ in batches])
+    try:
+        per_step, intervals = bench.interleaved(batches)
+        fifo_span = float(np.median([r["time/rollout_makespan_s"] for r in per_step["fifo"]]))
+        train_s = args.train_share / (1.0 - args.train_share) * fifo_span
+        for name in CROSS_STEP_CONFIGS:
+            per_step[name], intervals[name] = bench.chained(name, batches, train_s)
+    finally:
+        bench.close()
+    _write_workers(args, bench, batches, per_step, intervals, train_s, t_start)
+    return 0
 
-    per_step: dict[str, list[dict]] = {name: [] for name in scheds}
-    intervals: dict[str, dict[int, list]] = {name: {} for name in scheds}
-    for st, hist in batches:
-        ids, n = st.prompt_ids, int(st.lengths.shape[1])
-        prompts = [pol.prompt_tokens(int(i)) for i in ids for _ in range(n)]
-        key = jax.random.fold_in(jax.random.key(cfg.run.seed), st.step)
-        pred = predict_lengths(hist, ids, cfg.sched.length_stat, default=max_new / 2)
-        seen = sum(int(p) in hist for p in ids.tolist())
-        print(f"step {st.step}: {len(ids)} prompts x {n} samples, {seen} with history; prediction vs the demo "
-              f"run's own lengths at this step: r = {_corr(pred, st.lengths.mean(1)):.2f}", flush=True)
-        for name, sch in scheds.items():
-            t0 = time.perf_counter()
-            sr = sch.rollout(st.step, states, ids, prompts, n, sampling, key, history=hist)
-            wall = time.perf_counter() - t0
-            lengths = np.array([len(t) for t in sr.result.tokens])
-            row = step_row(st.step, sr, wall, prediction_corr=_corr(pred, lengths.reshape(-1, n).mean(1)))
-            per_step[name].append(row)
-            intervals[name][st.step] = sr.intervals
-            print(f"  {name:22s} bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher idle "
-                  f"{row['sched/earliest_finisher_idle']:6.1%}  makespan {row['time/rollout_makespan_s']:6.3f} s  "
-                  f"migrated {row['sched/migrated_share']:5.1%}  rows/worker {row['worker_rows']}  "
-                  f"mean length {row['mean_length']:.1f} (r vs prediction {row['prediction_corr']:.2f})", flush=True)
 
-    fifo_span = float(np.median([r["time/rollout_makespan_s"] for r in per_step["fifo"]]))
-    train_s = args.train_share / (1.0 - args.train_share) * fifo_span
-    for name, sets in CROSS_STEP_CONFIGS.items():
-        sch = RolloutScheduler(engines, load_config(args.config, [*args.overrides, *sets, *cm_set]).sched, max_new)
-        per_step[name], intervals[name] = cross_step_chain(sch, batches, pol, states, sampling, cfg, train_s=train_s)
-        sch.close()
-        for row in per_step[name]:
+@dataclass
+class _WorkersBench:
+    """The workers mode's set-up: policy, rollout parts (W engines, one device each), the params
+    in each worker's layout, the sampling settings and one scheduler per ``WORKER_CONFIGS`` entry."""
+
+    args: object
+    policy: object
+    rollout: object
+    states: list
+    sampling: object
+    scheds: dict
+    warm: list
+    cost_src: str
+
+    @classmethod
+    def build(cls, args, W: int, steps: list[int]) -> "_WorkersBench":
+        import jax
+
+        from rhyme_jax.parallel.mesh import rollout_meshes
+        from rhyme_jax.rollout.engine import SamplingParams
+        from rhyme_jax.train.assembly import build_rollout
+
+        policy, params = load_policy(args.config, args.overrides, args.init_from, args.run_dir)
+        cfg, r = policy.cfg, policy.cfg.rollout
+        meshes = rollout_meshes(1, W)
+        parts = build_rollout(cfg, policy, params, meshes=meshes)
+        states = parts.states(params)
+        sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                  max_new_tokens=int(r.max_new_tokens))
+        scheds = {name: cls.scheduler(args, parts, sets) for name, sets in WORKER_CONFIGS.items()}
+        cost = next(iter(scheds.values())).cost_model
+        cost_src = args.cost_model or cfg.sched.cost_model or "placeholder defaults"
+        print(f"HistoPipe workers: W={W} engines on {jax.default_backend()} devices "
+              f"{[m.devices.ravel()[0].id for m in meshes]} ({os.cpu_count()} host CPU cores), params "
+              f"{args.init_from}, steps {steps} of {args.run_dir}, temperature {r.temperature}, "
+              f"max_new_tokens {r.max_new_tokens}; planner cost model a={cost.a:.4g} s, b={cost.b:.4g} s, "
+              f"c={cost.c:.4g} s ({cost_src})", flush=True)
+        t0 = time.perf_counter()
+        warm = warm_up(parts.engines, states, sampling, threads=args.warmup_threads)
+        print(f"  warm-up done in {time.perf_counter() - t0:.1f} s", flush=True)
+        return cls(args, policy, parts, states, sampling, scheds, warm, cost_src)
+
+    @staticmethod
+    def scheduler(args, parts, sets: list[str]):
+        """A ``RolloutScheduler`` over the rollout parts' engines with the config's ``sched``
+        section under ``sets`` (and ``--cost-model``)."""
+        from rhyme_jax.config import load_config
+        from rhyme_jax.sched.scheduler import RolloutScheduler
+
+        cm_set = [f"sched.cost_model={args.cost_model}"] if args.cost_model else []
+        cfg = load_config(args.config, [*args.overrides, *sets, *cm_set])
+        return RolloutScheduler(parts.engines, cfg.sched, cfg.rollout.max_new_tokens)
+
+    def interleaved(self, batches) -> tuple[dict, dict]:
+        """Every ``WORKER_CONFIGS`` scheduler on each step of ``batches`` in turn; returns the
+        per-step rows and the intervals by configuration."""
+        import jax
+
+        cfg, max_new = self.policy.cfg, self.sampling.max_new_tokens
+        per_step: dict[str, list[dict]] = {name: [] for name in self.scheds}
+        intervals: dict[str, dict[int, list]] = {name: {} for name in self.scheds}
+        for st, hist in batches:
+            ids, n = st.prompt_ids, int(st.lengths.shape[1])
+            prompts = [self.policy.prompt_tokens(int(i)) for i in ids for _ in range(n)]
+            key = jax.random.fold_in(jax.random.key(cfg.run.seed), st.step)
+            pred = predict_lengths(hist, ids, cfg.sched.length_stat, default=max_new / 2)
+            seen = sum(int(p) in hist for p in ids.tolist())
+            print(f"step {st.step}: {len(ids)} prompts x {n} samples, {seen} with history; prediction vs the "
+                  f"demo run's own lengths at this step: r = {_corr(pred, st.lengths.mean(1)):.2f}", flush=True)
+            for name, sch in self.scheds.items():
+                t0 = time.perf_counter()
+                sr = sch.rollout(st.step, self.states, ids, prompts, n, self.sampling, key, history=hist)
+                wall = time.perf_counter() - t0
+                lengths = np.array([len(t) for t in sr.result.tokens])
+                row = step_row(st.step, sr, wall, prediction_corr=_corr(pred, lengths.reshape(-1, n).mean(1)))
+                per_step[name].append(row)
+                intervals[name][st.step] = sr.intervals
+                print(f"  {name:22s} bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher idle "
+                      f"{row['sched/earliest_finisher_idle']:6.1%}  makespan {row['time/rollout_makespan_s']:6.3f} s  "
+                      f"migrated {row['sched/migrated_share']:5.1%}  rows/worker {row['worker_rows']}  "
+                      f"mean length {row['mean_length']:.1f} (r vs prediction {row['prediction_corr']:.2f})",
+                      flush=True)
+        return per_step, intervals
+
+    def chained(self, name: str, batches, train_s: float) -> tuple[list[dict], dict]:
+        """The ``CROSS_STEP_CONFIGS`` entry ``name`` over ``batches`` (``cross_step_chain``)."""
+        sch = self.scheduler(self.args, self.rollout, CROSS_STEP_CONFIGS[name])
+        try:
+            rows, ivs = cross_step_chain(sch, batches, self.policy, self.states, self.sampling, self.policy.cfg,
+                                         train_s=train_s)
+        finally:
+            sch.close()
+        for row in rows:
             print(f"  {name:22s} step {row['step']}: bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher "
                   f"idle {row['sched/earliest_finisher_idle']:6.1%}  window {row['time/rollout_makespan_s']:6.3f} s",
                   flush=True)
+        return rows, ivs
 
+    def close(self) -> None:
+        for sch in self.scheds.values():
+            sch.close()
+        self.rollout.close()
+
+
+def _write_workers(args, bench: _WorkersBench, batches, per_step, intervals, train_s: float, t_start: float) -> None:
+    """The workers mode's table (printed), JSON and markdown (and Gantt PNGs with ``--gantt``)."""
+    import jax
+
+    W, cfg = int(args.workers), bench.policy.cfg
+    r = cfg.rollout
+    cost = next(iter(bench.scheds.values())).cost_model
     summary = summarize_workers(per_step)
     table = format_workers_table(summary)
     print(f"\nMedians over {len(batches)} steps (W={W}; wall-clock on {os.cpu_count()} host cores shared by "
@@ -454,11 +493,11 @@ def run_workers_mode(args) -> int:
                         "overrides": list(args.overrides), "platform": jax.default_backend(),
                         "device_kind": jax.devices()[0].device_kind, "host_cpus": os.cpu_count(),
                         "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax_version": jax.__version__,
-                        "cost_model": {"a": cost.a, "b": cost.b, "c": cost.c, "source": cost_src},
-                        "sampling": {"temperature": float(r.temperature), "max_new_tokens": max_new},
+                        "cost_model": {"a": cost.a, "b": cost.b, "c": cost.c, "source": bench.cost_src},
+                        "sampling": {"temperature": float(r.temperature), "max_new_tokens": int(r.max_new_tokens)},
                         "length_stat": cfg.sched.length_stat, "growth": float(cfg.sched.growth),
                         "tail_fraction": float(cfg.sched.tail_fraction),
-                        "configs": {**WORKER_CONFIGS, **CROSS_STEP_CONFIGS}, "warmup_s": warm,
+                        "configs": {**WORKER_CONFIGS, **CROSS_STEP_CONFIGS}, "warmup_s": bench.warm,
                         "cross_step_train_s": train_s,
                         "total_s": time.perf_counter() - t_start},
            "summary": summary, "per_step": per_step}
@@ -472,4 +511,3 @@ def run_workers_mode(args) -> int:
             png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_').replace(' ', '_')}.png")
             plot_gantt(intervals[name], png, num_workers=W, title=f"{name} ({W} real workers)")
             print(f"wrote {png}")
-    return 0

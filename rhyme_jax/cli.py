@@ -69,7 +69,7 @@ def _banner(cfg: RunConfig, command: str) -> None:
 
 
 def cmd_sft(cfg: RunConfig) -> int:
-    from rhyme_jax.train.trainer import run_dir_of
+    from rhyme_jax.train.assembly import run_dir_of
     from rhyme_jax.train.warm_start import run_warm_start
 
     run_dir = run_dir_of(cfg)
@@ -80,11 +80,12 @@ def cmd_sft(cfg: RunConfig) -> int:
     return 0
 
 
-def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False) -> int:
+def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False, reward_fn=None) -> int:
     from rhyme_jax.compile_count import CompileCounter
+    from rhyme_jax.train.assembly import run_dir_of
     from rhyme_jax.train.plots import plot_run
     from rhyme_jax.train.summary import build_summary, print_summary, write_summary
-    from rhyme_jax.train.trainer import GRPOTrainer, RunExistsError, has_checkpoints, run_dir_of
+    from rhyme_jax.train.trainer import GRPOTrainer, RunExistsError, has_checkpoints
     from rhyme_jax.train.warm_start import run_warm_start, sft_params_dir
 
     t0 = time.perf_counter()
@@ -103,7 +104,7 @@ def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False) -> int:
         warm = run_warm_start(cfg, run_dir)
         print(f"warm start done: held-out greedy accuracy {warm.accuracy:.3f} "
               f"± {warm.stderr:.3f}", flush=True)
-    trainer = GRPOTrainer(cfg, resume=resume)
+    trainer = GRPOTrainer(cfg, resume=resume, reward_fn=reward_fn)
     if warm is not None and trainer.step == 0 and trainer.eval_before is None:
         # The GRPO run starts from exactly the params just evaluated (same seeds: same result).
         trainer.record_eval(0, warm, before=True)
@@ -135,19 +136,13 @@ def _compile_stats(cfg: RunConfig, trainer, counter) -> dict:
 
 
 def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
-    from flax import nnx
-
-    from rhyme_jax.data import load_problems
+    from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.train import checkpoint as ckpt
+    from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of
     from rhyme_jax.train.evaluate import evaluate_run
-    from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
-    from rhyme_jax.train.trainer import make_engine, run_dir_of
 
     run_dir = run_dir_of(cfg)
-    train, held_out = load_problems(cfg.data)
-    tokenizer = build_tokenizer(cfg, run_dir, train)
-    model = build_model(cfg, tokenizer, cfg.run.seed)
-    graphdef, state = nnx.split(model)
+    policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
     if checkpoint:
         state = ckpt.load_params(Path(checkpoint), state)
         source = checkpoint
@@ -160,8 +155,8 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
         optimizer_free_state, _, _ = c.restore(step, params_like=state, opt_state_like=None)
         c.close()
         state, source = optimizer_free_state, f"{run_dir / 'checkpoints'} step {step}"
-    engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
-    res = evaluate_run(engine, state, tokenizer, held_out, cfg)
+    engine = make_engine(policy.graphdef, policy.model_cfg, cfg, policy.eos)
+    res = evaluate_run(engine, state, policy.tokenizer, policy.eval_problems, cfg)
     sampled = (f", mean@{res.samples} {res.sampled_accuracy:.3f} ± {res.sampled_stderr:.3f}"
                if res.samples else "")
     print(f"{source}: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n})"
@@ -169,8 +164,10 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``rhyme-jax`` console script; returns the process exit status."""
+def main(argv: list[str] | None = None, *, reward_fn=None) -> int:
+    """Entry point of the ``rhyme-jax`` console script; returns the process exit status.
+    ``reward_fn``: ``(response_text, problem) -> float`` GRPO reward of ``train`` / ``demo``
+    instead of the task's (for tests driving the CLI in process or in a subprocess)."""
     args = _parser().parse_args(argv)
     if args.command in ("models", "convert-gguf"):
         return cli_models.run(args)
@@ -203,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sft":
             return cmd_sft(cfg)
         if args.command == "train":
-            return cmd_train(cfg, args.resume)
+            return cmd_train(cfg, args.resume, reward_fn=reward_fn)
         if args.command == "eval":
             return cmd_eval(cfg, args.checkpoint)
-        return cmd_train(cfg, args.resume, warm_start=True)
+        return cmd_train(cfg, args.resume, warm_start=True, reward_fn=reward_fn)
     except _user_errors() as exc:
         print(f"rhyme-jax {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1 if type(exc).__name__ == "NonFiniteLossError" else 2

@@ -71,7 +71,7 @@ def _abstract_engine(cfg: RunConfig, model_cfg):
 
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.train.policy import compute_dtype
-    from rhyme_jax.train.trainer import make_engine
+    from rhyme_jax.train.assembly import make_engine
 
     dtype = compute_dtype(cfg.model.dtype)
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))

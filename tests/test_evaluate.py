@@ -12,7 +12,7 @@ from rhyme_jax.data import load_problems
 from rhyme_jax.rollout.engine import SamplingParams
 from rhyme_jax.train.evaluate import encode_prompts, evaluate, paired_gain
 from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
-from rhyme_jax.train.trainer import make_engine
+from rhyme_jax.train.assembly import make_engine
 
 
 def test_paired_gain_matches_hand_computation():

@@ -37,9 +37,8 @@ def test_replay_reproduces_engine_passes(self_lookup, benchmark_module):
     assert s["prefill_steps"] == 1 and s["preemptions"] == 0
     assert 0 < s["accepted_tokens"] < s["drafted_tokens"]  # drafts both accepted and rejected
 
-    history = {p: ([first.tokens[i] for i in np.flatnonzero(pids == p)], rewards[pids == p]) for p in range(3)}
     passes = replay.replay_step(cfg, MAX_NEW, {p: np.array(groups[p], np.int32) for p in range(3)}, pids,
-                                res.tokens, rewards, history, siblings=False)
+                                res.tokens, rewards, store, siblings=False)
     assert passes.max() == s["decode_steps"]  # the batch runs until its slowest sequence is done
     assert passes.sum() + pids.size == s["sequence_steps"]  # every sequence's verify passes + its prefill
 

@@ -137,3 +137,22 @@ def test_training_update_in_a_window_is_not_a_bubble():
     assert sorted(iv.worker for iv in train) == [0, 1]
     assert train[0].end - train[0].start == pytest.approx(0.4, abs=0.02)
     assert r.metrics["sched/bubble_fraction"] < 0.25  # 1 - (0.6 + 0.45) / 1.2 nominal; 46% without
+
+
+def test_wrap_generate_hook_sees_every_engine_call():
+    """``RolloutScheduler(wrap_generate=)`` puts a hook around each worker's engine calls (what
+    benchmarks/rollout.py pairs plain and HistoSpec rollouts with): it gets the call's arguments
+    and its return value is the rollout."""
+    calls = []
+
+    def wrap(generate):
+        def hooked(state, prompts, sampling, key, **kw):
+            calls.append((state, [list(p) for p in prompts], sorted(kw)))
+            return generate(state, prompts, sampling, key, **kw)
+        return hooked
+
+    sch = RolloutScheduler([SleepEngine(), SleepEngine()], Sched(), 4, wrap_generate=wrap)
+    r = sch.collect(_submit(sch, 1, [5, 7], queued=False))
+    assert [t.tolist() for t in r.result.tokens] == [[5], [7]]
+    assert sorted(c[1] for c in calls) == [[[5]], [[7]]]
+    assert all(c[2] == ["drafter", "monitor", "on_stop", "prefixes"] for c in calls)

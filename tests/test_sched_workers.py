@@ -18,7 +18,8 @@ import pytest
 
 from rhyme_jax.config import ConfigError, load_config
 from rhyme_jax.io.rollout_log import load_rollouts
-from rhyme_jax.train.trainer import GRPOTrainer, prompt_schedule
+from rhyme_jax.train.prompts import prompt_schedule
+from rhyme_jax.train.trainer import GRPOTrainer
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -33,7 +33,8 @@ from rhyme_jax.rollout.engine import PromptTooLongError
 from rhyme_jax.train.checkpoint import Checkpointer
 from rhyme_jax.train.metrics import read_metrics
 from rhyme_jax.io.rollout_log import load_rollouts
-from rhyme_jax.train.trainer import GRPOTrainer, NonFiniteLossError, prompt_schedule
+from rhyme_jax.train.prompts import prompt_schedule
+from rhyme_jax.train.trainer import GRPOTrainer, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny_test.yaml"
@@ -51,11 +52,11 @@ def parity_reward(text, problem):
 
 
 # ``python -c _BOOT train ...`` is ``python -m rhyme_jax.cli train ...`` with ``parity_reward`` as
-# the GRPO reward (the CLI has no reward option). RHYME_TEST_BLOCK_AT_CALL=k parks the process
-# in its k-th reward call until the test SIGKILLs it: a deterministic mid-run kill point.
+# the GRPO reward (``cli.main(reward_fn=...)``; the command line has no reward option).
+# RHYME_TEST_BLOCK_AT_CALL=k parks the process in its k-th reward call until the test SIGKILLs it:
+# a deterministic mid-run kill point.
 _BOOT = textwrap.dedent("""
     import os, sys, time
-    import rhyme_jax.train.trainer as trainer
     calls = 0
     block_at = int(os.environ.get("RHYME_TEST_BLOCK_AT_CALL", "0"))
     def parity_reward(text, problem):
@@ -65,9 +66,8 @@ _BOOT = textwrap.dedent("""
             while True:
                 time.sleep(60)
         return float(len(text) % 2)
-    trainer.GRPOTrainer.__init__.__kwdefaults__["reward_fn"] = parity_reward
     from rhyme_jax.cli import main
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], reward_fn=parity_reward))
 """)
 
 

@@ -1,11 +1,14 @@
-"""Deferred tails under ``one_step_off`` (ARCHITECTURE.md section 6): groups carried to the next step.
+"""Rows and groups carried between rollouts (ARCHITECTURE.md section 6).
+
+``CarriedRow`` is the one form of a sample whose response one rollout began and another continues:
+a tail migrated to an idle worker within a step, or a tail deferred to a later step.
 
 When a tail is deferred instead of migrated, its GRPO group cannot be trained yet (advantages
 need all n rewards). The group is carried: its finished rows keep their responses, its deferred
 rows keep their partial responses, and the next step's rollout continues those rows (prefill of
 prompt + partial response, ``RolloutEngine.generate(prefixes=...)``). The completed group is
 trained in that next step, so every prompt's n samples are trained exactly once. Carried groups
-are saved in the checkpoint (``to_bytes`` / ``from_bytes``) so a resume loses nothing.
+(``Group``) are saved in the checkpoint (``to_bytes`` / ``from_bytes``) so a resume loses nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +18,41 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from jaxtyping import Float, Int
 
 from rhyme_jax.rollout.types import RolloutResult
+
+
+@dataclass(frozen=True)
+class CarriedRow:
+    """One sample whose response one rollout began and another continues: a tail stopped on its
+    worker and continued by an idle one (sync migration), or deferred and continued by a later
+    step's rollout (one_step_off). The single form such a row takes from the scheduler to the
+    engine call (``prefix``) and back.
+
+    Attributes:
+      row: the row it has in the rollout it is part of: the step row ``g * n + i`` (group g,
+        sample i) when a rollout stops it; ``P * n + e`` when a later rollout of P prompts
+        continues it as its e-th carried row (``pending_rows``).
+      prompt_idx: index of its prompt among the train problems.
+      prompt: ``int32[p]`` prompt token ids.
+      tokens: ``int32[m]`` response tokens generated so far.
+      logprobs: ``float32[m]`` behaviour logprobs of ``tokens``.
+      source: the rollout worker that stopped it; -1 when none (continued from an earlier step).
+    """
+
+    row: int
+    prompt_idx: int
+    prompt: Int[np.ndarray, "p"]
+    tokens: Int[np.ndarray, "m"]
+    logprobs: Float[np.ndarray, "m"]
+    source: int = -1
+
+    @property
+    def prefix(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens, logprobs)``: the entry of ``RolloutEngine.generate(prefixes=...)`` that
+        continues this row."""
+        return self.tokens, self.logprobs
 
 
 @dataclass
@@ -39,18 +75,19 @@ class Group:
 
 
 def split_step(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: int, rows: np.ndarray,
-               result: RolloutResult, deferred: dict[int, tuple[np.ndarray, np.ndarray]]) -> list[Group]:
+               result: RolloutResult, deferred: Sequence[CarriedRow]) -> list[Group]:
     """The step's own groups from a scheduled rollout.
 
     Args:
       idx: ``int[P]`` prompt indices of the step; ``prompts``: ``P * n`` rows of prompt tokens.
       rows: ``int64[R]`` step rows present in ``result`` (own rows ``< P * n``), row order.
-      deferred: row -> (partial tokens, logprobs) of the rows stopped for the next step.
+      deferred: the rows stopped for a later rollout (``row`` = their step row).
 
     Raises:
       ValueError: a row is neither in ``result`` nor deferred (would be lost).
     """
     where = {int(r): i for i, r in enumerate(rows)}
+    stopped = {d.row: d for d in deferred}
     groups = []
     for g, pid in enumerate(idx):
         tok, lps, fin, pend = [], [], [], []
@@ -59,8 +96,8 @@ def split_step(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: 
                 i = where[r]
                 tok.append(result.tokens[i]), lps.append(result.logprobs[i]), fin.append(result.finish_reasons[i])
                 pend.append(False)
-            elif r in deferred:
-                tok.append(deferred[r][0]), lps.append(deferred[r][1]), fin.append("deferred")
+            elif r in stopped:
+                tok.append(stopped[r].tokens), lps.append(stopped[r].logprobs), fin.append("deferred")
                 pend.append(True)
             else:
                 raise ValueError(f"sched/carry.py: row {r} of step {step} was neither rolled out nor deferred")
@@ -68,25 +105,60 @@ def split_step(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: 
     return groups
 
 
-def extras(carried: Sequence[Group]) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
-    """Rows to continue next step: ``(group, sample, prompt, partial tokens, partial logprobs)``."""
-    return [(g, i, grp.prompt, grp.tokens[i], grp.logprobs[i])
-            for g, grp in enumerate(carried) for i in np.flatnonzero(grp.pending)]
+def _pending(carried: Sequence[Group]) -> list[tuple[int, int]]:
+    """``(group, sample)`` of every deferred sample of ``carried``, in group then sample order."""
+    return [(g, int(i)) for g, grp in enumerate(carried) for i in np.flatnonzero(grp.pending)]
 
 
-def complete(carried: Sequence[Group], rows: Sequence[tuple[int, int]], result: RolloutResult,
-             positions: Sequence[int]) -> list[Group]:
-    """Fill carried groups' pending samples from the rows continued this step.
+def pending_rows(carried: Sequence[Group], first_row: int) -> list[CarriedRow]:
+    """The deferred samples of ``carried`` as the rows a rollout continues: the e-th (in group
+    then sample order) becomes row ``first_row + e`` (``first_row`` = the rollout's own rows P * n)."""
+    return [CarriedRow(first_row + e, carried[g].prompt_idx, carried[g].prompt, carried[g].tokens[i],
+                       carried[g].logprobs[i]) for e, (g, i) in enumerate(_pending(carried))]
+
+
+def complete(carried: Sequence[Group], result: RolloutResult, positions: Sequence[int]) -> list[Group]:
+    """Fill carried groups' deferred samples from the rollout that continued them.
 
     Args:
-      rows: ``(group, sample)`` of each continued row (``extras`` order).
-      positions: index of each continued row in ``result``.
+      carried: the groups ``pending_rows`` turned into that rollout's carried rows.
+      positions: index in ``result`` of each carried row, in ``pending_rows`` order.
+
+    Raises:
+      ValueError: not one position per deferred sample.
     """
-    for (g, i), pos in zip(rows, positions):
+    samples = _pending(carried)
+    if len(samples) != len(positions):
+        raise ValueError(f"sched/carry.py: {len(positions)} continued rows for {len(samples)} deferred samples")
+    for (g, i), pos in zip(samples, positions):
         grp = carried[g]
         grp.tokens[i], grp.logprobs[i] = result.tokens[pos], result.logprobs[pos]
         grp.finish[i], grp.pending[i] = result.finish_reasons[pos], False
     return list(carried)
+
+
+def step_groups(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: int, carried: Sequence[Group],
+                rows: np.ndarray, result: RolloutResult,
+                deferred: Sequence[CarriedRow]) -> tuple[list[Group], list[Group]]:
+    """A finished rollout as GRPO groups: ``(trainable, still pending)``.
+
+    Args:
+      step, idx, prompts, n: the step's prompts (``split_step``); its own rows are ``< P * n``.
+      carried: the groups whose ``pending_rows`` the rollout continued (rows ``>= P * n``).
+      rows, result: ``int64[R]`` ascending rows of ``result`` (own rows, then continued ones).
+      deferred: own rows stopped for a later rollout.
+
+    Returns:
+      The completed carried groups followed by the step's complete groups, and the step's groups
+      with deferred samples (carried on).
+    """
+    own = np.asarray(rows) < len(prompts)
+    pos = np.flatnonzero(own)
+    mine = RolloutResult([result.tokens[i] for i in pos], [result.logprobs[i] for i in pos],
+                         [result.finish_reasons[i] for i in pos], result.stats)
+    groups = split_step(step, idx, prompts, n, np.asarray(rows)[own], mine, deferred)
+    done = complete(carried, result, np.flatnonzero(~own))
+    return done + [g for g in groups if g.complete], [g for g in groups if not g.complete]
 
 
 def to_bytes(groups: Sequence[Group]) -> bytes:

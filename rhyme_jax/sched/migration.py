@@ -23,17 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from rhyme_jax.rollout.types import Progress
-
-
-@dataclass
-class Migrant:
-    """A stopped sequence: ``row`` of the step's batch, its response so far and behaviour logprobs,
-    the worker it left."""
-
-    row: int
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    source: int
+from rhyme_jax.sched.carry import CarriedRow
 
 
 @dataclass
@@ -85,12 +75,12 @@ class TailMigration:
 
         return check
 
-    def push(self, migrant: Migrant) -> None:
-        """Queue a stopped sequence for an idle worker."""
+    def push(self, migrant: CarriedRow) -> None:
+        """Queue a stopped sequence (``row``: its step row, ``source``: its worker) for an idle worker."""
         with self.lock:
             self.queue.append(migrant)
 
-    def take(self, worker: int) -> Migrant | None:
+    def take(self, worker: int) -> CarriedRow | None:
         """An idle ``worker`` takes the next queued sequence (None when the queue is empty)."""
         with self.lock:
             return self.queue.pop(0) if self.queue else None

@@ -305,7 +305,6 @@ def plan_step(
                        [(w,) if g.size else () for w, g in enumerate(groups)], pred, cost_model, [])
 
     G = min(num_groups or max(1, W // 2), P)
-    notes: list[str] = []
     if tier1:
         groups, ascending = ranking_groups(pred, G), step_ascending(step)
         order = list(range(G)) if ascending else list(range(G - 1, -1, -1))
@@ -313,38 +312,60 @@ def plan_step(
         groups, ascending, order = fifo_groups(P, G), None, list(range(G))
     glens = np.array([pred[g].max() for g in groups])
     gprompts = np.array([g.size for g in groups], dtype=np.int64)
-
-    worker_rows: list[np.ndarray] = []
-    worker_groups: list[tuple[int, ...]] = []
+    notes: list[str] = []
     if G <= W:
-        if tier2:
-            k = allocate_workers(gprompts, glens, W, cost_model, n)
-        else:
-            k = np.zeros(G, np.int64)
-            for i, g in enumerate(order):
-                k[g] = W // G + (1 if i < W % G else 0)
-            k = np.minimum(k, gprompts * n)  # a worker needs at least one row
-        for g in order:
-            for part in split_group(groups[g], pred, n, int(k[g]), balance=tier1):
-                worker_rows.append(part)
-                worker_groups.append((g,))
-        while len(worker_rows) < W:  # workers tier 2 left without work
-            worker_rows.append(np.zeros(0, np.int64))
-            worker_groups.append(())
+        k, worker_rows, worker_groups = _spread_groups(groups, order, glens, gprompts, pred, n, W, cost_model,
+                                                       tier1=tier1, tier2=tier2)
     else:
-        k = np.zeros(G, np.int64)
-        if tier2:
-            costs = np.array([_group_cost(cost_model, glens[g], gprompts[g], n, 1) for g in range(G)])
-            dealt = _lpt(costs, order, W)
-            notes.append(f"G={G} > W={W}: tier 2 not applicable, groups dealt longest-processing-time first")
-        else:
-            dealt = [list(c) for c in np.array_split(np.array(order, dtype=np.int64), W)]
-        for gs in dealt:
-            gs = [int(g) for g in gs]
-            worker_rows.append(np.concatenate([_rows(groups[g], n) for g in gs]) if gs else np.zeros(0, np.int64))
-            worker_groups.append(tuple(gs))
+        k, worker_rows, worker_groups = _deal_groups(groups, order, glens, gprompts, n, W, cost_model,
+                                                     tier2=tier2, notes=notes)
     return _finish(step, mode, n, groups, order, ascending, k, worker_rows, worker_groups, pred,
                    cost_model, notes)
+
+
+def _spread_groups(groups, order, glens, gprompts, pred, n, W, cost_model, *, tier1: bool, tier2: bool):
+    """G <= W ranking groups over W workers: ``k[g]`` workers each (tier 2: by the cost model;
+    else an even share), the group's rows split over them (``split_group``); workers left without
+    work get no rows. Returns ``(k int64[G], worker_rows, worker_groups)``."""
+    G = len(groups)
+    if tier2:
+        k = allocate_workers(gprompts, glens, W, cost_model, n)
+    else:
+        k = np.zeros(G, np.int64)
+        for i, g in enumerate(order):
+            k[g] = W // G + (1 if i < W % G else 0)
+        k = np.minimum(k, gprompts * n)  # a worker needs at least one row
+    worker_rows: list[np.ndarray] = []
+    worker_groups: list[tuple[int, ...]] = []
+    for g in order:
+        for part in split_group(groups[g], pred, n, int(k[g]), balance=tier1):
+            worker_rows.append(part)
+            worker_groups.append((g,))
+    while len(worker_rows) < W:  # workers tier 2 left without work
+        worker_rows.append(np.zeros(0, np.int64))
+        worker_groups.append(())
+    return k, worker_rows, worker_groups
+
+
+def _deal_groups(groups, order, glens, gprompts, n, W, cost_model, *, tier2: bool, notes: list[str]):
+    """G > W ranking groups dealt whole to W workers (tier 2: longest processing time first, a
+    note appended to ``notes``; else contiguous runs of ``order``). Returns ``(k int64[G] (zeros),
+    worker_rows, worker_groups)``."""
+    G = len(groups)
+    k = np.zeros(G, np.int64)
+    if tier2:
+        costs = np.array([_group_cost(cost_model, glens[g], gprompts[g], n, 1) for g in range(G)])
+        dealt = _lpt(costs, order, W)
+        notes.append(f"G={G} > W={W}: tier 2 not applicable, groups dealt longest-processing-time first")
+    else:
+        dealt = [list(c) for c in np.array_split(np.array(order, dtype=np.int64), W)]
+    worker_rows: list[np.ndarray] = []
+    worker_groups: list[tuple[int, ...]] = []
+    for gs in dealt:
+        gs = [int(g) for g in gs]
+        worker_rows.append(np.concatenate([_rows(groups[g], n) for g in gs]) if gs else np.zeros(0, np.int64))
+        worker_groups.append(tuple(gs))
+    return k, worker_rows, worker_groups
 
 
 def _finish(step, mode, n, groups, order, ascending, k, worker_rows, worker_groups, pred,

@@ -5,7 +5,8 @@
 1. predict each prompt's length from the history store (``length_predictor``);
 2. plan rows onto the global workers (``planner.plan_step``: fifo, or tier 1 ranking groups with
    odd/even order and tier 2 worker counts);
-3. run this process's workers concurrently (``workers.run_workers``) with tail migration when on;
+3. run this process's workers concurrently (``workers.StepWork``: a thread per worker, or the
+   cross-step ``WorkerQueues``) with tail migration when on;
 4. all-gather across processes and put the rows back in step order;
 5. bubble metrics from the workers' busy intervals (``timeline.bubble_metrics``).
 
@@ -17,19 +18,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from rhyme_jax.rollout.engine import RolloutEngine, RolloutResult, SamplingParams
+from rhyme_jax.rollout.engine import RolloutEngine
 from rhyme_jax.rollout.gather import COUNT_STATS, allgather_results
+from rhyme_jax.rollout.types import RolloutResult, SamplingParams
+from rhyme_jax.sched.carry import CarriedRow
 from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 from rhyme_jax.sched.length_predictor import predict_lengths
-from rhyme_jax.sched.migration import Migrant, TailMigration
+from rhyme_jax.sched.migration import TailMigration
 from rhyme_jax.sched.planner import Plan, plan_step
 from rhyme_jax.sched.timeline import NEXT_STEP, TRAIN, WorkerInterval, bubble_metrics
-from rhyme_jax.sched.workers import StepWork, WorkerQueues, run_now
+from rhyme_jax.sched.workers import GenerateFn, StepWork, WorkerQueues, run_now
 
 MODES = ("fifo", "histopipe")
 PIPELINES = ("sync", "one_step_off")
@@ -41,12 +44,12 @@ class StepRollout:
 
     Attributes:
       result: the rows ``rows`` (ascending): every row of the step except ``deferred`` ones,
-        then the continued ``extra`` rows (numbered from ``P * n`` on).
+        then the continued ``carried`` rows (numbered from ``P * n`` on).
       metrics: ``sched/*`` floats (bubble fraction, earliest-finisher idle, makespan, migrated and
         deferred shares, predicted makespan, tier-1 direction).
       intervals: this process's worker busy intervals (seconds from the step's start).
-      deferred: row -> (partial tokens, logprobs) of rows stopped for the next step
-        (one_step_off + migration), gathered from every process.
+      deferred: rows stopped for a later step (one_step_off + migration; ``row`` = the step
+        row), gathered from every process.
       plan: the planner's output (rows per worker, ranking groups).
       group_finish_s: ``f64[G]`` completion time of each ranking group (its workers' last end).
     """
@@ -54,7 +57,7 @@ class StepRollout:
     result: RolloutResult
     metrics: dict
     intervals: list[WorkerInterval]
-    deferred: dict[int, tuple[np.ndarray, np.ndarray]]
+    deferred: list[CarriedRow]
     plan: Plan
     group_finish_s: np.ndarray
     rows: np.ndarray
@@ -68,13 +71,18 @@ class RolloutScheduler:
       cfg: the ``sched`` section: ``mode``, ``pipeline``, ``tier1``, ``tier2``, ``migration``,
         ``num_groups``, ``length_stat``, ``growth``, ``tail_fraction``, ``cost_model`` (path).
       max_new_tokens: the cold-start length prediction is half of it.
+      wrap_generate: a hook around every engine call: ``wrap_generate(engine.generate)`` is what
+        the workers call instead (same signature; e.g. a benchmark timing a second, plain rollout
+        of the same inputs); None = the engines' own ``generate``.
 
     Raises:
       CostModelError: ``sched.cost_model`` names a missing or invalid file.
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine], cfg: Any, max_new_tokens: int):
+    def __init__(self, engines: Sequence[RolloutEngine], cfg: Any, max_new_tokens: int, *,
+                 wrap_generate: Callable[[GenerateFn], GenerateFn] | None = None):
         self.engines = list(engines)
+        self.generate = [e.generate if wrap_generate is None else wrap_generate(e.generate) for e in self.engines]
         self.cfg = cfg
         self.max_new_tokens = int(max_new_tokens)
         self.cost_model = CostModel.load(cfg.cost_model) if cfg.cost_model else DEFAULT_COST_MODEL
@@ -101,42 +109,46 @@ class RolloutScheduler:
 
     def rollout(self, step: int, states: Sequence[Any], prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
                 n: int, sampling: SamplingParams, key: jax.Array, *, history=None, drafter=None,
-                extra: Sequence[tuple[int, Sequence[int], np.ndarray, np.ndarray]] = (),
-                defer: bool = False) -> StepRollout:
+                carried: Sequence[CarriedRow] = (), defer: bool = False) -> StepRollout:
         """Roll out ``prompts`` (``n`` rows per prompt id of ``prompt_ids``, in order) now.
 
         Args:
           states: the params in each local worker's layout (the weight sync's output).
           key: the step's key; worker ``w`` of ``W > 1`` uses ``fold_in(key, w)``.
-          extra: rows carried from the previous step (one_step_off deferral): ``(prompt id,
-            prompt tokens, partial response, its logprobs)``; they become rows ``P * n + e``,
-            go to the workers with the least predicted work, and are never deferred again.
+          carried: rows carried from an earlier step (one_step_off deferral;
+            ``carry.pending_rows(groups, P * n)``): the e-th must be row ``P * n + e``; they go
+            to the workers with the least predicted work and are never deferred again.
           defer: stop tails for the next step instead of migrating them (one_step_off).
 
         Returns:
           ``StepRollout``.
         """
         return self.collect(self.submit(step, states, prompt_ids, prompts, n, sampling, key, history=history,
-                                        drafter=drafter, extra=extra, defer=defer))
+                                        drafter=drafter, carried=carried, defer=defer))
 
     def submit(self, step: int, states: Sequence[Any], prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
                n: int, sampling: SamplingParams, key: jax.Array, *, history=None, drafter=None,
-               extra: Sequence[tuple[int, Sequence[int], np.ndarray, np.ndarray]] = (),
-               defer: bool = False, queued: bool = False) -> "PendingRollout":
+               carried: Sequence[CarriedRow] = (), defer: bool = False, queued: bool = False) -> "PendingRollout":
         """Plan a step (arguments as ``rollout``) and start it.
 
         ``queued=False`` runs it to the end before returning (one thread per worker).
         ``queued=True`` (``sched.cross_step``) puts each worker's part on that worker's queue
         (``WorkerQueues``) behind its part of the steps submitted before, and returns at once;
         ``collect`` waits for it. Queued steps must be collected in submission order.
+
+        Raises:
+          ValueError: a carried row not numbered ``P * n + e``.
         """
         c = self.cfg
         plan, pred = self.plan(step, prompt_ids, n, history)
         own = len(prompts)
-        rows_pred = np.concatenate([np.repeat(pred, n), np.full(len(extra), np.inf)])
+        if [x.row for x in carried] != list(range(own, own + len(carried))):
+            raise ValueError(f"RolloutScheduler.submit: carried rows must be numbered from {own} on, got "
+                             f"{[x.row for x in carried]}")
+        rows_pred = np.concatenate([np.repeat(pred, n), np.full(len(carried), np.inf)])
         worker_rows = [list(r) for r in plan.worker_rows]
         by_load = np.argsort(plan.predicted_seconds, kind="stable")
-        for e in range(len(extra)):
+        for e in range(len(carried)):
             worker_rows[int(by_load[e % len(by_load)])].append(own + e)
         local_rows = [np.asarray(r, np.int64) for r in worker_rows[self.first:self.first + self.local]]
         keys = [key if self.total == 1 else jax.random.fold_in(key, self.first + w) for w in range(self.local)]
@@ -144,16 +156,15 @@ class RolloutScheduler:
         if c.mode == "histopipe" and c.migration and (defer or self.local > 1):
             migration = TailMigration(rows_pred, local_rows, growth=c.growth, tail_fraction=c.tail_fraction,
                                       defer=defer)
-        all_prompts = list(prompts) + [list(x[1]) for x in extra]
-        row_ids = np.repeat(np.asarray(prompt_ids), n).tolist() + [int(x[0]) for x in extra]
-        prefixes = {own + e: (x[2], x[3]) for e, x in enumerate(extra)}
+        all_prompts = list(prompts) + [list(x.prompt) for x in carried]
+        row_ids = np.repeat(np.asarray(prompt_ids), n).tolist() + [int(x.prompt_idx) for x in carried]
         drafts = None
         if queued and drafter is not None:  # fixed now: later write-backs must not change them
             drafts = [drafter.batch([row_ids[r] for r in rows]) for rows in local_rows]
-        job = StepWork(self.engines, states, local_rows, all_prompts, row_ids, sampling, keys, drafter=drafter,
-                       migration=migration, prefixes=prefixes, origin=self._origin if queued else None,
-                       draft_batches=drafts)
-        pending = PendingRollout(step, plan, job, own, len(extra), time.perf_counter() - self._origin)
+        job = StepWork(self.generate, states, local_rows, all_prompts, row_ids, sampling, keys, drafter=drafter,
+                       migration=migration, carried={x.row: x for x in carried},
+                       origin=self._origin if queued else None, draft_batches=drafts)
+        pending = PendingRollout(step, plan, job, own, len(carried), time.perf_counter() - self._origin)
         if queued:
             if self.queues is None:
                 self.queues = WorkerQueues(self.local)
@@ -190,7 +201,7 @@ class RolloutScheduler:
         order = np.argsort(gathered_rows, kind="stable")
         result = RolloutResult([result.tokens[i] for i in order], [result.logprobs[i] for i in order],
                                [result.finish_reasons[i] for i in order], result.stats)
-        deferred = _allgather_deferred(out.deferred, self.max_new_tokens)
+        deferred = _allgather_deferred(out.deferred, self.max_new_tokens, pending.job)
         intervals = out.intervals
         own_span = None
         if pending.futures is not None:
@@ -206,7 +217,7 @@ class RolloutScheduler:
             "time/rollout_makespan_s": float(bubble.get("makespan_s", 0.0)),
             "sched/migrated_share": len(out.migrated) / total_rows,
             "sched/deferred_share": len(deferred) / total_rows,
-            "sched/continued_rows": float(pending.extra),
+            "sched/continued_rows": float(pending.continued),
             "sched/predicted_makespan_s": float(np.max(plan.predicted_seconds)),
             "sched/ascending": float(bool(plan.ascending)) if plan.ascending is not None else -1.0,
             "sched/cross_step": float(pending.futures is not None),
@@ -270,7 +281,7 @@ class PendingRollout:
     plan: Plan
     job: StepWork
     own: int
-    extra: int
+    continued: int
     submitted: float
     futures: list | None = None
 
@@ -288,11 +299,13 @@ def _allgather_rows(rows: np.ndarray) -> np.ndarray:
     return allr[allr >= 0]
 
 
-def _allgather_deferred(local: Sequence[Migrant], max_new_tokens: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Deferred rows of every process: row -> (partial tokens, logprobs)."""
+def _allgather_deferred(local: Sequence[CarriedRow], max_new_tokens: int, job: StepWork) -> list[CarriedRow]:
+    """Deferred rows of every process (in process order; ``job``: the step, whose prompts and
+    prompt ids every process holds)."""
     rows = np.array([m.row for m in local], np.int64)
     packed = RolloutResult([m.tokens for m in local], [m.logprobs for m in local], ["migrated"] * len(local),
                            {k: 0 for k in COUNT_STATS})
     packed = allgather_results(packed, max_new_tokens)
-    return {int(r): (t, lp) for r, t, lp in zip(_allgather_rows(rows), packed.tokens, packed.logprobs)}
+    return [CarriedRow(int(r), int(job.prompt_ids[r]), np.asarray(job.prompts[r], np.int32), t, lp)
+            for r, t, lp in zip(_allgather_rows(rows), packed.tokens, packed.logprobs)]
 

@@ -14,17 +14,22 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from rhyme_jax.rollout.engine import RolloutEngine, RolloutResult, SamplingParams
 from rhyme_jax.rollout.gather import merge_results
-from rhyme_jax.sched.migration import Migrant, TailMigration
+from rhyme_jax.rollout.types import RolloutResult, SamplingParams
+from rhyme_jax.sched.carry import CarriedRow
+from rhyme_jax.sched.migration import TailMigration
 from rhyme_jax.sched.timeline import WorkerInterval
 
 _POLL_S = 0.002  # idle worker's wait between looks at the migration queue
+
+# A worker's ``RolloutEngine.generate`` (or a wrapper around it with the same signature:
+# ``(state, prompts, sampling, key, *, drafter, prefixes, monitor, on_stop) -> RolloutResult``).
+GenerateFn = Callable[..., RolloutResult]
 
 
 @dataclass
@@ -44,48 +49,56 @@ class WorkersResult:
     rows: np.ndarray
     intervals: list[WorkerInterval]
     migrated: list[int] = field(default_factory=list)
-    deferred: list[Migrant] = field(default_factory=list)
+    deferred: list[CarriedRow] = field(default_factory=list)
 
 
 class StepWork:
     """One step's rollout over this process's workers, as one job per worker.
 
     ``work(w)`` runs worker ``w``'s rows (then, in sync migration, continues migrated tails until
-    every worker is done); ``run_workers`` runs the jobs on one thread each and joins, and
+    every worker is done); ``run_now`` runs the jobs on one thread each and joins, and
     ``WorkerQueues`` runs them on per-worker queues so a worker goes on to the next step's job as
     soon as its own part is done (cross-step). ``result()`` assembles the ``WorkersResult`` once
-    every job has finished.
+    every job has finished. A migrated row continues on the idle worker with that worker's key
+    folded with the row, so under greedy sampling its tokens are those it would have had.
 
     Args:
-      engines, states, worker_rows, prompts, prompt_ids, sampling, keys, drafter, migration,
-        prefixes: as for ``run_workers``.
+      generate: per local worker, its engine's ``generate`` (``GenerateFn``).
+      states: the params in each worker's layout; ``keys``: each worker's key.
+      worker_rows: ``int64[r_w]`` step rows of each worker, in the order its engine gets them.
+      prompts, prompt_ids: prompt tokens and prompt id of every step row (indexed by row).
+      drafter: HistoSpec ``Drafter`` (each worker drafts through its own ``Drafter.batch``) or None.
+      migration: tail migration state (``TailMigration``) or None.
+      carried: rows a response was begun for in an earlier step, by row (``CarriedRow``).
       origin: ``time.perf_counter()`` value the intervals are measured from (default: now).
       draft_batches: per worker, the HistoSpec ``DraftBatch`` of its rows, made when the step was
         submitted (cross-step queues: drafts then come from the history as it was at submission,
         whatever write-backs happen before the job starts); None = made when the job starts.
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine], states: Sequence[Any], worker_rows: Sequence[np.ndarray],
+    def __init__(self, generate: Sequence[GenerateFn], states: Sequence[Any], worker_rows: Sequence[np.ndarray],
                  prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], sampling: SamplingParams,
                  keys: Sequence[jax.Array], *, drafter=None, migration: TailMigration | None = None,
-                 prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, origin: float | None = None,
+                 carried: dict[int, CarriedRow] | None = None, origin: float | None = None,
                  draft_batches: Sequence[Any] | None = None):
-        self.engines, self.states, self.worker_rows = engines, states, worker_rows
+        self.generate, self.states, self.worker_rows = list(generate), states, worker_rows
         self.prompts, self.prompt_ids, self.sampling, self.keys = prompts, prompt_ids, sampling, keys
-        self.drafter, self.migration, self.prefixes = drafter, migration, prefixes or {}
+        self.drafter, self.migration, self.carried = drafter, migration, carried or {}
         self.draft_batches = draft_batches
         self.t0 = time.perf_counter() if origin is None else float(origin)
         self.started: list[float | None] = [None] * len(worker_rows)  # job start per worker (from t0)
         self.done: dict[int, tuple[np.ndarray, np.ndarray, str]] = {}
         self.parts: list[RolloutResult] = []
         self.intervals: list[WorkerInterval] = []
-        self.deferred: list[Migrant] = []
+        self.deferred: list[CarriedRow] = []
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._busy = len(worker_rows)
 
-    def _stopped(self, m: Migrant) -> None:
-        """A tail stopped by the monitor: queued for an idle worker now, or kept for next step."""
+    def _stopped(self, w: int, row: int, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """A tail stopped by worker ``w``'s monitor: queued for an idle worker now, or kept for a
+        later step."""
+        m = CarriedRow(row, int(self.prompt_ids[row]), np.asarray(self.prompts[row], np.int32), tokens, logprobs, w)
         if self.migration.defer:
             with self._lock:
                 self.deferred.append(m)
@@ -98,10 +111,9 @@ class StepWork:
         else:
             batch = self.drafter.batch([self.prompt_ids[r] for r in rows]) if self.drafter is not None else None
         start = time.perf_counter() - self.t0
-        on_stop = ((lambda i, tok, lp: self._stopped(Migrant(int(rows[i]), tok, lp, w)))
-                   if monitor is not None else None)
-        out = self.engines[w].generate(self.states[w], [self.prompts[r] for r in rows], self.sampling, key,
-                                       drafter=batch, prefixes=pre, monitor=monitor, on_stop=on_stop)
+        on_stop = ((lambda i, tok, lp: self._stopped(w, int(rows[i]), tok, lp)) if monitor is not None else None)
+        out = self.generate[w](self.states[w], [self.prompts[r] for r in rows], self.sampling, key,
+                               drafter=batch, prefixes=pre, monitor=monitor, on_stop=on_stop)
         with self._lock:
             self.intervals.append(WorkerInterval(w, start, time.perf_counter() - self.t0, kind, source))
             self.parts.append(out)
@@ -116,9 +128,10 @@ class StepWork:
         try:
             rows = np.asarray(self.worker_rows[w], np.int64)
             if rows.size:
-                pre = [self.prefixes.get(int(r), (np.zeros(0, np.int32), np.zeros(0, np.float32))) for r in rows]
+                none = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+                pre = [self.carried[int(r)].prefix if int(r) in self.carried else none for r in rows]
                 monitor = migration.monitor(w) if migration is not None else None
-                out = self._generate(w, rows, "batch", self.keys[w], pre if self.prefixes else None, monitor)
+                out = self._generate(w, rows, "batch", self.keys[w], pre if self.carried else None, monitor)
                 for i, r in enumerate(rows):
                     if out.finish_reasons[i] != "migrated":  # migrated ones went out via on_stop
                         with self._lock:
@@ -138,7 +151,7 @@ class StepWork:
                     time.sleep(_POLL_S)
                     continue
                 out = self._generate(w, np.array([m.row]), "migrated", jax.random.fold_in(self.keys[w], m.row),
-                                     [(m.tokens, m.logprobs)], source=m.source)
+                                     [m.prefix], source=m.source)
                 with self._lock:
                     self.done[m.row] = (out.tokens[0], out.logprobs[0], out.finish_reasons[0])
             migration.set_idle(w, False)
@@ -165,29 +178,6 @@ class StepWork:
         m = self.migration
         return WorkersResult(result, rows, sorted(self.intervals, key=lambda i: (i.worker, i.start)),
                              migrated=sorted(m.moved) if m is not None else [], deferred=self.deferred)
-
-
-def run_workers(engines: Sequence[RolloutEngine], states: Sequence[Any], worker_rows: Sequence[np.ndarray],
-                prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], sampling: SamplingParams,
-                keys: Sequence[jax.Array], *, drafter=None, migration: TailMigration | None = None,
-                prefixes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> WorkersResult:
-    """Roll out ``worker_rows[w]`` on ``engines[w]`` (state ``states[w]``, key ``keys[w]``) for
-    every local worker at once; one thread per worker when there are several.
-
-    Args:
-      prompts, prompt_ids: per step row (indexed by the rows in ``worker_rows``).
-      drafter: HistoSpec ``Drafter``; each worker drafts through its own ``Drafter.batch``.
-      migration: tail migration state (``TailMigration``) or None.
-      prefixes: responses begun in an earlier step (deferred rows): row -> (tokens, logprobs).
-
-    Returns:
-      ``WorkersResult``. A migrated row continues on the idle worker with that worker's key
-      folded with the row, so under greedy sampling its tokens are those it would have had.
-    """
-    job = StepWork(engines, states, worker_rows, prompts, prompt_ids, sampling, keys, drafter=drafter,
-                   migration=migration, prefixes=prefixes)
-    run_now(job)
-    return job.result()
 
 
 def run_now(job: StepWork) -> None:

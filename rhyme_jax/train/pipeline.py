@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from rhyme_jax.rollout.types import RolloutResult, SamplingParams
+from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler, StepRollout
 
@@ -50,11 +50,6 @@ class StepBatch:
     carry: list[carry.Group]
     rollout: StepRollout
     seconds: float
-
-
-def _subset(result: RolloutResult, pos: np.ndarray) -> RolloutResult:
-    return RolloutResult([result.tokens[i] for i in pos], [result.logprobs[i] for i in pos],
-                         [result.finish_reasons[i] for i in pos], result.stats)
 
 
 class RolloutPipeline:
@@ -97,16 +92,15 @@ class RolloutPipeline:
         idx = self.schedule(step)
         prompts = [list(self.prompt_tokens(int(i))) for i in idx for _ in range(n)]
         key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-        ex = carry.extras(carried)
         last_defer = g.steps - (1 if self.cross_step else 0)  # carried groups need a later rollout
         t0 = time.perf_counter()
         pending = self.scheduler.submit(
             step, self.rollout_states(state), idx, prompts, n,
             SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens),
             key, history=self.history, drafter=self.drafter,
-            extra=[(carried[gi].prompt_idx, prompt, tok, lps) for gi, _, prompt, tok, lps in ex],
+            carried=carry.pending_rows(carried, len(prompts)),
             defer=self.one_step_off and step < last_defer, queued=queued)
-        started = _Started(step, weights_step, list(carried), idx, prompts, ex, t0, pending)
+        started = _Started(step, weights_step, list(carried), idx, prompts, t0, pending)
         if queued:
             self._queued.append(started)
         return started
@@ -116,13 +110,9 @@ class RolloutPipeline:
         sr = self.scheduler.collect(st.pending)
         # queued: the step's own span (its window can be near 0 when its work ran in the previous one)
         seconds = sr.metrics.get("time/rollout_own_s", time.perf_counter() - st.t0)
-        n = self.cfg.grpo.samples_per_prompt
-        own = sr.rows < len(st.prompts)
-        groups = carry.split_step(st.step, st.idx, st.prompts, n, sr.rows[own],
-                                  _subset(sr.result, np.flatnonzero(own)), sr.deferred)
-        done = carry.complete(st.carried, [(gi, i) for gi, i, *_ in st.ex], sr.result, np.flatnonzero(~own))
-        return StepBatch(st.step, st.weights_step, done + [grp for grp in groups if grp.complete],
-                         [grp for grp in groups if not grp.complete], sr, seconds)
+        trainable, pending = carry.step_groups(st.step, st.idx, st.prompts, self.cfg.grpo.samples_per_prompt,
+                                               st.carried, sr.rows, sr.result, sr.deferred)
+        return StepBatch(st.step, st.weights_step, trainable, pending, sr, seconds)
 
     def run(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group]) -> StepBatch:
         """Roll out step ``step`` with ``state`` (params after ``weights_step`` updates),
@@ -211,13 +201,12 @@ def _snapshot(state: Any) -> Any:
 @dataclass
 class _Started:
     """A submitted rollout: its step, weights version, the carried groups it continues, its
-    prompts (``idx``, ``prompts``, carried extras ``ex``), start time and scheduler handle."""
+    prompts (``idx``, ``prompts``), start time and scheduler handle."""
 
     step: int
     weights_step: int
     carried: list
     idx: np.ndarray
     prompts: list
-    ex: list
     t0: float
     pending: Any

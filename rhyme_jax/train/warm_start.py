@@ -31,9 +31,9 @@ def run_warm_start(cfg: RunConfig, run_dir: Path) -> EvalResult:
     Returns:
       The held-out ``EvalResult`` of the SFT policy.
     """
-    # Imported here: the trainer module pulls in the engine, which the SFT path does not need
+    # Imported here: the assembly module pulls in the engine, which the SFT path does not need
     # until evaluation.
-    from rhyme_jax.train.trainer import make_engine
+    from rhyme_jax.train.assembly import make_engine
 
     run_dir = Path(run_dir)
     train, held_out = load_problems(cfg.data)

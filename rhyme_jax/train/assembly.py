@@ -1,0 +1,374 @@
+"""One run assembly: the parts of a GRPO run, built in one place for the trainer, the CLI and the
+benchmarks.
+
+A run has three roles, built apart so that a caller builds only the roles it uses (the policy, the
+rollout workers and the learner, as an RL cluster keeps its roles apart):
+
+* ``Policy`` (``build_policy``): config, run directory, train / held-out problems, tokenizer and
+  model definition, with the initial params in the train layout (``load_warm_start`` loads the
+  params a GRPO run starts from);
+* ``RolloutParts`` (``build_rollout``): one engine per rollout worker on its sub-mesh, each
+  worker's param layout (the weight sync ``states``), the scheduler, the history store and the
+  HistoSpec drafter. Benchmarks that only roll out stop here and never allocate training state;
+* ``Learner`` (``build_learner``): optimizer (and its initial state), the jitted update, the
+  frozen KL reference.
+
+Params and optimizer state are returned next to the parts, never kept in them: the update donates
+their buffers, so only their owner (the trainer) holds them.
+
+``build_run`` assembles all three for ``GRPOTrainer``: layouts checked before anything is written,
+the run directory and its config.yaml, the warm start, the checkpoint restored on resume (params,
+optimizer state, counters, history, carried groups) and the rollout pipeline wired to them.
+
+Hooks instead of method replacement: ``wrap_generate`` (``build_rollout`` / ``build_run``) is
+installed around every engine call the scheduler's workers make.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from omegaconf import OmegaConf
+
+from rhyme_jax.config import to_dict
+from rhyme_jax.data import Problem, load_problems
+from rhyme_jax.model.config import ModelConfig
+from rhyme_jax.model.tokenizer import Tokenizer
+from rhyme_jax.parallel import distributed
+from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
+from rhyme_jax.parallel.reshard import reshard
+from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
+from rhyme_jax.rollout.engine import RolloutEngine
+from rhyme_jax.sched import carry
+from rhyme_jax.sched.scheduler import RolloutScheduler
+from rhyme_jax.sched.workers import GenerateFn
+from rhyme_jax.spec.drafter import Drafter
+from rhyme_jax.spec.history import HistoryStore
+from rhyme_jax.train import checkpoint as ckpt
+from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
+from rhyme_jax.train.optim import make_optimizer
+from rhyme_jax.train.pipeline import RolloutPipeline
+from rhyme_jax.train.policy import build_sharded, build_tokenizer, eos_ids
+from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
+
+GenerateWrapper = Callable[[GenerateFn], GenerateFn]
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """``<run.runs_dir>/<run.name>``."""
+    return Path(cfg.run.runs_dir) / cfg.run.name
+
+
+def warm_start_dir(cfg: Any, run_dir: Path) -> Optional[Path]:
+    """Params a GRPO run starts from: ``run.init_from``, else ``<run_dir>/sft/params`` when
+    present, else None (the freshly initialised policy).
+
+    Raises:
+      FileNotFoundError: ``run.init_from`` names a missing path.
+    """
+    if cfg.run.init_from:
+        path = Path(cfg.run.init_from)
+        if not path.exists():
+            raise FileNotFoundError(f"run.init_from: no checkpoint at {path}")
+        return path
+    own = Path(run_dir) / "sft" / "params"
+    return own if own.exists() else None
+
+
+def make_engine(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: Any, eos: Sequence[int],
+                mesh: jax.sharding.Mesh | None = None) -> RolloutEngine:
+    """The rollout engine of a run, sized by the ``rollout`` config section, on ``mesh`` (a rollout
+    worker's sub-mesh with a ``tensor`` axis; None = one device); ``eos``: token ids that end a
+    response (``()``: every response runs to ``max_new_tokens``)."""
+    r = cfg.rollout
+    return RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size,
+                         num_pages=r.num_pages, max_prompt_len=r.max_prompt_len,
+                         max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos),
+                         on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
+                         max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
+                         mesh=mesh)
+
+
+def batch_shards(mesh: jax.sharding.Mesh) -> int:
+    """Row shards of a train batch on ``mesh``: its ``data x fsdp`` axes."""
+    return int(np.prod([mesh.shape[a] for a in ("data", "fsdp")]))
+
+
+def check_batch_layout(cfg: Any, mesh: jax.sharding.Mesh) -> None:
+    """Raises ``MeshConfigError`` unless a step's rows split into ``grpo.minibatches`` minibatches
+    of a multiple of the mesh's row shards."""
+    g, shards = cfg.grpo, batch_shards(mesh)
+    rows = g.prompts_per_step * g.samples_per_prompt
+    if rows % (g.minibatches * shards):
+        raise MeshConfigError(
+            f"grpo.prompts_per_step * grpo.samples_per_prompt = {rows} rows must split into "
+            f"grpo.minibatches={g.minibatches} minibatches of a multiple of parallel.data x "
+            f"parallel.fsdp = {shards} rows")
+
+
+# ---------------------------------------------------------------------------------- policy
+@dataclass(frozen=True)
+class Policy:
+    """The model a run trains (its definition, not its params) and what defines its inputs.
+
+    Attributes:
+      cfg: the run config; ``run_dir``: where the run writes (the demo tokenizer lives there).
+      train_problems, eval_problems: the task's splits (``data`` section).
+      tokenizer: the run's tokenizer; ``prompt_tokens``: train prompt index -> token ids.
+      graphdef, model_cfg: the model definition; ``mesh``: the train mesh the params live on.
+    """
+
+    cfg: Any
+    run_dir: Path
+    train_problems: list[Problem]
+    eval_problems: list[Problem]
+    tokenizer: Tokenizer
+    prompt_tokens: PromptTokens
+    graphdef: nnx.GraphDef
+    model_cfg: ModelConfig
+    mesh: jax.sharding.Mesh
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        """Token ids that end a response (``policy.eos_ids``)."""
+        return eos_ids(self.model_cfg, self.tokenizer)
+
+
+def build_policy(cfg: Any, run_dir: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[Policy, nnx.State]:
+    """Problems, tokenizer (the demo tokenizer is trained on first use and saved in ``run_dir``)
+    and the policy created directly in its shardings on ``mesh`` (default: the train mesh of
+    ``parallel``): a HF checkpoint (``model.path``) or the freshly initialised tiny model.
+    Returns ``(policy, params)``."""
+    mesh = train_mesh(cfg.parallel.data, cfg.parallel.fsdp, cfg.parallel.tensor) if mesh is None else mesh
+    train, held_out = load_problems(cfg.data)
+    tokenizer = build_tokenizer(cfg, Path(run_dir), train)
+    graphdef, state, model_cfg = build_sharded(cfg, tokenizer, cfg.run.seed, mesh)
+    policy = Policy(cfg, Path(run_dir), train, held_out, tokenizer,
+                    PromptTokens(tokenizer, train, cfg.model.prompt_template), graphdef, model_cfg, mesh)
+    return policy, state
+
+
+def load_warm_start(cfg: Any, run_dir: Path, state: nnx.State) -> nnx.State:
+    """The params a GRPO run starts from (``warm_start_dir``) loaded into ``state``'s layout, or
+    ``state`` itself when there are none.
+
+    Raises:
+      FileNotFoundError: ``run.init_from`` names a missing path.
+    """
+    warm = warm_start_dir(cfg, run_dir)
+    return state if warm is None else ckpt.load_params(warm, state)
+
+
+# ---------------------------------------------------------------------------------- rollout
+def uses_history(cfg: Any) -> bool:
+    """Whether the run keeps a history store: HistoSpec drafts and HistoPipe length predictions
+    both come from it."""
+    return bool(cfg.spec.enabled) or cfg.sched.mode == "histopipe"
+
+
+@dataclass
+class RolloutParts:
+    """The rollout side of a run.
+
+    Attributes:
+      engines: one ``RolloutEngine`` per local rollout worker (each on its sub-mesh).
+      shardings: each worker's param shardings (``states`` reshards into them).
+      scheduler: the ``RolloutScheduler`` over the engines (``sched`` section).
+      history: the history store (None when neither HistoSpec nor HistoPipe is on).
+      drafter: the HistoSpec drafter (None when ``spec.enabled`` is off).
+    """
+
+    engines: list[RolloutEngine]
+    shardings: list[Any]
+    scheduler: RolloutScheduler
+    history: Optional[HistoryStore]
+    drafter: Optional[Drafter]
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The first local worker's engine (evaluation runs on it)."""
+        return self.engines[0]
+
+    def states(self, state: nnx.State) -> list[nnx.State]:
+        """The weight sync: ``state`` resharded into every local worker's layout."""
+        return [reshard(state, sh) for sh in self.shardings]
+
+    def close(self) -> None:
+        """Stop the scheduler's worker queues and the drafter's index thread."""
+        self.scheduler.close()
+        if self.drafter is not None:
+            self.drafter.close()
+
+
+def build_rollout(cfg: Any, policy: Policy, params_like: nnx.State, *,
+                  meshes: Sequence[jax.sharding.Mesh] | None = None, history: Optional[HistoryStore] = None,
+                  wrap_generate: Optional[GenerateWrapper] = None) -> RolloutParts:
+    """Engines, weight-sync layouts, scheduler, history store and drafter of a run.
+
+    Args:
+      params_like: the params (or a tree of the same structure) the workers' layouts are made for.
+      meshes: the rollout workers' sub-meshes (default: ``parallel.rollout_tensor`` devices per
+        worker, ``parallel.rollout_workers`` workers).
+      history: a restored history store (default: an empty one when ``uses_history``).
+      wrap_generate: hook around every engine call of the scheduler's workers
+        (``RolloutScheduler``).
+    """
+    p = cfg.parallel
+    meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers) if meshes is None else list(meshes)
+    eos = policy.eos
+    engines = [make_engine(policy.graphdef, policy.model_cfg, cfg, eos, mesh=m) for m in meshes]
+    shardings = [param_shardings(params_like, m) for m in meshes]
+    scheduler = RolloutScheduler(engines, cfg.sched, cfg.rollout.max_new_tokens, wrap_generate=wrap_generate)
+    if history is None and uses_history(cfg):
+        history = HistoryStore(cfg.spec.history_depth)
+    drafter = Drafter(cfg.spec, history) if cfg.spec.enabled else None
+    if drafter is not None and len(history):
+        drafter.rebuild(history.prompt_ids())
+    return RolloutParts(engines, shardings, scheduler, history, drafter)
+
+
+def build_pipeline(cfg: Any, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
+    """The rollout pipeline of a GRPO run: the step's prompts (``prompts.prompt_schedule``), their
+    tokens, the weight sync, history and drafter."""
+    g = cfg.grpo
+    n_prompts = num_grpo_prompts(cfg, len(policy.train_problems))
+    return RolloutPipeline(cfg, rollout.scheduler,
+                           lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
+                           policy.prompt_tokens, rollout.states, history=rollout.history, drafter=rollout.drafter)
+
+
+# ---------------------------------------------------------------------------------- learner
+@dataclass
+class Learner:
+    """The training side of a run.
+
+    Attributes:
+      optimizer: the optax transformation (``grpo`` section).
+      layout: shardings of the jitted train programs (params, optimizer state, batch).
+      step_fn: ``(state, opt_state, batch) -> (state, opt_state, metrics)`` (``make_grpo_step``).
+      ref_logprob_fn: ``(state, batch) -> f32[B, T-1]`` logprobs of the KL reference.
+      ref_state: the frozen KL reference (the starting policy) or None when ``grpo.kl_coef`` is 0.
+    """
+
+    optimizer: optax.GradientTransformation
+    layout: TrainShardings
+    step_fn: Callable
+    ref_logprob_fn: Callable
+    ref_state: Any = None
+
+
+def build_learner(cfg: Any, policy: Policy, state: nnx.State) -> tuple[Learner, Any]:
+    """The update step and the KL reference (a copy of ``state``, the starting params) of a run,
+    and the initial optimizer state, created directly in its shardings on the policy's mesh.
+    Returns ``(learner, opt_state)``."""
+    g, mesh = cfg.grpo, policy.mesh
+    param_sh = param_shardings(state, mesh)
+    optimizer = make_optimizer(g.learning_rate, g.steps, g.warmup_steps, g.weight_decay, g.max_grad_norm,
+                               schedule=g.schedule)
+    opt_sh = opt_state_shardings(optimizer, jax.eval_shape(optimizer.init, state), param_sh, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(state)
+    layout = TrainShardings(mesh, param_sh, opt_sh, batch_sharding(mesh))
+    ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
+    step_fn = make_grpo_step(policy.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high,
+                             kl_coef=g.kl_coef, loss_agg=g.loss_agg, temperature=cfg.rollout.temperature,
+                             shardings=layout, memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat))
+    ref_logprob_fn = make_logprob_fn(policy.graphdef, cfg.rollout.temperature, layout, logit_chunk=g.logit_chunk)
+    return Learner(optimizer, layout, step_fn, ref_logprob_fn, ref_state), opt_state
+
+
+# ---------------------------------------------------------------------------------- the run
+@dataclass
+class RunStart:
+    """Where a run starts: the last finished step and the counters restored with it (all zero /
+    None for a fresh run)."""
+
+    step: int = 0
+    nonfinite_total: int = 0
+    nonfinite_run: int = 0
+    eval_before: Optional[dict] = None
+    blobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """Every part of a GRPO run (``build_run``).
+
+    Attributes:
+      primary: this process writes the run's files (process 0).
+      state, opt_state: the params and optimizer state to train from (restored on resume),
+        committed to the learner's shardings.
+      start: the step and counters to continue from.
+    """
+
+    cfg: Any
+    run_dir: Path
+    primary: bool
+    policy: Policy
+    learner: Learner
+    rollout: RolloutParts
+    pipeline: RolloutPipeline
+    checkpointer: ckpt.Checkpointer
+    state: Any
+    opt_state: Any
+    start: RunStart
+
+
+def _restore(checkpointer: ckpt.Checkpointer, state: Any, opt_state: Any, resume: bool) -> tuple[Any, Any, RunStart]:
+    """The newest checkpoint restored into this run's shardings (whatever mesh it was written on),
+    or the given state when not resuming or there is none."""
+    if not resume or checkpointer.latest_step() is None:
+        return state, opt_state, RunStart()
+    state, opt_state, meta = checkpointer.restore(None, params_like=state, opt_state_like=opt_state)
+    step = int(meta["step"])
+    start = RunStart(step, int(meta.get("nonfinite_total", 0)), int(meta.get("nonfinite_run", 0)),
+                     meta.get("eval_before"), checkpointer.restore_blobs(step))
+    return state, opt_state, start
+
+
+def _write_config(cfg: Any, run_dir: Path) -> None:
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+
+
+def build_run(cfg: Any, *, resume: bool = False, wrap_generate: Optional[GenerateWrapper] = None) -> Run:
+    """Assemble a GRPO run (module docstring): layouts, run directory, policy (warm start),
+    learner, checkpoint (restored when ``resume``), rollout parts and pipeline.
+
+    Raises:
+      MeshConfigError: a mesh or the batch layout does not fit the devices (before anything is
+        written).
+      FileNotFoundError: ``run.init_from`` names a missing path.
+      ValueError: a checkpoint's history or carried groups are unreadable.
+    """
+    distributed.initialize(cfg.parallel)  # no-op unless multi-host is configured
+    primary = jax.process_index() == 0  # only process 0 writes files (Orbax: all save)
+    p = cfg.parallel
+    mesh = train_mesh(p.data, p.fsdp, p.tensor)
+    check_batch_layout(cfg, mesh)
+    meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers)
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if primary:
+        _write_config(cfg, run_dir)
+    policy, state = build_policy(cfg, run_dir, mesh)
+    state = load_warm_start(cfg, run_dir, state)
+    learner, opt_state = build_learner(cfg, policy, state)
+    checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+    state, opt_state, start = _restore(checkpointer, state, opt_state, resume)
+    source = f"checkpoint step {start.step}"
+    history = (HistoryStore.from_bytes(start.blobs["history"], source=source)
+               if uses_history(cfg) and "history" in start.blobs else None)
+    rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, wrap_generate=wrap_generate)
+    pipeline = build_pipeline(cfg, policy, rollout)
+    if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples
+        pipeline.carry = carry.from_bytes(start.blobs["carry"], source=source)
+    # Commit every array to its sharding: restored and freshly built arrays then look the same
+    # to jit, so the update compiles once.
+    state, opt_state = reshard((state, opt_state), (learner.layout.params, learner.layout.opt_state))
+    return Run(cfg, run_dir, primary, policy, learner, rollout, pipeline, checkpointer, state, opt_state, start)
