@@ -232,9 +232,9 @@ def run_temperature(setup: Setup, temp: float, args, out: Path) -> dict:
         # rehearse: a timed rollout that compiled is replayed (same inputs and key: the same
         # tokens and shapes) and the replay's timing kept; later temperatures reuse the programs
         for attempt in range(2):
-            if drafter is not None:  # fresh windows; waits for the index builds (not timed)
-                drafter.begin(setup.ids.tolist())
-            res, *timing = timed_rollout(setup, sp, key, drafter)
+            # fresh windows; waits for the index builds (not timed)
+            batch = drafter.batch(setup.ids.tolist()) if drafter is not None else None
+            res, *timing = timed_rollout(setup, sp, key, batch)
             x = summarize(setup, res, *timing)
             if args.warmup != "rehearse" or name == "epoch1" or x["compiles"] == 0 or attempt:
                 break

@@ -99,11 +99,11 @@ def test_budget_and_window_limits():
     full = SuffixIndex.build(e.prompt, list(e.rollouts[0].responses), e.rollouts[0].rewards)
     seen = set()
     with Drafter(_cfg(window="fixed", fixed_window=32, min_token_prob=0.0), store) as d:
-        d.begin([0, 0, 0])
+        b = d.batch([0, 0, 0])
         first = np.concatenate([e.prompt, e.rollouts[0].responses[0][:1]])
         tail = first[-P:][None].repeat(3, 0)  # the response's second token is next
         for budget in (0, 1, 2, 3, 5, 9, 17, 40):
-            drafts, lens = d.draft(np.arange(3), tail, np.array([budget, 0, min(budget, 1)]))
+            drafts, lens = b.draft(np.arange(3), tail, np.array([budget, 0, min(budget, 1)]))
             want = full.draft(tail[0], min(budget, 32), branch="reward", min_token_prob=0.0)
             assert lens.tolist() == [want.size, 0, min(want.size, 1)]
             assert drafts.shape == (3, want.size)  # K = the longest draft (the engine fits K)
@@ -149,12 +149,12 @@ def test_windows_follow_their_definitions(policy):
 
 def test_cold_start_drafts_nothing():
     with Drafter(_cfg(), HistoryStore()) as d:
-        d.begin([1, 2])
-        drafts, lens = d.draft(np.array([0, 1]), np.zeros((2, P), np.int32), np.array([8, 8]))
+        b = d.batch([1, 2])
+        drafts, lens = b.draft(np.array([0, 1]), np.zeros((2, P), np.int32), np.array([8, 8]))
         assert drafts.shape == (2, 0) and lens.tolist() == [0, 0]
 
 
-def test_rebuild_in_background_then_begin_sees_new_history(monkeypatch):
+def test_rebuild_in_background_then_batch_sees_new_history(monkeypatch):
     rng = np.random.default_rng(3)
     store = _store(rng, [4])
     threads = []
@@ -164,14 +164,14 @@ def test_rebuild_in_background_then_begin_sees_new_history(monkeypatch):
     def slow_index_of(entry):
         threads.append(threading.current_thread().name)
         started.set()
-        time.sleep(0.2)  # begin() must wait for a build that is still running
+        time.sleep(0.2)  # batch() must wait for a build that is still running
         return real(entry)
 
     with Drafter(_cfg(min_token_prob=0.0), store) as d:
         d.rebuild([4])
-        d.begin([4])
+        b = d.batch([4])
         old_tail = _tails(rng, store, [4])
-        old = d.draft(np.array([0]), old_tail, np.array([2]))
+        old = b.draft(np.array([0]), old_tail, np.array([2]))
         assert old[1][0] == 2
 
         old_index = D.index_of(store.entry(4))
@@ -179,17 +179,17 @@ def test_rebuild_in_background_then_begin_sees_new_history(monkeypatch):
         monkeypatch.setattr(D, "index_of", slow_index_of)
         d.rebuild([4])
         assert started.wait(10)
-        d.begin([4])
+        b = d.batch([4])
         assert threads and all(t.startswith("histospec-index") for t in threads)
         tail = _tails(rng, store, [4], anywhere=0.0)
-        drafts, lens = d.draft(np.array([0]), tail, np.array([2]))
+        drafts, lens = b.draft(np.array([0]), tail, np.array([2]))
         assert drafts[0, : lens[0]].tolist() == _reference(store, 4, tail[0], 2, _cfg(min_token_prob=0.0))
         assert lens[0] > 0
         assert old_index.draft(tail[0], 2, branch="reward", min_token_prob=0.0).tolist() != \
             drafts[0, : lens[0]].tolist()  # the draft comes from the new history, not the old
 
 
-def test_begin_builds_a_queued_index_itself(monkeypatch):
+def test_batch_builds_a_queued_index_itself(monkeypatch):
     rng = np.random.default_rng(6)
     store = _store(rng, [1, 2, 3, 4])
     built = []
@@ -206,23 +206,23 @@ def test_begin_builds_a_queued_index_itself(monkeypatch):
     with Drafter(_cfg(), store) as d:
         try:
             d.rebuild([1, 2, 3, 4])
-            d.begin([4])  # 4 is still queued behind 1: built here, not waited for
+            b = d.batch([4])  # 4 is still queued behind 1: built here, not waited for
             assert built.count("MainThread") == 1
             tail = _tails(rng, store, [4], anywhere=0.0)
-            drafts, lens = d.draft(np.array([0]), tail, np.array([2]))
+            drafts, lens = b.draft(np.array([0]), tail, np.array([2]))
             assert drafts[0, : lens[0]].tolist() == _reference(store, 4, tail[0], 2, _cfg())
         finally:
             gate.set()
 
 
-def test_loaded_store_without_rebuild_is_indexed_at_begin(tmp_path):
+def test_loaded_store_without_rebuild_is_indexed_at_batch(tmp_path):
     rng = np.random.default_rng(4)
     store = HistoryStore.load(_store(rng, [1, 2]).save(tmp_path / "h.npz"))
     cfg = _cfg()
     with Drafter(cfg, store) as d:
-        d.begin([2, 1])
+        b = d.batch([2, 1])
         tails = _tails(rng, store, [2, 1])
-        drafts, lens = d.draft(np.array([0, 1]), tails, np.array([2, 2]))
+        drafts, lens = b.draft(np.array([0, 1]), tails, np.array([2, 2]))
         for b, pid in enumerate([2, 1]):
             assert drafts[b, : lens[b]].tolist() == _reference(store, pid, tails[b], 2, cfg)
 
@@ -235,9 +235,9 @@ def test_accepts_the_run_config_section():
     store = _store(rng, [0])
     with Drafter(spec, store) as d:
         assert (d.branch, d.window_policy, d.pattern_max) == ("count", "mimd", spec.pattern_max)
-        d.begin([0])
+        b = d.batch([0])
         tail = _tails(rng, store, [0], anywhere=0.0)
-        drafts, lens = d.draft(np.array([0]), tail, np.array([8]))
+        drafts, lens = b.draft(np.array([0]), tail, np.array([8]))
         assert drafts[0, : lens[0]].tolist() == _reference(store, 0, tail[0], 2, spec)
 
 
@@ -247,13 +247,13 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="fixed_window"):
         Drafter(_cfg(window="fixed", fixed_window=64), HistoryStore())
     with Drafter(_cfg(), HistoryStore()) as d:
-        d.begin([0, 1])
+        b = d.batch([0, 1])
         with pytest.raises(ValueError, match="reqs"):
-            d.draft(np.array([2]), np.zeros((1, P), np.int32), np.array([4]))
+            b.draft(np.array([2]), np.zeros((1, P), np.int32), np.array([4]))
         with pytest.raises(ValueError, match="budgets"):
-            d.draft(np.array([0, 1]), np.zeros((2, P), np.int32), np.array([4]))
+            b.draft(np.array([0, 1]), np.zeros((2, P), np.int32), np.array([4]))
         with pytest.raises(ValueError, match="reqs"):
-            d.observe(np.array([0, 0]), np.array([1, 1]), np.array([1, 1]))
+            b.observe(np.array([0, 0]), np.array([1, 1]), np.array([1, 1]))
 
 
 def test_self_lookup_drafts_match_brute_force():
@@ -287,15 +287,15 @@ def test_drafter_falls_back_to_self_lookup_only_without_a_history_match():
     d = Drafter(_cfg(self_lookup=True, window="fixed", fixed_window=4), store)
     try:
         assert d.context_width > d.pattern_max
-        d.begin([7])  # cold start: no history for prompt 7
+        b = d.batch([7])  # cold start: no history for prompt 7
         seq = [5, 6, 7, 8, 9, 5, 6, 7]
         tails = np.full((1, d.context_width), -1, np.int64)
         tails[0, -len(seq):] = seq
-        drafts, lens = d.draft(np.array([0]), tails, np.array([10]))
+        drafts, lens = b.draft(np.array([0]), tails, np.array([10]))
         assert lens.tolist() == [4] and drafts[0, :4].tolist() == [8, 9, 5, 6]
         off = Drafter(_cfg(window="fixed", fixed_window=4), store)
-        off.begin([7])
-        assert off.draft(np.array([0]), tails[:, -off.context_width:], np.array([10]))[1].tolist() == [0]
+        b_off = off.batch([7])
+        assert b_off.draft(np.array([0]), tails[:, -off.context_width:], np.array([10]))[1].tolist() == [0]
         off.close()
     finally:
         d.close()

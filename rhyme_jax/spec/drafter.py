@@ -1,10 +1,10 @@
 """HistoSpec drafter: what the rollout engine calls every decode step (ARCHITECTURE.md s.3, s.5).
 
-Per rollout batch (``batch``, or ``begin`` for a drafter's default batch) each request is tied to
+Per rollout batch (``Drafter.batch(prompt ids)`` -> ``DraftBatch``) each request is tied to
 its prompt's suffix index (built from the history store in a background thread by ``rebuild``);
 every step ``draft`` returns one padded ``int32[B, K]`` draft batch (K = the longest draft; the
 engine fits drafts to its step shapes) and ``observe`` updates each request's draft window.
-A ``DraftBatch`` (and a ``Drafter`` after ``begin``) is a ``rhyme_jax.rollout.types.Drafter``.
+A ``DraftBatch`` is what ``rhyme_jax.rollout.types.Drafter`` (the engine's protocol) describes.
 RhymeRL (arXiv 2508.18588) s.4.
 """
 
@@ -70,7 +70,6 @@ class Drafter:
         self._lock = threading.Lock()
         self._built: dict[int, tuple[HistoryEntry, SuffixIndex]] = {}
         self._pending: dict[int, Future] = {}
-        self._current = DraftBatch(self, IndexPack.of([]), np.zeros(0, np.int64))
 
     # ---------------------------------------------------------------- indexes
 
@@ -86,7 +85,7 @@ class Drafter:
 
     def rebuild(self, prompt_ids: Sequence[int]) -> None:
         """(Re)build these prompts' indexes from the store in the background thread (in call
-        order); ``begin`` uses the finished ones. Call right after ``store.update``."""
+        order); ``batch`` uses the finished ones. Call right after ``store.update``."""
         for pid in dict.fromkeys(int(p) for p in prompt_ids):
             fut = self._pool.submit(self._build, pid)
             with self._lock:
@@ -130,20 +129,6 @@ class Drafter:
                 indexes.append(ix)
         return DraftBatch(self, IndexPack.of(indexes), np.array([slot_of.get(p, -1) for p in pids], np.int64))
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Start the default batch (``batch``) that ``draft`` / ``observe`` act on (so the
-        drafter itself can be passed to ``RolloutEngine.generate``); every window starts at the
-        policy's initial value."""
-        self._current = self.batch(prompt_ids)
-
-    def draft(self, reqs, tails, budgets):
-        """``DraftBatch.draft`` of the batch started by ``begin``."""
-        return self._current.draft(reqs, tails, budgets)
-
-    def observe(self, reqs, drafted, accepted) -> None:
-        """``DraftBatch.observe`` of the batch started by ``begin``."""
-        self._current.observe(reqs, drafted, accepted)
-
     def close(self) -> None:
         """Stop the background build thread (queued builds are dropped, a running one finishes)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -175,7 +160,7 @@ class DraftBatch:
         r = np.asarray(reqs, dtype=np.int64)
         if r.ndim != 1 or (r.size and (r.min() < 0 or r.max() >= self._slots.size)):
             raise ValueError(f"reqs: expected 1-D request indices in [0, {self._slots.size}) of the "
-                             f"batch given to begin(), got {np.asarray(reqs).tolist()}")
+                             f"batch given to Drafter.batch(), got {np.asarray(reqs).tolist()}")
         return r
 
     def draft(
