@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     rows = []
     trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(rows))
     r = cfg.rollout
-    sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    sp = SamplingParams.from_section(r)
     t0 = time.perf_counter()
     # in the rollout layout the engine runs in (the train layout would be another jit cache entry)
     trainer.engine.warmup(trainer.rollout_states()[0], sp, spec=True,

@@ -156,7 +156,7 @@ def run_profile(args) -> int:
     for b in batches:
         prompts = [pol.prompt_tokens(i) for i in range(-(-b // n)) for _ in range(n)][:b]
         for t in tokens:
-            sp = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=t)
+            sp = SamplingParams.from_section(r, max_new_tokens=t)
             t0 = time.perf_counter()
             out = engine.generate(state, prompts, sp, key)
             compile_s[f"{b}x{t}"] = time.perf_counter() - t0
@@ -398,8 +398,7 @@ class _WorkersBench:
         meshes = rollout_meshes(1, W)
         parts = build_rollout(cfg, policy, params, meshes=meshes)
         states = parts.states(params)
-        sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                  max_new_tokens=int(r.max_new_tokens))
+        sampling = SamplingParams.from_section(r)
         scheds = {name: cls.scheduler(args, parts, sets) for name, sets in WORKER_CONFIGS.items()}
         cost = next(iter(scheds.values())).cost_model
         cost_src = args.cost_model or cfg.sched.cost_model or "placeholder defaults"

@@ -108,9 +108,7 @@ def report(cfg: RunConfig, model_config: str, sample: int) -> dict[str, Any]:
 
     programs = programs_from_config(cfg)
     model_cfg, source = model_config_of(cfg, model_config)
-    r = cfg.rollout
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens)
+    sampling = SamplingParams.from_section(cfg.rollout)
     picked = sample_programs(programs, max(0, sample))
     timed = []
     if picked:

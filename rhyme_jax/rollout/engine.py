@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,9 @@ from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import RolloutSection
 
 _WHERE = "rhyme_jax/rollout/engine.py"
 
@@ -132,6 +135,18 @@ class RolloutEngine:
         self._static: StaticModel | None = None
         self.check_invariants = False  # tests: run allocator.check() after every step
         self.programs_run: set[shapes.StepShape] = set()  # every step program run (within programs())
+
+    @classmethod
+    def from_section(cls, graphdef, model_cfg, rollout: "RolloutSection", eos_ids: Sequence[int],
+                     mesh=None) -> "RolloutEngine":
+        """The engine a run's ``rollout`` config section sizes (``eos_ids``: tokens that end a
+        response; ``()``: every response runs to ``max_new_tokens``), on ``mesh`` (a rollout
+        worker's sub-mesh with a ``tensor`` axis; None = one device)."""
+        r = rollout
+        return cls(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size, num_pages=r.num_pages,
+                   max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
+                   on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
+                   max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix, mesh=mesh)
 
     # ------------------------------------------------------------------ helpers
     def _flat_state(self, state):

@@ -7,10 +7,13 @@ machinery; ``rhyme_jax.rollout.engine`` re-exports them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from jaxtyping import Int
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import RolloutSection
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,13 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 64
+
+    @classmethod
+    def from_section(cls, rollout: "RolloutSection", max_new_tokens: int | None = None) -> "SamplingParams":
+        """The sampling of a run's ``rollout`` config section (``max_new_tokens``: its own, or
+        this override)."""
+        return cls(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+                   max_new_tokens=rollout.max_new_tokens if max_new_tokens is None else int(max_new_tokens))
 
 
 class PromptTooLongError(ValueError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -33,6 +33,9 @@ from rhyme_jax.sched.migration import TailMigration
 from rhyme_jax.sched.planner import Plan, plan_step
 from rhyme_jax.sched.timeline import NEXT_STEP, TRAIN, WorkerInterval, bubble_metrics
 from rhyme_jax.sched.workers import GenerateFn, StepWork, WorkerQueues, run_now
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import SchedSection
 
 MODES = ("fifo", "histopipe")
 PIPELINES = ("sync", "one_step_off")
@@ -79,7 +82,7 @@ class RolloutScheduler:
       CostModelError: ``sched.cost_model`` names a missing or invalid file.
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine], cfg: Any, max_new_tokens: int, *,
+    def __init__(self, engines: Sequence[RolloutEngine], cfg: SchedSection, max_new_tokens: int, *,
                  wrap_generate: Callable[[GenerateFn], GenerateFn] | None = None):
         self.engines = list(engines)
         self.generate = [e.generate if wrap_generate is None else wrap_generate(e.generate) for e in self.engines]

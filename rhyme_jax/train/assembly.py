@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,15 +58,18 @@ from rhyme_jax.train.pipeline import RolloutPipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, eos_ids
 from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
 
+if TYPE_CHECKING:
+    from rhyme_jax.config import RunConfig
+
 GenerateWrapper = Callable[[GenerateFn], GenerateFn]
 
 
-def run_dir_of(cfg: Any) -> Path:
+def run_dir_of(cfg: RunConfig) -> Path:
     """``<run.runs_dir>/<run.name>``."""
     return Path(cfg.run.runs_dir) / cfg.run.name
 
 
-def warm_start_dir(cfg: Any, run_dir: Path) -> Optional[Path]:
+def warm_start_dir(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
     """Params a GRPO run starts from: ``run.init_from``, else ``<run_dir>/sft/params`` when
     present, else None (the freshly initialised policy).
 
@@ -82,18 +85,12 @@ def warm_start_dir(cfg: Any, run_dir: Path) -> Optional[Path]:
     return own if own.exists() else None
 
 
-def make_engine(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: Any, eos: Sequence[int],
+def make_engine(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: RunConfig, eos: Sequence[int],
                 mesh: jax.sharding.Mesh | None = None) -> RolloutEngine:
     """The rollout engine of a run, sized by the ``rollout`` config section, on ``mesh`` (a rollout
     worker's sub-mesh with a ``tensor`` axis; None = one device); ``eos``: token ids that end a
     response (``()``: every response runs to ``max_new_tokens``)."""
-    r = cfg.rollout
-    return RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size,
-                         num_pages=r.num_pages, max_prompt_len=r.max_prompt_len,
-                         max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos),
-                         on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
-                         max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
-                         mesh=mesh)
+    return RolloutEngine.from_section(graphdef, model_cfg, cfg.rollout, eos, mesh=mesh)
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:
@@ -101,7 +98,7 @@ def batch_shards(mesh: jax.sharding.Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp")]))
 
 
-def check_batch_layout(cfg: Any, mesh: jax.sharding.Mesh) -> None:
+def check_batch_layout(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
     """Raises ``MeshConfigError`` unless a step's rows split into ``grpo.minibatches`` minibatches
     of a multiple of the mesh's row shards."""
     g, shards = cfg.grpo, batch_shards(mesh)
@@ -125,7 +122,7 @@ class Policy:
       graphdef, model_cfg: the model definition; ``mesh``: the train mesh the params live on.
     """
 
-    cfg: Any
+    cfg: RunConfig
     run_dir: Path
     train_problems: list[Problem]
     eval_problems: list[Problem]
@@ -141,7 +138,7 @@ class Policy:
         return eos_ids(self.model_cfg, self.tokenizer)
 
 
-def build_policy(cfg: Any, run_dir: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[Policy, nnx.State]:
+def build_policy(cfg: RunConfig, run_dir: Path, mesh: jax.sharding.Mesh | None = None) -> tuple[Policy, nnx.State]:
     """Problems, tokenizer (the demo tokenizer is trained on first use and saved in ``run_dir``)
     and the policy created directly in its shardings on ``mesh`` (default: the train mesh of
     ``parallel``): a HF checkpoint (``model.path``) or the freshly initialised tiny model.
@@ -155,7 +152,7 @@ def build_policy(cfg: Any, run_dir: Path, mesh: jax.sharding.Mesh | None = None)
     return policy, state
 
 
-def load_warm_start(cfg: Any, run_dir: Path, state: nnx.State) -> nnx.State:
+def load_warm_start(cfg: RunConfig, run_dir: Path, state: nnx.State) -> nnx.State:
     """The params a GRPO run starts from (``warm_start_dir``) loaded into ``state``'s layout, or
     ``state`` itself when there are none.
 
@@ -167,7 +164,7 @@ def load_warm_start(cfg: Any, run_dir: Path, state: nnx.State) -> nnx.State:
 
 
 # ---------------------------------------------------------------------------------- rollout
-def uses_history(cfg: Any) -> bool:
+def uses_history(cfg: RunConfig) -> bool:
     """Whether the run keeps a history store: HistoSpec drafts and HistoPipe length predictions
     both come from it."""
     return bool(cfg.spec.enabled) or cfg.sched.mode == "histopipe"
@@ -207,7 +204,7 @@ class RolloutParts:
             self.drafter.close()
 
 
-def build_rollout(cfg: Any, policy: Policy, params_like: nnx.State, *,
+def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
                   meshes: Sequence[jax.sharding.Mesh] | None = None, history: Optional[HistoryStore] = None,
                   wrap_generate: Optional[GenerateWrapper] = None) -> RolloutParts:
     """Engines, weight-sync layouts, scheduler, history store and drafter of a run.
@@ -234,7 +231,7 @@ def build_rollout(cfg: Any, policy: Policy, params_like: nnx.State, *,
     return RolloutParts(engines, shardings, scheduler, history, drafter)
 
 
-def build_pipeline(cfg: Any, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
+def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
     """The rollout pipeline of a GRPO run: the step's prompts (``prompts.prompt_schedule``), their
     tokens, the weight sync, history and drafter."""
     g = cfg.grpo
@@ -264,7 +261,7 @@ class Learner:
     ref_state: Any = None
 
 
-def build_learner(cfg: Any, policy: Policy, state: nnx.State) -> tuple[Learner, Any]:
+def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State) -> tuple[Learner, Any]:
     """The update step and the KL reference (a copy of ``state``, the starting params) of a run,
     and the initial optimizer state, created directly in its shardings on the policy's mesh.
     Returns ``(learner, opt_state)``."""
@@ -307,7 +304,7 @@ class Run:
       start: the step and counters to continue from.
     """
 
-    cfg: Any
+    cfg: RunConfig
     run_dir: Path
     primary: bool
     policy: Policy
@@ -332,11 +329,11 @@ def _restore(checkpointer: ckpt.Checkpointer, state: Any, opt_state: Any, resume
     return state, opt_state, start
 
 
-def _write_config(cfg: Any, run_dir: Path) -> None:
+def _write_config(cfg: RunConfig, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
 
 
-def build_run(cfg: Any, *, resume: bool = False, wrap_generate: Optional[GenerateWrapper] = None) -> Run:
+def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[GenerateWrapper] = None) -> Run:
     """Assemble a GRPO run (module docstring): layouts, run directory, policy (warm start),
     learner, checkpoint (restored when ``resume``), rollout parts and pipeline.
 

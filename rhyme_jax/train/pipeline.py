@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -29,6 +29,9 @@ import numpy as np
 from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler, StepRollout
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import RunConfig
 
 
 @dataclass
@@ -64,7 +67,7 @@ class RolloutPipeline:
       history, drafter: HistoSpec store and drafter (or None).
     """
 
-    def __init__(self, cfg: Any, scheduler: RolloutScheduler, schedule: Callable[[int], np.ndarray],
+    def __init__(self, cfg: RunConfig, scheduler: RolloutScheduler, schedule: Callable[[int], np.ndarray],
                  prompt_tokens: Callable[[int], Sequence[int]], rollout_states: Callable[[Any], list],
                  history=None, drafter=None):
         self.cfg, self.scheduler = cfg, scheduler
@@ -96,7 +99,7 @@ class RolloutPipeline:
         t0 = time.perf_counter()
         pending = self.scheduler.submit(
             step, self.rollout_states(state), idx, prompts, n,
-            SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens),
+            SamplingParams.from_section(r),
             key, history=self.history, drafter=self.drafter,
             carried=carry.pending_rows(carried, len(prompts)),
             defer=self.one_step_off and step < last_defer, queued=queued)

@@ -7,7 +7,7 @@ an uninterrupted run would.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from jaxtyping import Int
@@ -15,13 +15,16 @@ from jaxtyping import Int
 from rhyme_jax.data import Problem
 from rhyme_jax.model.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from rhyme_jax.config import RunConfig
 
-def num_grpo_prompts(cfg: Any, num_train: int) -> int:
+
+def num_grpo_prompts(cfg: RunConfig, num_train: int) -> int:
     """Size of the prompt set GRPO cycles over: ``grpo.num_prompts`` (0 = all train problems)."""
     return min(num_train, cfg.grpo.num_prompts or num_train)
 
 
-def epoch_of_step(cfg: Any, num_train: int, step: int) -> int:
+def epoch_of_step(cfg: RunConfig, num_train: int, step: int) -> int:
     """1-based epoch (pass over the GRPO prompt set) in which step ``step`` starts."""
     return (step - 1) * int(cfg.grpo.prompts_per_step) // num_grpo_prompts(cfg, num_train) + 1
 

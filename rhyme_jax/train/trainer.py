@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,9 @@ from rhyme_jax.train.losses import group_advantages, response_grid, sequence_bat
 from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.train.pipeline import StepBatch
 from rhyme_jax.train.prompts import epoch_of_step
+
+if TYPE_CHECKING:
+    from rhyme_jax.config import RunConfig
 
 SEQ_BUCKET = 64  # training sequence lengths are padded to a multiple of this (bounded recompiles)
 
@@ -77,7 +80,7 @@ class GRPOTrainer:
       MeshConfigError, FileNotFoundError, ValueError: from ``assembly.build_run``.
     """
 
-    def __init__(self, cfg: Any, *, resume: bool = False,
+    def __init__(self, cfg: RunConfig, *, resume: bool = False,
                  reward_fn: Callable[[str, Problem], float] | None = None,
                  wrap_generate: GenerateWrapper | None = None):
         self.cfg = cfg
