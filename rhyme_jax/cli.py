@@ -100,7 +100,7 @@ def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False, reward_
         return 0
     counter = CompileCounter().start()
     warm = None
-    if warm_start and not cfg.run.init_from and not sft_params_dir(run_dir).exists():
+    if warm_start and cfg.sft.steps > 0 and not cfg.run.init_from and not sft_params_dir(run_dir).exists():
         warm = run_warm_start(cfg, run_dir)
         print(f"warm start done: held-out greedy accuracy {warm.accuracy:.3f} "
               f"± {warm.stderr:.3f}", flush=True)
@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None, *, reward_fn=None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "sft" and cfg.sft.steps < 1:  # `train` / `demo` skip the warm start instead
+        print(f"rhyme-jax: config error: {args.config}: sft.steps={cfg.sft.steps} must be >= 1 for "
+              f"`rhyme-jax sft`", file=sys.stderr)
         return 2
     try:
         if args.command == "memory":

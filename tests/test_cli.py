@@ -83,6 +83,14 @@ def test_bad_override_exits_2_naming_the_key(args, needle, capsys):
     assert "config error" in err and needle in err
 
 
+def test_sft_without_steps_exits_2_naming_the_key_before_any_work(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main(["sft", "--config", CONFIG, "--set", "sft.steps=0", "--set", f"run.runs_dir={runs}"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "sft.steps=0" in err
+    assert not runs.exists()  # nothing was built or written
+
+
 def test_missing_config_file_exits_2_naming_it(tmp_path, capsys):
     missing = tmp_path / "nope.yaml"
     assert main(["eval", "--config", str(missing)]) == 2

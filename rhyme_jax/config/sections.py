@@ -155,7 +155,7 @@ class SFTSection:
 
     KEY: ClassVar[str] = "sft"
 
-    steps: int = 300
+    steps: int = 300  # 0 = no warm start (`train` and `demo` start GRPO from the initial weights; `sft` refuses)
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 20
