@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_jax import cli_compile, cli_memory, cli_models
+from rhyme_jax import cli_compile, cli_memory, cli_models, cli_replay
 from rhyme_jax.config import ConfigError, RunConfig, load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="draft window policy (default: %(default)s)")
     cli_models.add_parsers(sub)
     cli_compile.add_parser(sub)
+    cli_replay.add_parser(sub)
     return p
 
 
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None, *, reward_fn=None) -> int:
         return cli_models.run(args)
     if args.command == "compile-report":
         return cli_compile.run(args)
+    if args.command == "replay-drafts":
+        return cli_replay.run(args)
     if args.command == "analyze":
         from rhyme_jax.spec.analyze import AnalyzeError
         from rhyme_jax.io.rollout_log import RolloutLogError

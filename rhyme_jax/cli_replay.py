@@ -1,0 +1,214 @@
+"""``rhyme-jax replay-drafts``: how much of a target text the HistoSpec drafter predicts.
+
+Each line of the input JSONL is ``{"prompt": str, "history": [str, ...], "history_rewards":
+[float, ...], "target": str}``: a prompt, earlier responses to it (the history a rollout would
+draft from) with their rewards, and the response to replay. Every prompt's history goes into a
+``HistoryStore`` (one rollout per prompt) and the run's ``Drafter`` (``spec`` config section,
+``--set spec.x=y``) drafts along each target as the engine would, ``--rows`` targets live at once:
+
+* one pass of a live target = its draft (window, the tokens left, ``shapes.MAX_DRAFT``), cut as
+  the engine cuts the drafts of a step: longest first to the step's packed-token budget
+  (``batching.trim_drafts``), then to the ``max_q_len`` of the step shape the rows and their
+  drafts fall in (``ShapePlan.step_pair``);
+* a draft token is accepted iff it equals the target's next token (the verification of a
+  drafted pass emits the accepted prefix plus one token), and the drafter observes the pass.
+
+Pooled over all targets it prints ``predicted_share`` (accepted / target tokens),
+``tokens_per_forward`` (emitted per sequence pass), ``drafted_per_forward`` and ``acceptance``
+(accepted / drafted). Pages are not simulated (the engine may also cut drafts to the pages the
+pool can give). Source: RhymeRL (arXiv 2508.18588) s.4 HistoSpec; the issue "goodput-optimal
+HistoSpec" scope 4.
+
+    rhyme-jax replay-drafts corpus.jsonl --tokenizer ~/.cache/rhyme_jax/models/smollm2-135m-instruct --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_ROWS = 64
+
+
+class ReplayInputError(ValueError):
+    """A line of the replay file is malformed (message names the file and line)."""
+
+
+@dataclass(frozen=True)
+class ReplayCase:
+    """One line: token ids of the prompt, its history responses and the target response."""
+
+    prompt: np.ndarray  # int32[p]
+    history: list[np.ndarray]  # int32[h_i]
+    rewards: np.ndarray  # float64[len(history)]
+    target: np.ndarray  # int32[t]
+
+
+def add_parser(sub) -> None:
+    """Register ``replay-drafts`` on the ``rhyme-jax`` subparsers."""
+    from rhyme_jax.cli import DEFAULT_CONFIG
+
+    sp = sub.add_parser("replay-drafts", help="replay the HistoSpec drafter along target texts: "
+                        "predicted share, tokens and drafts per forward, acceptance")
+    sp.add_argument("file", help="JSONL: {prompt, history: [str], history_rewards: [float], target} per line")
+    sp.add_argument("--tokenizer", required=True, help="tokenizer.json or a directory holding one")
+    sp.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: %(default)s)")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. spec.pattern_min=1 (repeatable)")
+    sp.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="targets live at once (default: %(default)s)")
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def read_cases(path: Path, encode) -> list[ReplayCase]:
+    """Parse and tokenize the replay file.
+
+    Raises:
+      ReplayInputError: unreadable file, bad JSON, missing/ill-typed fields, rewards not matching
+        the history, text the tokenizer rejects, or an empty target (named by file and line).
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ReplayInputError(f"{path}: {exc.strerror or exc}") from None
+    cases = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{no}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReplayInputError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
+                or not isinstance(row.get("target"), str) or not isinstance(row.get("history"), list) \
+                or not all(isinstance(h, str) for h in row["history"]):
+            raise ReplayInputError(f"{where}: needs string 'prompt' and 'target' and a list of strings 'history'")
+        rewards = row.get("history_rewards", [0.0] * len(row["history"]))
+        if not isinstance(rewards, list) or len(rewards) != len(row["history"]) \
+                or not all(isinstance(r, (int, float)) and np.isfinite(r) for r in rewards):
+            raise ReplayInputError(f"{where}: 'history_rewards' must be {len(row['history'])} finite numbers")
+        try:
+            target = np.asarray(encode(row["target"]), np.int32)
+            case = ReplayCase(np.asarray(encode(row["prompt"]), np.int32),
+                              [np.asarray(encode(h), np.int32) for h in row["history"]],
+                              np.asarray(rewards, np.float64), target)
+        except ValueError as exc:  # the tokenizer's errors (e.g. characters outside its vocabulary)
+            raise ReplayInputError(f"{where}: {exc}") from None
+        if target.size == 0:
+            raise ReplayInputError(f"{where}: 'target' encodes to no tokens")
+        cases.append(case)
+    if not cases:
+        raise ReplayInputError(f"{path}: no cases")
+    return cases
+
+
+def _tails(cases, live, done, width: int) -> np.ndarray:
+    """``int32[n, width]`` last tokens of prompt + target so far of the live cases, -1 padded."""
+    out = np.full((len(live), width), -1, np.int32)
+    for i, c in enumerate(live):
+        seq = np.concatenate([cases[c].prompt, cases[c].target[: done[c]]])[-width:]
+        out[i, width - seq.size:] = seq
+    return out
+
+
+def _fit(plan, lens: np.ndarray) -> np.ndarray:
+    """The engine's cut of one step's draft lengths: longest first to the packed-token budget,
+    then to the ``max_q_len`` of the step shape (``RolloutEngine._draft`` / ``_step_inputs``)."""
+    from rhyme_jax.rollout import batching, shapes
+
+    lens = batching.trim_drafts(np.minimum(lens, shapes.MAX_DRAFT), plan.verify_budget).astype(np.int64)
+    rows = shapes.seq_bucket(lens.size, plan.max_slots)
+    _, q_len = plan.step_pair(rows, lens.size + int(lens.sum()))
+    return np.minimum(lens, q_len - 1)
+
+
+def _replay_group(cases, group: list[int], drafter, plan, totals: dict) -> None:
+    """Replay the targets ``group`` (live together) to the end; adds to ``totals``."""
+    batch = drafter.batch(group)
+    done = {c: 0 for c in group}
+    while True:
+        live = [c for c in group if done[c] < cases[c].target.size]
+        if not live:
+            return
+        reqs = np.array([group.index(c) for c in live], np.int64)
+        left = np.array([cases[c].target.size - done[c] for c in live], np.int64)
+        drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), np.maximum(left - 1, 0))
+        lens = _fit(plan, np.asarray(lens, np.int64))
+        accepted = np.zeros(len(live), np.int64)
+        for i, c in enumerate(live):
+            want = cases[c].target[done[c]: done[c] + lens[i]]
+            match = drafts[i, : lens[i]] == want
+            accepted[i] = lens[i] if match.all() else int(np.argmin(match))
+            done[c] += int(accepted[i]) + 1
+        batch.observe(reqs, lens, accepted)
+        totals["passes"] += len(live)
+        totals["drafted"] += int(lens.sum())
+        totals["accepted"] += int(accepted.sum())
+
+
+def replay(cases: list[ReplayCase], spec, plan, rows: int) -> dict[str, float]:
+    """Draft along every case's target, ``rows`` at a time (see the module docstring).
+
+    Returns:
+      ``predicted_share``, ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance``,
+      ``target_tokens``, ``sequence_passes``, ``drafted_tokens``, ``accepted_tokens``.
+    """
+    from rhyme_jax.spec.drafter import Drafter
+    from rhyme_jax.spec.history import HistoryStore
+
+    store = HistoryStore(1)
+    with_history = [i for i, c in enumerate(cases) if c.history]
+    if with_history:
+        store.update(0, np.array([i for i in with_history for _ in cases[i].history], np.int64),
+                     [cases[i].prompt for i in with_history for _ in cases[i].history],
+                     [h for i in with_history for h in cases[i].history],
+                     np.concatenate([cases[i].rewards for i in with_history]))
+    totals = dict(passes=0, drafted=0, accepted=0)
+    with Drafter(spec, store) as drafter:
+        drafter.rebuild(with_history)
+        for start in range(0, len(cases), rows):
+            _replay_group(cases, list(range(start, min(start + rows, len(cases)))), drafter, plan, totals)
+    tokens = sum(c.target.size for c in cases)
+    return {"predicted_share": totals["accepted"] / tokens,
+            "tokens_per_forward": tokens / totals["passes"],
+            "drafted_per_forward": totals["drafted"] / totals["passes"],
+            "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+            "target_tokens": tokens, "sequence_passes": totals["passes"],
+            "drafted_tokens": totals["drafted"], "accepted_tokens": totals["accepted"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``rhyme-jax replay-drafts``; returns the exit status."""
+    from rhyme_jax.config import ConfigError, load_config
+    from rhyme_jax.model.tokenizer import Tokenizer, TokenizerError
+    from rhyme_jax.rollout import shapes
+
+    if args.rows < 1:
+        print("rhyme-jax replay-drafts: --rows must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        tok = Tokenizer.from_file(args.tokenizer)
+        cases = read_cases(Path(args.file), tok.encode)
+    except ConfigError as exc:
+        print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
+        return 2
+    except (TokenizerError, ReplayInputError) as exc:
+        print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
+        return 2
+    r = cfg.rollout
+    plan = shapes.plan(max_slots=args.rows, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
+                       max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
+    out = replay(cases, cfg.spec, plan, args.rows)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{len(cases)} targets, {out['target_tokens']} tokens, {args.rows} rows live: predicted share "
+              f"{out['predicted_share']:.3f}, {out['tokens_per_forward']:.2f} tokens and "
+              f"{out['drafted_per_forward']:.2f} drafts per forward, acceptance {out['acceptance']:.3f}")
+    return 0
