@@ -60,7 +60,7 @@ def _greedy(prompts, eos, drafter=None, **kw):
                         jax.random.key(0), drafter=drafter)
 
 
-@pytest.mark.parametrize("corrupt,window", [(0.0, 4), (0.0, 16), (0.3, 4), (1.0, 8)])
+@pytest.mark.parametrize("corrupt,window", [(0.0, 4), pytest.param(0.0, 16, marks=pytest.mark.slow), (0.3, 4), (1.0, 8)])
 def test_greedy_with_drafts_equals_plain(corrupt, window):
     prompts, eos, want, want_lp = _reference_with_eos()
     history = [np.concatenate([p, w]).astype(np.int32) for p, w in zip(prompts, want)]

@@ -16,7 +16,7 @@ from rhyme_jax.spec.history import HistoryStore
 from test_rollout_engine import MAX_NEW, _engine, _model, _prompts
 
 
-@pytest.mark.parametrize("self_lookup", [False, True])
+@pytest.mark.parametrize("self_lookup", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time: True covers more
 def test_replay_reproduces_engine_passes(self_lookup, benchmark_module):
     replay = benchmark_module("pass_replay")
     cfg = SimpleNamespace(branch="reward", window="aimd", fixed_window=8, min_token_prob=0.1, pattern_max=7,

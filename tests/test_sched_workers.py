@@ -52,7 +52,7 @@ def _responses(run_dir, step):
     return [r.tolist() for r in load_rollouts(run_dir, step)["responses"]]
 
 
-@pytest.mark.parametrize("cross_step", [False, True])
+@pytest.mark.parametrize("cross_step", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time
 def test_one_step_off_uses_the_documented_weights(tmp_path, cross_step):
     """one_step_off: rollout s >= 2 is sampled with the params after s - 2 updates (metrics
     rollout/weights_step, staleness 1): regenerating step 2 with the initial params and step 3
@@ -122,6 +122,7 @@ def _scheduled(cfg, steps):
                                                                             cfg.grpo.prompts_per_step), n))
 
 
+@pytest.mark.slow  # CI time: test_cross_step_deferral_trains_every_sample_once covers the default set
 def test_one_step_off_deferral_trains_every_sample_once(tmp_path):
     """Forced deferral (growth 0.01, tail fraction 1.0): tails of each one_step_off rollout are
     stopped and their groups carried to the next step, where the partial responses are continued
