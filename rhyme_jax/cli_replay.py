@@ -118,13 +118,11 @@ def _tails(cases, live, done, width: int) -> np.ndarray:
 
 def _fit(plan, lens: np.ndarray) -> np.ndarray:
     """The engine's cut of one step's draft lengths: longest first to the packed-token budget,
-    then to the ``max_q_len`` of the step shape (``RolloutEngine._draft`` / ``_step_inputs``)."""
+    then to the ``max_q_len`` of the step shape (``RolloutEngine._draft``, ``ShapePlan.fit_step``)."""
     from rhyme_jax.rollout import batching, shapes
 
-    lens = batching.trim_drafts(np.minimum(lens, shapes.MAX_DRAFT), plan.verify_budget).astype(np.int64)
-    rows = shapes.seq_bucket(lens.size, plan.max_slots)
-    _, q_len = plan.step_pair(rows, lens.size + int(lens.sum()))
-    return np.minimum(lens, q_len - 1)
+    lens = batching.trim_drafts(np.minimum(lens, shapes.MAX_DRAFT), plan.verify_budget)
+    return plan.fit_step(lens)[3]
 
 
 def _replay_group(cases, group: list[int], drafter, plan, totals: dict) -> None:
@@ -132,10 +130,10 @@ def _replay_group(cases, group: list[int], drafter, plan, totals: dict) -> None:
     batch = drafter.batch(group)
     done = {c: 0 for c in group}
     while True:
-        live = [c for c in group if done[c] < cases[c].target.size]
-        if not live:
+        reqs = np.array([j for j, c in enumerate(group) if done[c] < cases[c].target.size], np.int64)
+        if not reqs.size:
             return
-        reqs = np.array([group.index(c) for c in live], np.int64)
+        live = [group[j] for j in reqs]
         left = np.array([cases[c].target.size - done[c] for c in live], np.int64)
         drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), np.maximum(left - 1, 0))
         lens = _fit(plan, np.asarray(lens, np.int64))

@@ -282,9 +282,7 @@ class RolloutEngine:
     def _step_inputs(self, ids, drafts, d_lens, table: SlotTable) -> batching.VerifyInputs:
         """Bucket one decode/verify step of live slots ``ids`` (``self.plan.step_pair``; drafts
         longer than the pair's ``max_q_len - 1`` are cut) and pack it. Counts drafted tokens."""
-        rows = shapes.seq_bucket(ids.size, self.max_slots)
-        t_total, q_len = self.plan.step_pair(rows, ids.size + int(d_lens.sum()))
-        d_lens = np.minimum(d_lens, q_len - 1)
+        rows, t_total, q_len, d_lens = self.plan.fit_step(d_lens)
         table.stats["drafted_tokens"] += int(d_lens.sum())
         width = self.plan.width(int(self.allocator.num_held[ids].max()))
         return batching.verify_inputs(ids, table.length, table.pending, drafts, d_lens, self.allocator.page_table,

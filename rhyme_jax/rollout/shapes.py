@@ -27,6 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+from jaxtyping import Int
+
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
 
@@ -146,6 +149,20 @@ class ShapePlan:
             if t >= used:
                 return t, q
         raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
+
+    def fit_step(self, draft_lens: Int[np.ndarray, "n"]) -> tuple[int, int, int, Int[np.ndarray, "n"]]:
+        """The decode/verify step of ``len(draft_lens)`` live rows with these draft lengths:
+        ``(rows, T, Q, draft_lens)`` = the row bucket, the first ``step_pair`` holding the rows
+        plus their drafts, and the drafts cut to ``Q - 1`` (the engine's rule; drafts are only
+        proposals, so the cut is lossless).
+
+        Raises:
+          ValueError: the rows plus drafts exceed the cap of the row bucket (``step_pair``).
+        """
+        lens = np.asarray(draft_lens, np.int64)
+        rows = seq_bucket(lens.size, self.max_slots)
+        t_total, q_len = self.step_pair(rows, lens.size + int(lens.sum()))
+        return rows, t_total, q_len, np.minimum(lens, q_len - 1)
 
     def programs(self, spec: bool = True) -> list[StepShape]:
         """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""
