@@ -22,7 +22,7 @@ OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 DraftBranch = Literal["reward", "count"]
-DraftWindow = Literal["aimd", "mimd", "fixed"]
+DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
 SchedPipeline = Literal["sync", "one_step_off"]
 LengthStat = Literal["mean", "max", "p90"]
@@ -257,13 +257,17 @@ class SpecSection:
 
     enabled: bool = False  # draft from the previous rollout of each prompt (epoch 2 on)
     branch: DraftBranch = "reward"  # branch choice in the suffix index: reward (paper) | count (specRL)
-    window: DraftWindow = "aimd"  # draft window: aimd (2, +2, reset 2, cap 32) | mimd (2, x2, /2, cap 16) | fixed
+    # draft window: aimd (2, +2, reset 2, cap 32) | mimd (2, x2, /2, cap 16) | fixed | goodput (drafts up to
+    # 32 with acceptance estimates; the engine sizes each row's draft for expected tokens per second)
+    window: DraftWindow = "aimd"
     fixed_window: int = 8  # draft length of window=fixed
     min_token_prob: float = 0.1  # stop drafting when the branch probability falls below (0 = off)
     pattern_max: int = 7  # longest suffix of the running sequence matched in the index
     pattern_min: int = 3  # shortest match accepted (back-off floor)
     history_depth: int = 1  # rollouts of each prompt kept in the history store
     self_lookup: bool = False  # extension: no history match -> draft from the sequence's own earlier tokens
+    siblings: bool = False  # extension: also draft from the same step's other responses to the prompt (GRPO group)
+    step_cost: str = ""  # step-cost profile JSON for window=goodput; "" = profiled at warm-up, cached per model+backend
 
     def __post_init__(self):
         check_fields(self)
@@ -274,6 +278,8 @@ class SpecSection:
         at_least(self, 1, "pattern_min", "history_depth")
         if not self.pattern_min <= self.pattern_max <= MAX_PATTERN:
             raise fail(self, "pattern_max", f"must be in [spec.pattern_min={self.pattern_min}, {MAX_PATTERN}]")
+        if self.step_cost and not Path(self.step_cost).is_file():
+            raise fail(self, "step_cost", "is not a file (a step-cost profile JSON; '' = profile at warm-up)")
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,16 @@ class Drafter(Protocol):
     Attributes:
       context_width: tokens of each running sequence (prompt + response) the engine passes as
         ``tails`` (>= 0).
+      estimates: after each ``draft`` call, ``float32[n, K]`` (the same rows and columns as its
+        tokens) estimated probability that draft token j of row i is accepted given that tokens
+        ``< j`` were, or ``None`` when the drafter gives no estimates. With estimates the engine
+        chooses each row's draft length and the step shape for the most expected tokens per
+        second under its step-cost model (``rollout/allocation.py``); without, it keeps every
+        draft that fits the first step shape holding it.
     """
 
     context_width: int
+    estimates: "np.ndarray | None"
 
     def draft(self, reqs: Int[np.ndarray, "n"], tails: Int[np.ndarray, "n W"],
               budgets: Int[np.ndarray, "n"]) -> tuple[Int[np.ndarray, "n K"], Int[np.ndarray, "n"]]:
