@@ -57,6 +57,9 @@ import real_workload  # noqa: E402
 
 DEFAULTS = dict(real_workload.DEFAULTS, max_slots=16, max_prompt_len=256)
 # max_prompt_len 0: the longest prompt rounded up to a page (fewer page-table widths to warm up)
+# HistoSpec with the goodput policy (--goodput): every draft source, acceptance estimates and the
+# engine's cost-aware allocation under the step-cost profile of this machine
+GOODPUT = dict(window="goodput", pattern_min=1, self_lookup=True, siblings=True, min_token_prob=0.0)
 QUICK = dict(real_workload.QUICK, max_slots=4, max_new_tokens=24, max_prompt_len=0)
 KINDS = (("plain", "plain"), ("spec", "HistoSpec"))
 
@@ -70,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULTS['max_new_tokens']}")
     ap.add_argument("--temperatures", help=f"comma-separated (default {DEFAULTS['temperatures']})")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--goodput", action="store_true",
+                    help="also run HistoSpec with the goodput policy (GOODPUT) beside the paper defaults")
     ap.add_argument("--max-prompt-len", type=int, help="default 256; 0 = the longest prompt, page-rounded")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0, help="rollout keys k1, k2 = split(key(seed))")
@@ -225,6 +230,9 @@ def run_temperature(setup: Setup, temp: float, args, out: Path) -> dict:
     k1, k2 = jax.random.split(jax.random.key(args.seed))
     tdir = out / f"T{temp}"
     spec_cfg = SpecSection()  # the paper defaults
+    variants = {"spec": spec_cfg}
+    if args.goodput:
+        variants["goodput"] = SpecSection(**GOODPUT)
     store = HistoryStore(spec_cfg.history_depth)
     row = {"temperature": temp}
 
@@ -246,20 +254,22 @@ def run_temperature(setup: Setup, temp: float, args, out: Path) -> dict:
         save_rollouts(run_dir, step, setup.ids, res.tokens, row[name]["rewards"], res.logprobs)
         return res
 
-    with Drafter(spec_cfg, store) as drafter:
-        res1 = rollout("epoch1", k1)
-        # write-back as the trainer does (step 1), then the indexes rebuild in the background
-        store.update(1, setup.ids, [np.asarray(p, np.int32) for p in setup.prompts], res1.tokens,
-                     row["epoch1"]["rewards"])
-        drafter.rebuild(np.unique(setup.ids).tolist())
-        plain = rollout("plain", k2, run_dir=tdir / "plain_epoch2", step=2)
-        rollout("spec", k2, drafter, step=2)
+    res1 = rollout("epoch1", k1)
+    # write-back as the trainer does (step 1); each variant's drafter indexes the store
+    store.update(1, setup.ids, [np.asarray(p, np.int32) for p in setup.prompts], res1.tokens,
+                 row["epoch1"]["rewards"])
+    plain = rollout("plain", k2, run_dir=tdir / "plain_epoch2", step=2)
+    for name, cfg in variants.items():
+        with Drafter(cfg, store) as drafter:
+            drafter.rebuild(np.unique(setup.ids).tolist())
+            rollout(name, k2, drafter, run_dir=tdir if name == "spec" else tdir / name, step=2)
+        row[f"{name}_speedup"] = row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"]
     lp = np.concatenate(plain.logprobs).astype(np.float64)
     row["entropy_nats_per_token"] = float(-lp.mean()) if lp.size else float("nan")
     row["speedup"] = row["spec"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
     row["passes_ratio"] = row["plain"]["forward_passes"] / max(row["spec"]["forward_passes"], 1)
     row["analysis"] = analyze_dir(tdir)
-    for k in ("epoch1", "plain", "spec"):
+    for k in ("epoch1", "plain", *variants):
         del row[k]["rewards"]  # per row in the saved rollouts
     return row
 
@@ -278,12 +288,14 @@ def analyze_dir(tdir: Path) -> dict:
 
 
 def format_table(row: dict) -> str:
-    """Markdown table of one temperature: plain vs HistoSpec side by side, then notes."""
+    """Markdown table of one temperature: plain vs HistoSpec (paper defaults, and the goodput
+    policy when run) side by side, then notes."""
     p, h, e1, a = row["plain"], row["spec"], row["epoch1"], row["analysis"]
+    spec = [row[k] for k in ("spec", "goodput") if k in row]
 
     def both(fmt, get, ratio=None):
-        cells = [fmt.format(get(p)), fmt.format(get(h))]
-        return cells + ([f"{ratio:.2f}x"] if ratio is not None else [""])
+        cells = [fmt.format(get(x)) for x in (p, *spec)]
+        return cells + ([f"{get(x) / get(p):.2f}x" for x in spec] if ratio else [""] * len(spec))
 
     def lens(x):
         d = x["lengths"]
@@ -292,25 +304,29 @@ def format_table(row: dict) -> str:
     def phase(x, ph):
         return f"{x[ph]['seconds']:.1f} s, {x[ph]['passes']} passes, {x[ph]['tokens']} tok"
 
+    def spec_only(fn):
+        return ["-"] + [fn(x) for x in spec] + [""] * len(spec)
+
     rows = [
         ("generated tokens", both("{}", lambda x: x["generated_tokens"])),
         ("rollout seconds", both("{:.1f}", lambda x: x["seconds"])),
-        ("tokens/s", both("{:.1f}", lambda x: x["tokens_per_s"], row["speedup"])),
-        ("batch forward passes (fewer: plain / HistoSpec)",
-         both("{}", lambda x: x["forward_passes"], row["passes_ratio"])),
+        ("tokens/s", both("{:.1f}", lambda x: x["tokens_per_s"], True)),
+        ("batch forward passes", both("{}", lambda x: x["forward_passes"], True)),
         ("tokens per sequence forward pass", both("{:.2f}", lambda x: x["tokens_per_seq_forward"])),
         ("acceptance (accepted / drafted)",
-         ["-", f"{h['acceptance']:.2f} ({h['accepted_tokens']} / {h['drafted_tokens']})", ""]),
-        ("host drafting share of rollout time", ["-", f"{100 * h['drafting_share']:.1f}%", ""]),
-        ("response length mean / p50 / p90 / max", [lens(p), lens(h), ""]),
+         spec_only(lambda x: f"{x['acceptance']:.2f} ({x['accepted_tokens']} / {x['drafted_tokens']})")),
+        ("host drafting share of rollout time", spec_only(lambda x: f"{100 * x['drafting_share']:.1f}%")),
+        ("response length mean / p50 / p90 / max", [lens(x) for x in (p, *spec)] + [""] * len(spec)),
         ("EOS share / reward mean", both("{}", lambda x: f"{x['eos_share']:.2f} / {x['reward_mean']:.2f}")),
-        ("bulk (>= 1/4 of slots live)", [phase(p, "bulk"), phase(h, "bulk"), ""]),
-        ("tail (< 1/4 of slots live)", [phase(p, "tail"), phase(h, "tail"), ""]),
+        ("bulk (>= 1/4 of slots live)", [phase(x, "bulk") for x in (p, *spec)] + [""] * len(spec)),
+        ("tail (< 1/4 of slots live)", [phase(x, "tail") for x in (p, *spec)] + [""] * len(spec)),
         ("tail share of rollout time", both("{:.1%}", lambda x: x["tail_time_share"])),
         ("compiles in the timed rollout", both("{}", lambda x: x["compiles"])),
     ]
-    lines = [f"### T = {row['temperature']}", "", "| epoch 2 | plain | HistoSpec | HistoSpec vs plain |",
-             "|---|---|---|---|"] + [f"| {name} | " + " | ".join(c) + " |" for name, c in rows]
+    names = ["HistoSpec paper", "HistoSpec goodput"][: len(spec)]
+    head = ["epoch 2", "plain", *names, *[f"{n} vs plain" for n in names]]
+    lines = [f"### T = {row['temperature']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += [f"| {name} | " + " | ".join(c) + " |" for name, c in rows]
     lines += ["", f"Mean per-token entropy of the sampled distribution: {row['entropy_nats_per_token']:.3f} "
               "nats/token (mean -logprob of the plain epoch-2 tokens under the distribution they were drawn "
               "from: an unbiased estimate).",
@@ -358,6 +374,11 @@ def main(argv=None) -> int:
             "load_s": round(load_s, 1), "warmup": args.warmup, "warmup_s": round(warm_s, 1),
             "warmup_shapes": shapes, "compile_threads": args.compile_threads}
     print(f"loaded in {load_s:.1f} s; warm-up {args.warmup}: {warm_s:.1f} s, {shapes} step shapes", flush=True)
+    if args.goodput:  # the goodput policy's step-cost model: cached profile of this machine, or profiled now
+        from rhyme_jax.rollout.engine import SamplingParams
+
+        cost = setup.engine.use_step_cost(setup.state, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens))
+        meta["step_cost"] = f"{len(cost.seconds)} programs ({cost.meta.get('source', '')})"
     rows = []
     for temp in args.temperatures:
         rows.append(run_temperature(setup, temp, args, out))

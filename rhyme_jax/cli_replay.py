@@ -6,16 +6,19 @@ draft from) with their rewards, and the response to replay. Every prompt's histo
 ``HistoryStore`` (one rollout per prompt) and the run's ``Drafter`` (``spec`` config section,
 ``--set spec.x=y``) drafts along each target as the engine would, ``--rows`` targets live at once:
 
-* one pass of a live target = its draft (window, the tokens left, ``shapes.MAX_DRAFT``), cut as
-  the engine cuts the drafts of a step: longest first to the step's packed-token budget
-  (``batching.trim_drafts``), then to the ``max_q_len`` of the step shape the rows and their
-  drafts fall in (``ShapePlan.step_pair``);
+* one pass of a live target = its draft (window, the tokens left, ``shapes.MAX_DRAFT``), sized
+  as the engine sizes the drafts of a step (``allocation.choose_step``): with the drafter's
+  acceptance estimates (``spec.window=goodput``) the goodput choice under the step-cost model
+  (``--step-cost FILE``, else the config's ``spec.step_cost``, else the analytical prior), else
+  longest first to the step's packed-token budget and the first step shape holding them;
+  targets of the same prompt text share a prompt id (a GRPO group: ``spec.siblings``);
 * a draft token is accepted iff it equals the target's next token (the verification of a
   drafted pass emits the accepted prefix plus one token), and the drafter observes the pass.
 
 Pooled over all targets it prints ``predicted_share`` (accepted / target tokens),
 ``tokens_per_forward`` (emitted per sequence pass), ``drafted_per_forward`` and ``acceptance``
-(accepted / drafted). Pages are not simulated (the engine may also cut drafts to the pages the
+(accepted / drafted) and ``modelled_speedup`` (plain decode's modelled seconds over the
+replayed steps'). Pages are not simulated (the engine may also cut drafts to the pages the
 pool can give). Source: RhymeRL (arXiv 2508.18588) s.4 HistoSpec; the issue "goodput-optimal
 HistoSpec" scope 4.
 
@@ -61,6 +64,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. spec.pattern_min=1 (repeatable)")
     sp.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="targets live at once (default: %(default)s)")
+    sp.add_argument("--step-cost", default="", help="step-cost profile JSON the step choice uses (default: the "
+                    "config's spec.step_cost, else the analytical prior)")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -116,18 +121,12 @@ def _tails(cases, live, done, width: int) -> np.ndarray:
     return out
 
 
-def _fit(plan, lens: np.ndarray) -> np.ndarray:
-    """The engine's cut of one step's draft lengths: longest first to the packed-token budget,
-    then to the ``max_q_len`` of the step shape (``RolloutEngine._draft``, ``ShapePlan.fit_step``)."""
-    from rhyme_jax.rollout import batching, shapes
+def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost, totals: dict) -> None:
+    """Replay the targets ``group`` (live together; prompt ids ``pids``) to the end; adds to
+    ``totals`` (passes, drafts, acceptances and the modelled seconds of the steps)."""
+    from rhyme_jax.rollout import allocation, shapes
 
-    lens = batching.trim_drafts(np.minimum(lens, shapes.MAX_DRAFT), plan.verify_budget)
-    return plan.fit_step(lens)[3]
-
-
-def _replay_group(cases, group: list[int], drafter, plan, totals: dict) -> None:
-    """Replay the targets ``group`` (live together) to the end; adds to ``totals``."""
-    batch = drafter.batch(group)
+    batch = drafter.batch(pids)
     done = {c: 0 for c in group}
     while True:
         reqs = np.array([j for j, c in enumerate(group) if done[c] < cases[c].target.size], np.int64)
@@ -135,8 +134,11 @@ def _replay_group(cases, group: list[int], drafter, plan, totals: dict) -> None:
             return
         live = [group[j] for j in reqs]
         left = np.array([cases[c].target.size - done[c] for c in live], np.int64)
-        drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), np.maximum(left - 1, 0))
-        lens = _fit(plan, np.asarray(lens, np.int64))
+        budgets = np.maximum(left - 1, 0)
+        drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), budgets)
+        lens = np.minimum(np.minimum(np.asarray(lens, np.int64), budgets), shapes.MAX_DRAFT)
+        choice, _ = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost)
+        lens = choice.draft_lens
         accepted = np.zeros(len(live), np.int64)
         for i, c in enumerate(live):
             want = cases[c].target[done[c]: done[c] + lens[i]]
@@ -147,35 +149,69 @@ def _replay_group(cases, group: list[int], drafter, plan, totals: dict) -> None:
         totals["passes"] += len(live)
         totals["drafted"] += int(lens.sum())
         totals["accepted"] += int(accepted.sum())
+        totals["seconds"] += cost(choice.rows, choice.tokens, choice.q_len)
 
 
-def replay(cases: list[ReplayCase], spec, plan, rows: int) -> dict[str, float]:
-    """Draft along every case's target, ``rows`` at a time (see the module docstring).
+def _plain_seconds(lengths: list[int], plan, cost) -> float:
+    """Modelled seconds of plain decode (one token per row per step) of targets of ``lengths``
+    tokens live together."""
+    from rhyme_jax.rollout.shapes import seq_bucket
+
+    lengths = np.sort(np.asarray(lengths))
+    total, prev = 0.0, 0
+    for i, n in enumerate(lengths):
+        rows = seq_bucket(lengths.size - i, plan.max_slots)
+        total += (int(n) - prev) * cost(rows, rows, 1)
+        prev = int(n)
+    return total
+
+
+def _fill_store(cases: list[ReplayCase]) -> tuple[object, list[int], list[int]]:
+    """A one-rollout ``HistoryStore`` of the distinct prompts' histories; returns it, each case's
+    prompt id (cases with the same prompt text share one: a GRPO group) and the ids with history."""
+    from rhyme_jax.spec.history import HistoryStore
+
+    ids: dict[bytes, int] = {}
+    pids = [ids.setdefault(c.prompt.tobytes(), len(ids)) for c in cases]
+    first = {p: i for i, p in reversed(list(enumerate(pids)))}
+    with_history = [p for p, i in sorted(first.items()) if cases[i].history]
+    store = HistoryStore(1)
+    if with_history:
+        hist = [(p, cases[first[p]]) for p in with_history]
+        store.update(0, np.array([p for p, c in hist for _ in c.history], np.int64),
+                     [c.prompt for _, c in hist for _ in c.history], [h for _, c in hist for h in c.history],
+                     np.concatenate([c.rewards for _, c in hist]))
+    return store, pids, with_history
+
+
+def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None) -> dict[str, float]:
+    """Draft along every case's target, ``rows`` at a time (see the module docstring), with the
+    engine's step choice under ``cost`` (``StepCost``; default the prior).
 
     Returns:
       ``predicted_share``, ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance``,
-      ``target_tokens``, ``sequence_passes``, ``drafted_tokens``, ``accepted_tokens``.
+      ``modelled_speedup`` (modelled plain-decode seconds / modelled seconds of the replayed
+      steps), ``target_tokens``, ``sequence_passes``, ``drafted_tokens``, ``accepted_tokens``.
     """
+    from rhyme_jax.rollout.step_cost import StepCost
     from rhyme_jax.spec.drafter import Drafter
-    from rhyme_jax.spec.history import HistoryStore
 
-    store = HistoryStore(1)
-    with_history = [i for i, c in enumerate(cases) if c.history]
-    if with_history:
-        store.update(0, np.array([i for i in with_history for _ in cases[i].history], np.int64),
-                     [cases[i].prompt for i in with_history for _ in cases[i].history],
-                     [h for i in with_history for h in cases[i].history],
-                     np.concatenate([cases[i].rewards for i in with_history]))
-    totals = dict(passes=0, drafted=0, accepted=0)
+    cost = cost or StepCost.prior()
+    store, pids, with_history = _fill_store(cases)
+    totals = dict(passes=0, drafted=0, accepted=0, seconds=0.0)
+    plain = 0.0
     with Drafter(spec, store) as drafter:
         drafter.rebuild(with_history)
         for start in range(0, len(cases), rows):
-            _replay_group(cases, list(range(start, min(start + rows, len(cases)))), drafter, plan, totals)
+            group = list(range(start, min(start + rows, len(cases))))
+            _replay_group(cases, group, [pids[c] for c in group], drafter, plan, cost, totals)
+            plain += _plain_seconds([cases[c].target.size for c in group], plan, cost)
     tokens = sum(c.target.size for c in cases)
     return {"predicted_share": totals["accepted"] / tokens,
             "tokens_per_forward": tokens / totals["passes"],
             "drafted_per_forward": totals["drafted"] / totals["passes"],
             "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+            "modelled_speedup": plain / totals["seconds"] if totals["seconds"] else 1.0,
             "target_tokens": tokens, "sequence_passes": totals["passes"],
             "drafted_tokens": totals["drafted"], "accepted_tokens": totals["accepted"]}
 
@@ -185,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     from rhyme_jax.config import ConfigError, load_config
     from rhyme_jax.model.tokenizer import Tokenizer, TokenizerError
     from rhyme_jax.rollout import shapes
+    from rhyme_jax.rollout.step_cost import StepCost, StepCostError
 
     if args.rows < 1:
         print("rhyme-jax replay-drafts: --rows must be >= 1", file=sys.stderr)
@@ -202,11 +239,18 @@ def run(args: argparse.Namespace) -> int:
     r = cfg.rollout
     plan = shapes.plan(max_slots=args.rows, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
                        max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
-    out = replay(cases, cfg.spec, plan, args.rows)
+    try:
+        path = args.step_cost or cfg.spec.step_cost
+        cost = StepCost.load(path) if path not in ("", "prior") else None
+    except StepCostError as exc:
+        print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
+        return 2
+    out = replay(cases, cfg.spec, plan, args.rows, cost)
     if args.json:
         print(json.dumps(out))
     else:
         print(f"{len(cases)} targets, {out['target_tokens']} tokens, {args.rows} rows live: predicted share "
               f"{out['predicted_share']:.3f}, {out['tokens_per_forward']:.2f} tokens and "
-              f"{out['drafted_per_forward']:.2f} drafts per forward, acceptance {out['acceptance']:.3f}")
+              f"{out['drafted_per_forward']:.2f} drafts per forward, acceptance {out['acceptance']:.3f}, "
+              f"modelled speed-up {out['modelled_speedup']:.2f}x")
     return 0

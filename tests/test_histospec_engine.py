@@ -151,3 +151,38 @@ def test_sampled_logprobs_with_drafts_are_behaviour_logprobs():
     res = eng.generate(_model()[1], prompts, sp, jax.random.key(6), drafter=HistoryDrafter(history, 4))
     assert res.stats["accepted_tokens"] > 0
     assert_behaviour_logprobs(prompts, res, 0.7, 12, 0.85)
+
+
+class EstimatingDrafter(HistoryDrafter):
+    """``HistoryDrafter`` that also gives every draft token the same acceptance estimate
+    (``Drafter.estimates``): the engine then sizes drafts with its goodput allocation."""
+
+    def __init__(self, history, estimate, **kw):
+        super().__init__(history, **kw)
+        self.estimate, self.estimates = estimate, None
+
+    def draft(self, reqs, tails, budgets):
+        out, lens = super().draft(reqs, tails, budgets)
+        self.estimates = np.full(out.shape, self.estimate, np.float32)
+        return out, lens
+
+
+@pytest.mark.parametrize("estimate", [0.99, 0.02])
+def test_goodput_allocation_keeps_greedy_outputs_and_drops_drafts_that_do_not_pay(estimate):
+    """Sure drafts are sent and cut the passes; hopeless ones (2% acceptance) are not sent at
+    all: plain decode is cheaper than any verify program under the prior cost model."""
+    prompts, eos, want, want_lp = _reference_with_eos()
+    history = [np.concatenate([p, w]).astype(np.int32) for p, w in zip(prompts, want)]
+    drafter = EstimatingDrafter(history, estimate, window=8)
+    res = _greedy(prompts, eos, drafter)
+    for got, exp, glp, elp in zip(res.tokens, want, res.logprobs, want_lp):
+        np.testing.assert_array_equal(got, exp)
+        np.testing.assert_allclose(glp, elp, atol=1e-4)
+    s = res.stats
+    if estimate > 0.5:
+        assert s["drafted_tokens"] > 0 and s["accepted_tokens"] >= 0.8 * s["drafted_tokens"]
+        assert s["predicted_accepted"] == pytest.approx(
+            sum(float(np.sum(estimate ** np.arange(1, d + 1))) for _, ds, _ in drafter.observed for d in ds), rel=1e-4)
+        assert s["decode_steps"] * 2 <= _greedy(prompts, eos).stats["decode_steps"]
+    else:
+        assert s["drafted_tokens"] == 0 and s["predicted_accepted"] == 0.0

@@ -20,6 +20,7 @@ its only static arguments are shape-like (bucket sizes) or the sampling program 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -31,7 +32,10 @@ from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
-from rhyme_jax.rollout import batching, shapes
+from rhyme_jax.rollout import allocation, batching, shapes
+from rhyme_jax.rollout.allocation import StepChoice
+from rhyme_jax.rollout.step_cost import StepCost, profile
+from rhyme_jax.rollout.step_cost import cache_path as step_cost_cache_path
 from rhyme_jax.rollout.batching import StepInputs
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
@@ -135,6 +139,9 @@ class RolloutEngine:
         self._static: StaticModel | None = None
         self.check_invariants = False  # tests: run allocator.check() after every step
         self.programs_run: set[shapes.StepShape] = set()  # every step program run (within programs())
+        # Seconds per decode/verify program, for the goodput allocation of estimated drafts
+        # (``profile_step_cost`` measures it; the prior until then).
+        self.step_cost: StepCost = StepCost.prior()
 
     @classmethod
     def from_section(cls, graphdef, model_cfg, rollout: "RolloutSection", eos_ids: Sequence[int],
@@ -186,6 +193,50 @@ class RolloutEngine:
         for inp in inputs:
             self._run(flat_state, inp, key, 0, sampling, mode)
         return len(inputs)
+
+    def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 3) -> StepCost:
+        """Measure ``self.step_cost``: the median seconds of every decode/verify program
+        (``step_cost.profile`` over ``self.programs(spec=True)`` on dummy inputs, each compiled or
+        loaded first). Returns the new model (its ``meta`` names backend and device)."""
+        self._ensure_pool(state)
+        flat_state = self._flat_state(state)
+        mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        key = jax.random.key(0)
+
+        def run_program(shape):
+            self._run(flat_state, batching.step_inputs(shape, self.max_slots, self.pages_per_seq), key, 0,
+                      sampling, mode)
+
+        secs = profile(run_program, self.programs(spec=True), repeats)
+        dev = jax.devices()[0]
+        self.step_cost = StepCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
+                                         "source": "profiled"})
+        return self.step_cost
+
+    def use_step_cost(self, state: nnx.State, sampling: SamplingParams, path: str = "") -> StepCost:
+        """Set ``self.step_cost`` from ``path`` (a ``StepCost`` JSON; ``"prior"``: the analytical
+        prior) or, with no path, from the cache file of this engine's model, dtype, backend, device kind and plan
+        (``step_cost.cache_path``), profiling and caching it when there is none.
+
+        Raises:
+          StepCostError: ``path`` (or a corrupt cache file) cannot be read.
+        """
+        if path:
+            self.step_cost = StepCost.prior() if path == "prior" else StepCost.load(path)
+            return self.step_cost
+        leaves = jax.tree.leaves(state)
+        cfg = self.model_cfg
+        parts = {"model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
+                           sum(int(np.prod(x.shape)) for x in leaves)],
+                 "dtype": str(leaves[0].dtype) if leaves else "", "backend": jax.default_backend(),
+                 "device": jax.devices()[0].device_kind, "devices": int(self.mesh.size),
+                 "attention": self.attention_impl, "plan": dataclasses.astuple(self.plan)}
+        cached = step_cost_cache_path(parts)
+        if cached.is_file():
+            self.step_cost = StepCost.load(cached)
+        else:
+            self.profile_step_cost(state, sampling).save(cached)
+        return self.step_cost
 
     def _pool_factory(self, state) -> Callable[[], KVCache]:
         """A function creating this engine's zero KV pool in the dtype ``state`` computes in."""
@@ -256,37 +307,49 @@ class RolloutEngine:
             self.allocator.check()
         return out
 
-    def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts ``i32[n, K]`` and lengths ``i64[n]`` of the live slots ``ids`` for this step
-        (``K = 0`` without a drafter). The engine alone sizes drafts: they never pass the
-        request's ``max_new_tokens`` (room for the bonus token) nor ``shapes.MAX_DRAFT``, are cut
-        longest-first to the step's token budget, and only use pages the pool can give without
+    def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray) -> tuple[np.ndarray, StepChoice]:
+        """Drafts ``i32[n, K]`` of the live slots ``ids`` and the step that carries them
+        (``allocation.StepChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
+        The engine alone sizes drafts: they never pass the request's ``max_new_tokens`` (room for
+        the bonus token) nor ``shapes.MAX_DRAFT``; with the drafter's acceptance estimates the
+        goodput allocation keeps what pays under ``self.step_cost``, else they are cut
+        longest-first to the step's token budget; they only use pages the pool can give without
         preempting anyone (a draft is cut to the pages its slot holds otherwise)."""
-        ps, alloc = self.page_size, self.allocator
         if drafter is None or ids.size == 0:
-            return np.zeros((ids.size, 0), np.int32), np.zeros(ids.size, np.int64)
+            return np.zeros((ids.size, 0), np.int32), allocation.fixed_rule(self.plan, np.zeros(ids.size, np.int64))
         t0 = time.perf_counter()
         reqs = table.req[ids]
         budgets = np.maximum(table.limit - table.n_generated[reqs] - 1, 0)
         d_tok, got = drafter.draft(reqs, table.tail[ids], budgets)
+        est = getattr(drafter, "estimates", None)
         table.stats["drafting_seconds"] += time.perf_counter() - t0
-        got = batching.trim_drafts(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), self.verify_budget)
+        d_tok = np.asarray(d_tok, np.int32)
+        got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
+        choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost)
+        lens = self._page_cut(table, ids, choice.draft_lens)
+        table.stats["predicted_accepted"] += allocation.expected_accepted(curve, lens)
+        return d_tok, dataclasses.replace(choice, draft_lens=lens)
+
+    def _page_cut(self, table: SlotTable, ids: np.ndarray, got: np.ndarray) -> np.ndarray:
+        """Draft lengths ``got`` cut to the pages each slot holds after taking the pages the pool
+        can give without preempting anyone (``int64[n]``)."""
+        ps, alloc = self.page_size, self.allocator
+        got = np.asarray(got, np.int64)
         lens = table.length[ids]
         need = alloc.pages_for(lens + 1 + got) - alloc.num_held[ids]
         for i in np.flatnonzero((got > 0) & (need > 0)):  # drafts crossing into pages not held yet
             if alloc.can_alloc(int(need[i])):
                 alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))
-        got = np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
-        return np.asarray(d_tok, np.int32), np.minimum(got, d_tok.shape[1]).astype(np.int64)
+        return np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
 
-    def _step_inputs(self, ids, drafts, d_lens, table: SlotTable) -> batching.VerifyInputs:
-        """Bucket one decode/verify step of live slots ``ids`` (``self.plan.step_pair``; drafts
-        longer than the pair's ``max_q_len - 1`` are cut) and pack it. Counts drafted tokens."""
-        rows, t_total, q_len, d_lens = self.plan.fit_step(d_lens)
-        table.stats["drafted_tokens"] += int(d_lens.sum())
+    def _step_inputs(self, ids, drafts, choice: StepChoice, table: SlotTable) -> batching.VerifyInputs:
+        """Pack one decode/verify step of live slots ``ids`` as ``choice`` sized it. Counts
+        drafted tokens."""
+        table.stats["drafted_tokens"] += int(choice.draft_lens.sum())
         width = self.plan.width(int(self.allocator.num_held[ids].max()))
-        return batching.verify_inputs(ids, table.length, table.pending, drafts, d_lens, self.allocator.page_table,
-                                      self.page_size, rows, t_total, q_len, width)
+        return batching.verify_inputs(ids, table.length, table.pending, drafts, choice.draft_lens,
+                                      self.allocator.page_table, self.page_size, choice.rows, choice.tokens,
+                                      choice.q_len, width)
 
     def _prefill(self, table: SlotTable, batch: list, run: "_Passes") -> None:
         """One packed prefill pass over the rows ``admit`` chose; records each row's first token."""
@@ -304,8 +367,8 @@ class RolloutEngine:
         """One decode/verify pass over the live slots: each feeds its pending token plus its draft;
         the emitted tokens (accepted drafts + one sampled) are recorded and the drafter told."""
         ids = table.live()
-        drafts, d_lens = self._draft(drafter, table, ids)
-        inp = self._step_inputs(ids, drafts, d_lens, table)
+        drafts, choice = self._draft(drafter, table, ids)
+        inp = self._step_inputs(ids, drafts, choice, table)
         d_lens = inp.draft_lens[: ids.size]
         toks, lps, n_emit = run(inp)
         cu = inp.meta.cu_q_lens

@@ -17,7 +17,7 @@ from rhyme_jax.rollout.types import RolloutResult, derive_rates
 _FINISH = ("eos", "length", "skipped", "migrated")
 COUNT_STATS = ("prefill_tokens", "generated_tokens", "decode_steps", "prefill_steps", "preemptions",
            "skipped", "drafted_tokens", "accepted_tokens", "drafting_seconds", "sequence_steps",
-           "forward_passes", "seconds")
+           "forward_passes", "seconds", "predicted_accepted")
 
 
 def merge_results(results: Sequence[RolloutResult]) -> RolloutResult:
@@ -31,7 +31,7 @@ def merge_results(results: Sequence[RolloutResult]) -> RolloutResult:
         out.stats.setdefault("workers", 1)
         out.stats.setdefault("max_worker_forward_passes", out.stats["forward_passes"])
         return out
-    stats = {k: sum(r.stats[k] for r in results) for k in COUNT_STATS}
+    stats = {k: sum(r.stats.get(k, 0) for r in results) for k in COUNT_STATS}
     stats["workers"] = sum(r.stats.get("workers", 1) for r in results)
     stats["max_worker_forward_passes"] = max(r.stats.get("max_worker_forward_passes", r.stats["forward_passes"])
                                              for r in results)
@@ -60,7 +60,7 @@ def allgather_results(local: RolloutResult, max_new_tokens: int) -> RolloutResul
     fin = np.zeros(rows, np.int32)
     for i, (t, lp, f) in enumerate(zip(local.tokens, local.logprobs, local.finish_reasons)):
         tok[i, :len(t)], lps[i, :len(t)], lens[i], fin[i] = t, lp, len(t), _FINISH.index(f)
-    stats = np.array([local.stats[k] for k in COUNT_STATS] + [local.stats.get("workers", 1),
+    stats = np.array([local.stats.get(k, 0) for k in COUNT_STATS] + [local.stats.get("workers", 1),
                      local.stats.get("max_worker_forward_passes", local.stats["forward_passes"])], np.float64)
     g_tok, g_lps, g_lens, g_fin, g_stats = (multihost_utils.process_allgather(x)
                                             for x in (tok, lps, lens, fin, stats))

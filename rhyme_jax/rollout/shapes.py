@@ -12,9 +12,9 @@ run never compiles a shape outside it (tests check both).
   packed back to back (no draft dimension in the shape). Per ``S`` a short ladder of
   ``(T, Q)`` pairs (``verify_pairs``): ``(S, 1)`` is plain decode; with drafts three packed sizes
   from ``1.5 S`` to the cap ``min(budget, 33 S)``, geometrically, with
-  ``Q = min(33, T - S + 1, 4 T / S + 1)``. A step takes the first pair whose ``T`` holds its
-  tokens and cuts longer drafts to ``Q - 1`` (drafts are proposals, so cutting one is
-  lossless). Page-table width ``W``: ``pages_per_seq`` and its quarters (``>= 8``), so the
+  ``Q = min(33, T - S + 1, 4 T / S + 1)``. Which pair a step takes and how drafts are cut
+  to its ``Q - 1`` (drafts are proposals, so cutting one is lossless) is
+  ``rollout/allocation.py``'s choice. Page-table width ``W``: ``pages_per_seq`` and its quarters (``>= 8``), so the
   reference attention does not gather every column of short sequences.
 
 With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 32 programs (8 prefill +
@@ -27,8 +27,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-from jaxtyping import Int
 
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
@@ -149,20 +147,6 @@ class ShapePlan:
             if t >= used:
                 return t, q
         raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
-
-    def fit_step(self, draft_lens: Int[np.ndarray, "n"]) -> tuple[int, int, int, Int[np.ndarray, "n"]]:
-        """The decode/verify step of ``len(draft_lens)`` live rows with these draft lengths:
-        ``(rows, T, Q, draft_lens)`` = the row bucket, the first ``step_pair`` holding the rows
-        plus their drafts, and the drafts cut to ``Q - 1`` (the engine's rule; drafts are only
-        proposals, so the cut is lossless).
-
-        Raises:
-          ValueError: the rows plus drafts exceed the cap of the row bucket (``step_pair``).
-        """
-        lens = np.asarray(draft_lens, np.int64)
-        rows = seq_bucket(lens.size, self.max_slots)
-        t_total, q_len = self.step_pair(rows, lens.size + int(lens.sum()))
-        return rows, t_total, q_len, np.minimum(lens, q_len - 1)
 
     def programs(self, spec: bool = True) -> list[StepShape]:
         """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""

@@ -51,7 +51,8 @@ class RolloutResult:
       finish_reasons: ``"eos" | "length" | "skipped" | "migrated"`` (stopped by the monitor).
       stats: prefill_tokens, generated_tokens, decode_steps (decode forward passes),
         prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s,
-        drafted_tokens, accepted_tokens, acceptance_rate, drafting_seconds (host time inside
+        drafted_tokens, accepted_tokens, acceptance_rate, predicted_accepted and
+        predicted_acceptance (from the drafter's estimates), drafting_seconds (host time inside
         the drafter), sequence_steps (forward passes summed over the sequences in them) and
         tokens_per_forward (generated tokens per sequence forward pass; 1.0 without drafts).
     """
@@ -81,9 +82,11 @@ class Progress:
 
 def derive_rates(stats: dict) -> dict:
     """Fill the rates of a ``RolloutResult.stats`` from its counts (in place; also returned):
-    ``acceptance_rate`` = accepted / drafted tokens, ``tokens_per_forward`` = generated tokens per
+    ``acceptance_rate`` = accepted / drafted tokens, ``predicted_acceptance`` = the drafter's
+    estimate of it (expected accepted / drafted tokens; 0 without estimates), ``tokens_per_forward`` = generated tokens per
     sequence forward pass, ``tokens_per_s`` = generated tokens / ``seconds``."""
     stats["acceptance_rate"] = stats["accepted_tokens"] / max(stats["drafted_tokens"], 1)
+    stats["predicted_acceptance"] = stats.get("predicted_accepted", 0.0) / max(stats["drafted_tokens"], 1)
     stats["tokens_per_forward"] = stats["generated_tokens"] / max(stats["sequence_steps"], 1)
     stats["tokens_per_s"] = stats["generated_tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
     return stats

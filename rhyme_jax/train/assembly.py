@@ -46,6 +46,7 @@ from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
 from rhyme_jax.parallel.reshard import reshard
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
 from rhyme_jax.rollout.engine import RolloutEngine
+from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler
 from rhyme_jax.sched.workers import GenerateFn
@@ -231,6 +232,22 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
     return RolloutParts(engines, shardings, scheduler, history, drafter)
 
 
+def attach_step_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
+    """With ``spec.window=goodput``, give every engine the step-cost model its draft allocation
+    uses: ``spec.step_cost`` when set, else the cached profile of this model and backend (the
+    first engine profiles it once, a few seconds; the workers' engines are alike and share it).
+
+    Raises:
+      StepCostError: the ``spec.step_cost`` file (or a cached one) cannot be read.
+    """
+    if not (cfg.spec.enabled and cfg.spec.window == "goodput"):
+        return
+    first = rollout.engines[0]
+    cost = first.use_step_cost(rollout.states(state)[0], SamplingParams.from_section(cfg.rollout), cfg.spec.step_cost)
+    for eng in rollout.engines[1:]:
+        eng.step_cost = cost
+
+
 def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
     """The rollout pipeline of a GRPO run: the step's prompts (``prompts.prompt_schedule``), their
     tokens, the weight sync, history and drafter."""
@@ -362,6 +379,7 @@ def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[G
     history = (HistoryStore.from_bytes(start.blobs["history"], source=source)
                if uses_history(cfg) and "history" in start.blobs else None)
     rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, wrap_generate=wrap_generate)
+    attach_step_cost(cfg, rollout, state)
     pipeline = build_pipeline(cfg, policy, rollout)
     if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples
         pipeline.carry = carry.from_bytes(start.blobs["carry"], source=source)

@@ -304,6 +304,7 @@ def _step_metrics(step: int, sb: StepBatch, rows: _StepRows, rewards: np.ndarray
         "spec/drafted_tokens": float(stats["drafted_tokens"]),
         "spec/accepted_tokens": float(stats["accepted_tokens"]),
         "spec/acceptance_rate": float(stats["acceptance_rate"]),
+        "spec/predicted_acceptance": float(stats.get("predicted_acceptance", 0.0)),
         "spec/drafting_s": float(stats["drafting_seconds"]),
         "spec/drafting_share": float(stats["drafting_seconds"] / max(t_rollout, 1e-9)),
         "rollout/preemptions": float(stats.get("preemptions", 0)),

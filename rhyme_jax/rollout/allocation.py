@@ -1,0 +1,135 @@
+"""Goodput allocation of draft tokens: each step's draft lengths and step shape.
+
+Given, for each live row, a draft and the estimated probability that each draft token is
+accepted given the ones before it (``Drafter.estimates``), the expected tokens a step emits are
+
+    E = rows + sum_i sum_{j < len_i} P[i, j],      P[i, j] = prod_{k <= j} est[i, k]
+
+(every row emits its sampled token plus the accepted prefix of its draft; ``P[i, j]`` is the
+probability that draft token j is accepted, i.e. that all tokens up to j are). The step costs
+``cost(rows, T, Q)`` seconds for the program ``(T, Q)`` of its row bucket
+(``shapes.verify_pairs``; ``(S, 1)`` is plain decode). For every program of the bucket the best
+drafts are the ``T - rows`` largest ``P[i, j]`` with ``j < Q - 1`` (``P`` falls along a row, so
+the largest values form a prefix of each row's draft); the chosen program maximises ``E / cost``,
+expected tokens per second (goodput). Drafting that does not pay is not sent: plain decode wins
+whenever no draft adds enough expected tokens to pay for the bigger step.
+
+``fixed_rule`` is the paper policies' step (no estimates): the first program whose ``T`` holds
+the rows plus their drafts and whose ``Q - 1`` holds the longest draft, else the last program
+whose ``T`` holds them (drafts cut to its ``Q - 1``).
+
+Source: the issue "goodput-optimal HistoSpec" scope 3; expected accepted length as in
+SpecInfer / SuffixDecoding (arXiv 2411.04975); goodput-driven speculation length as in
+TurboSpec (Liu et al. 2024, arXiv 2406.14066).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from jaxtyping import Float, Int
+
+from rhyme_jax.rollout.batching import trim_drafts
+from rhyme_jax.rollout.shapes import ShapePlan, seq_bucket, verify_pairs
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """One decode/verify step's shape and draft lengths.
+
+    Attributes:
+      rows: ``S``, the row bucket.
+      tokens: ``T``, packed tokens of the program.
+      q_len: ``Q``, the program's ``max_q_len`` (drafts are at most ``Q - 1``).
+      draft_lens: ``int64[n]`` draft tokens kept per live row.
+      expected: expected emitted tokens (``E`` above; ``n`` plus the expected accepted drafts;
+        0 when chosen without estimates).
+    """
+
+    rows: int
+    tokens: int
+    q_len: int
+    draft_lens: np.ndarray
+    expected: float
+
+
+def accept_curve(estimates: Float[np.ndarray, "n K"], lens: Int[np.ndarray, "n"]) -> Float[np.ndarray, "n K"]:
+    """``P[i, j] = prod_{k <= j} estimates[i, k]`` for ``j < lens[i]``, 0 beyond (float64).
+
+    Raises:
+      ValueError: ``estimates`` not 2-D with one row per length, or values outside [0, 1].
+    """
+    est = np.asarray(estimates, np.float64)
+    lens = np.asarray(lens, np.int64)
+    if est.ndim != 2 or est.shape[0] != lens.shape[0]:
+        raise ValueError(f"estimates: expected [n, K] with n = {lens.shape[0]}, got shape {est.shape}")
+    if est.size and (not np.all(np.isfinite(est)) or est.min() < 0 or est.max() > 1):
+        raise ValueError("estimates: acceptance probabilities must lie in [0, 1]")
+    p = np.cumprod(est, axis=1)
+    p[np.arange(est.shape[1])[None, :] >= lens[:, None]] = 0.0
+    return p
+
+
+def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Callable[[int, int, int], float]) -> StepChoice:
+    """The step of ``n`` live rows with acceptance curve ``curve`` (``accept_curve``) that
+    maximises expected emitted tokens per second under ``cost(rows, tokens, q_len)``.
+
+    Returns:
+      ``StepChoice`` (ties: the smaller program, i.e. plain decode first).
+    """
+    n, k = curve.shape
+    rows = seq_bucket(n, plan.max_slots)
+    flat = curve.ravel()
+    depth = np.tile(np.arange(k), n)
+    order = np.lexsort((depth, -flat))  # largest P first; within equal P, shallower first
+    order = order[flat[order] > 0]
+    best, best_rate = None, -1.0
+    for t_total, q_len in verify_pairs(rows, plan.verify_budget):
+        take = order[depth[order] < q_len - 1][: t_total - n]
+        expected = n + float(flat[take].sum())
+        rate = expected / max(cost(rows, t_total, q_len), 1e-12)
+        if rate > best_rate * (1 + 1e-9):
+            lens = np.bincount(take // max(k, 1), minlength=n).astype(np.int64) if k else np.zeros(n, np.int64)
+            best, best_rate = StepChoice(rows, t_total, q_len, lens, expected), rate
+    return best
+
+
+def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> StepChoice:
+    """The step of the paper's window policies (module docstring): keep every draft that fits.
+
+    Raises:
+      ValueError: the rows plus drafts exceed the cap of the row bucket.
+    """
+    lens = np.asarray(draft_lens, np.int64)
+    rows = seq_bucket(lens.size, plan.max_slots)
+    used, longest = lens.size + int(lens.sum()), int(lens.max(initial=0))
+    pairs = [p for p in verify_pairs(rows, plan.verify_budget) if p[0] >= used]
+    if not pairs:
+        raise ValueError(f"step packs {used} tokens, more than the cap of {rows} rows")
+    t_total, q_len = next((p for p in pairs if p[1] - 1 >= longest), pairs[-1])
+    return StepChoice(rows, t_total, q_len, np.minimum(lens, q_len - 1), 0.0)
+
+
+def choose_step(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] | None,
+                cost: Callable[[int, int, int], float]) -> tuple[StepChoice, np.ndarray | None]:
+    """The engine's step for drafts of ``draft_lens`` tokens (already capped by each request's
+    budget and ``shapes.MAX_DRAFT``): with ``estimates``, ``goodput_choice`` under ``cost``;
+    without, the drafts cut longest-first to the plan's packed-token budget
+    (``batching.trim_drafts``) and ``fixed_rule``. Returns the choice and the acceptance curve
+    (``None`` without estimates)."""
+    if estimates is None:
+        return fixed_rule(plan, trim_drafts(draft_lens, plan.verify_budget)), None
+    curve = accept_curve(np.asarray(estimates)[:, : int(np.max(draft_lens, initial=0))], draft_lens)
+    return goodput_choice(plan, curve, cost), curve
+
+
+def expected_accepted(curve: np.ndarray | None, lens: Int[np.ndarray, "n"]) -> float:
+    """Expected accepted tokens of drafts of ``lens`` tokens under ``curve`` (0 without one)."""
+    if curve is None:
+        return 0.0
+    return float(curve[np.arange(curve.shape[1])[None, :] < np.asarray(lens)[:, None]].sum())
+
+
+__all__ = ["StepChoice", "accept_curve", "choose_step", "expected_accepted", "fixed_rule", "goodput_choice"]

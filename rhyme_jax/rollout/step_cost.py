@@ -1,0 +1,154 @@
+"""Step-cost model of the rollout engine: seconds of one decode/verify program, per shape.
+
+HistoSpec's goodput allocation (``rollout/allocation.py``) weighs the tokens a draft is expected
+to add against what the bigger step costs. That trade depends on the backend (on CPU a verify
+step with 2 drafts per row costs ~1.8x a decode step at 128 rows; on an H200 3 drafts cost
+~1.2x), on the live rows and on the packed tokens, so the model is measured, not assumed:
+
+* ``profile`` times every decode/verify program of an engine (``ShapePlan.programs``) on dummy
+  inputs after compiling it (median of ``repeats`` runs; a few seconds on CPU for the demo);
+* ``StepCost`` holds ``seconds[(rows, tokens, max_q_len)]`` (at the widest page table) and is
+  saved as JSON; ``cache_path`` keys the file by model, dtype, backend, device kind and the
+  engine's plan, so a run profiles once per machine kind and later runs load the file;
+* ``StepCost.prior`` (no profile: tests, replays without a file) is the analytical stand-in
+  ``2 * rows + tokens`` (a step costs its packed tokens plus a per-row overhead of two tokens).
+
+The allocation only compares the programs of one row bucket, so the unit does not matter.
+Source: the issue "goodput-optimal HistoSpec" scope 3; the cost-aware draft length of
+SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) and TurboSpec's goodput (Liu et al. 2024).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from rhyme_jax.io.atomic import atomic_write
+
+FORMAT_VERSION = 1
+PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
+CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
+
+
+class StepCostError(ValueError):
+    """A missing, unreadable or inconsistent step-cost file (the message names path and field)."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of the decode/verify step programs of one engine.
+
+    Attributes:
+      seconds: ``{(rows, tokens, max_q_len): seconds}`` measured per program (empty = prior).
+      meta: what the profile was measured on (backend, device, model; informational).
+    """
+
+    seconds: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def prior(cls) -> "StepCost":
+        """The analytical stand-in (no measurements): ``2 * rows + tokens``."""
+        return cls({}, {"source": "prior"})
+
+    def __call__(self, rows: int, tokens: int, q_len: int) -> float:
+        """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program. A shape that was not
+        profiled is scaled from the profiled program of the same rows with the nearest token
+        count (cost proportional to ``2 * rows + tokens``), else the prior."""
+        key = (int(rows), int(tokens), int(q_len))
+        hit = self.seconds.get(key)
+        if hit is not None:
+            return hit
+        prior = PRIOR_ROW_TOKENS * rows + tokens
+        same = [(abs(t - tokens), t, s) for (r, t, _), s in self.seconds.items() if r == rows]
+        if not same:
+            return prior
+        _, t, s = min(same)
+        return s * prior / (PRIOR_ROW_TOKENS * rows + t)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON atomically; returns the path."""
+        path = Path(path)
+        body = {"format_version": FORMAT_VERSION, "meta": self.meta,
+                "programs": [{"rows": r, "tokens": t, "q_len": q, "seconds": s}
+                             for (r, t, q), s in sorted(self.seconds.items())]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path, "w") as fh:
+            json.dump(body, fh, indent=1)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepCost":
+        """Read a profile written by ``save``.
+
+        Raises:
+          StepCostError: missing or unreadable file, wrong format version, or a program entry
+            without positive integer ``rows/tokens/q_len`` and positive finite ``seconds``.
+        """
+        path = Path(path)
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise StepCostError(f"{path}: unreadable step-cost profile ({exc})") from None
+        if not isinstance(body, dict) or body.get("format_version") != FORMAT_VERSION:
+            raise StepCostError(f"{path}: field format_version: expected {FORMAT_VERSION}")
+        out = {}
+        for i, p in enumerate(body.get("programs", [])):
+            try:
+                key = (int(p["rows"]), int(p["tokens"]), int(p["q_len"]))
+                sec = float(p["seconds"])
+            except (KeyError, TypeError, ValueError):
+                raise StepCostError(f"{path}: field programs[{i}]: needs rows, tokens, q_len, seconds") from None
+            if min(key) < 1 or not 0 < sec < float("inf"):
+                raise StepCostError(f"{path}: field programs[{i}]: sizes must be >= 1 and seconds > 0")
+            out[key] = sec
+        if not out:
+            raise StepCostError(f"{path}: field programs: empty")
+        return cls(out, dict(body.get("meta", {})))
+
+
+def cache_key(parts: dict) -> str:
+    """A short stable hash of what a profile depends on (model shape, dtype, backend, plan)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_path(parts: dict) -> Path:
+    """Where the profile of ``parts`` is cached: ``$RHYME_JAX_STEP_COST_DIR`` or
+    ``~/.cache/rhyme_jax/step_cost``, file ``<cache_key>.json``."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rhyme_jax" / "step_cost")
+    return root / f"{cache_key(parts)}.json"
+
+
+def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: int = 3) -> dict:
+    """``{(rows, tokens, q_len): median seconds}`` of ``run_program(shape)`` per step shape.
+
+    ``run_program`` must block until the step's outputs are on the host (the engine's ``_run``
+    does). Each shape runs once untimed (compile or cache load), then ``repeats`` timed runs.
+    Only the widest page table of each ``(rows, tokens, q_len)`` is timed.
+    """
+    widest = {}
+    for s in shapes:
+        if s.kind == "prefill":
+            continue
+        key = (s.rows, s.tokens, s.q_len)
+        if key not in widest or s.width > widest[key].width:
+            widest[key] = s
+    out = {}
+    for key, s in sorted(widest.items()):
+        run_program(s)
+        times = []
+        for _ in range(max(1, int(repeats))):
+            t0 = time.perf_counter()
+            run_program(s)
+            times.append(time.perf_counter() - t0)
+        out[key] = statistics.median(times)
+    return out
+
+
+__all__ = ["StepCost", "StepCostError", "cache_key", "cache_path", "profile"]

@@ -1,0 +1,116 @@
+"""Goodput allocation of draft tokens (rollout/allocation.py) and the step-cost model (step_cost.py)."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from rhyme_jax.rollout import allocation, shapes
+from rhyme_jax.rollout.step_cost import StepCost, StepCostError, cache_path, profile
+
+PLAN = shapes.plan(max_slots=16, page_size=16, max_prompt_len=32, max_new_tokens=64)
+
+
+def test_accept_curve_is_the_running_product_cut_at_each_length():
+    est = np.array([[0.5, 0.5, 1.0], [0.9, 0.1, 0.5]])
+    p = allocation.accept_curve(est, np.array([3, 1]))
+    np.testing.assert_allclose(p, [[0.5, 0.25, 0.25], [0.9, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="estimates"):
+        allocation.accept_curve(np.array([[1.5]]), np.array([1]))
+
+
+def _brute_force(plan, curve, cost):
+    """Best expected tokens per second over every prefix length per row and every program."""
+    n, k = curve.shape
+    rows = shapes.seq_bucket(n, plan.max_slots)
+    best = 0.0
+    for t_total, q_len in shapes.verify_pairs(rows, plan.verify_budget):
+        top = min(k, q_len - 1)
+        for lens in itertools.product(range(top + 1), repeat=n):
+            if n + sum(lens) > t_total:
+                continue
+            e = n + sum(curve[i, :l].sum() for i, l in enumerate(lens))
+            best = max(best, e / cost(rows, t_total, q_len))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_goodput_choice_is_optimal_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n, k = 3, 4
+    plan = shapes.plan(max_slots=4, page_size=16, max_prompt_len=8, max_new_tokens=16, max_verify_tokens=8)
+    est = rng.uniform(0.05, 1.0, (n, k))
+    curve = allocation.accept_curve(est, rng.integers(0, k + 1, n))
+    cost = StepCost({(4, 4, 1): 1.0, (4, 6, 2): rng.uniform(1.0, 2.0), (4, 8, 2): rng.uniform(1.2, 3.0)})
+    choice = allocation.goodput_choice(plan, curve, cost)
+    rate = choice.expected / cost(choice.rows, choice.tokens, choice.q_len)
+    assert rate == pytest.approx(_brute_force(plan, curve, cost), rel=1e-9)
+    assert choice.expected == pytest.approx(n + allocation.expected_accepted(curve, choice.draft_lens))
+    assert np.all(choice.draft_lens <= choice.q_len - 1) and n + choice.draft_lens.sum() <= choice.tokens
+
+
+def test_drafts_that_do_not_pay_are_not_sent():
+    """Acceptance 0.19 (SmolLM2 at T=1) with verify costing 1.8x decode: plain decode wins."""
+    curve = allocation.accept_curve(np.full((16, 4), 0.19), np.full(16, 4))
+    rows = 16
+    pairs = shapes.verify_pairs(rows, PLAN.verify_budget)
+    cost = StepCost({(rows, t, q): (1.0 if q == 1 else 1.8) for t, q in pairs})
+    choice = allocation.goodput_choice(PLAN, curve, cost)
+    assert (choice.tokens, choice.q_len) == (rows, 1) and choice.draft_lens.sum() == 0
+    # Near-certain drafts at the same costs: the biggest program pays.
+    curve = allocation.accept_curve(np.full((16, 32), 0.98), np.full(16, 32))
+    choice = allocation.goodput_choice(PLAN, curve, cost)
+    assert choice.tokens == pairs[-1][0] and choice.draft_lens.sum() == pairs[-1][0] - 16
+
+
+def test_fixed_rule_takes_a_program_whose_q_len_holds_the_longest_draft():
+    """Fewer live rows than the bucket: the decode pair (S, 1) holds rows + drafts but would cut
+    every draft to 0 (the old rule's defect); the fixed rule moves to a verify program."""
+    lens = np.array([5, 0, 2])  # 3 rows live in a 4-row bucket (max_slots 16 -> buckets 1, 4, 16)
+    choice = allocation.fixed_rule(PLAN, lens)
+    assert choice.rows == 4 and choice.q_len - 1 >= 5
+    np.testing.assert_array_equal(choice.draft_lens, lens)
+    choice = allocation.fixed_rule(PLAN, np.zeros(3, np.int64))
+    assert (choice.tokens, choice.q_len) == (4, 1)
+    t_last, q_last = shapes.verify_pairs(4, PLAN.verify_budget)[-1]
+    big = allocation.fixed_rule(PLAN, np.array([q_last + 3, 1]))  # longer than any Q - 1: cut in the last program
+    assert (big.tokens, big.q_len) == (t_last, q_last)
+    np.testing.assert_array_equal(big.draft_lens, [q_last - 1, 1])
+    with pytest.raises(ValueError, match="more than the cap"):
+        allocation.fixed_rule(PLAN, np.array([t_last, 0]))
+
+
+def test_choose_step_without_estimates_trims_to_the_budget():
+    lens = np.full(16, 32)
+    choice, curve = allocation.choose_step(PLAN, lens, None, StepCost.prior())
+    assert curve is None and 16 + choice.draft_lens.sum() <= PLAN.verify_budget
+
+
+def test_step_cost_lookup_scaling_save_load(tmp_path):
+    cost = StepCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0}, {"backend": "cpu"})
+    assert cost(4, 8, 3) == 3.0
+    assert cost(4, 6, 2) == pytest.approx(2.0 * (8 + 6) / (8 + 4))  # nearest profiled program, scaled
+    assert StepCost.prior()(4, 8, 3) == 16.0
+    path = cost.save(tmp_path / "c.json")
+    back = StepCost.load(path)
+    assert back.seconds == cost.seconds and back.meta == {"backend": "cpu"}
+    body = json.loads(path.read_text())
+    body["programs"][0]["seconds"] = -1
+    path.write_text(json.dumps(body))
+    with pytest.raises(StepCostError, match=r"programs\[0\]"):
+        StepCost.load(path)
+    with pytest.raises(StepCostError, match="unreadable"):
+        StepCost.load(tmp_path / "missing.json")
+
+
+def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tmp_path):
+    calls = []
+    progs = [shapes.StepShape("prefill", 64, 16, 16, 4), shapes.StepShape("decode", 4, 4, 1, 2),
+             shapes.StepShape("decode", 4, 4, 1, 8), shapes.StepShape("verify", 8, 4, 3, 8)]
+    out = profile(calls.append, progs, repeats=2)
+    assert sorted(out) == [(4, 4, 1), (4, 8, 3)] and all(v >= 0 for v in out.values())
+    assert [c.width for c in calls if c.kind == "decode"] == [8, 8, 8]  # 1 untimed + 2 timed, widest only
+    monkeypatch.setenv("RHYME_JAX_STEP_COST_DIR", str(tmp_path))
+    a, b = cache_path({"m": 1}), cache_path({"m": 2})
+    assert a.parent == tmp_path and a != b and a == cache_path({"m": 1})
