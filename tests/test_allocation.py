@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.rollout import allocation, shapes
-from rhyme_jax.rollout.step_cost import StepCost, StepCostError, cache_path, profile
+from rhyme_jax.rollout.step_cost import StepCost, StepCostError, cache_path, monotone, profile
 
 PLAN = shapes.plan(max_slots=16, page_size=16, max_prompt_len=32, max_new_tokens=64)
 
@@ -114,3 +114,8 @@ def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tm
     monkeypatch.setenv("RHYME_JAX_STEP_COST_DIR", str(tmp_path))
     a, b = cache_path({"m": 1}), cache_path({"m": 2})
     assert a.parent == tmp_path and a != b and a == cache_path({"m": 1})
+
+
+def test_monotone_costs_never_fall_with_more_tokens():
+    got = monotone({(8, 8, 1): 2.0, (8, 12, 5): 1.5, (8, 56, 29): 3.0, (32, 32, 1): 1.0})
+    assert got == {(8, 8, 1): 2.0, (8, 12, 5): 2.0, (8, 56, 29): 3.0, (32, 32, 1): 1.0}

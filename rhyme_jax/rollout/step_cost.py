@@ -130,7 +130,8 @@ def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: in
 
     ``run_program`` must block until the step's outputs are on the host (the engine's ``_run``
     does). Each shape runs once untimed (compile or cache load), then ``repeats`` timed runs.
-    Only the widest page table of each ``(rows, tokens, q_len)`` is timed.
+    Only the widest page table of each ``(rows, tokens, q_len)`` is timed; the result is made
+    non-decreasing in tokens per row bucket (``monotone``).
     """
     widest = {}
     for s in shapes:
@@ -148,7 +149,17 @@ def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: in
             run_program(s)
             times.append(time.perf_counter() - t0)
         out[key] = statistics.median(times)
+    return monotone(out)
+
+
+def monotone(seconds: dict) -> dict:
+    """``seconds`` with each row bucket's costs made non-decreasing in packed tokens (a running
+    maximum): a program packing more tokens never costs less, so a lower figure is timing noise."""
+    out, top = {}, {}
+    for (r, t, q), s in sorted(seconds.items()):
+        top[r] = max(top.get(r, 0.0), s)
+        out[(r, t, q)] = top[r]
     return out
 
 
-__all__ = ["StepCost", "StepCostError", "cache_key", "cache_path", "profile"]
+__all__ = ["StepCost", "StepCostError", "cache_key", "cache_path", "monotone", "profile"]
