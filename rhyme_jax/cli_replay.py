@@ -137,8 +137,9 @@ def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost,
         budgets = np.maximum(left - 1, 0)
         drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), budgets)
         lens = np.minimum(np.minimum(np.asarray(lens, np.int64), budgets), shapes.MAX_DRAFT)
-        choice, _ = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost)
+        choice, curve = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost)
         lens = choice.draft_lens
+        totals["predicted"] += allocation.expected_accepted(curve, lens)
         accepted = np.zeros(len(live), np.int64)
         for i, c in enumerate(live):
             want = cases[c].target[done[c]: done[c] + lens[i]]
@@ -190,6 +191,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None) -> dict[st
 
     Returns:
       ``predicted_share``, ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance``,
+      ``predicted_acceptance`` (the drafter's estimate of it; 0 without estimates),
       ``modelled_speedup`` (modelled plain-decode seconds / modelled seconds of the replayed
       steps), ``target_tokens``, ``sequence_passes``, ``drafted_tokens``, ``accepted_tokens``.
     """
@@ -198,7 +200,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None) -> dict[st
 
     cost = cost or StepCost.prior()
     store, pids, with_history = _fill_store(cases)
-    totals = dict(passes=0, drafted=0, accepted=0, seconds=0.0)
+    totals = dict(passes=0, drafted=0, accepted=0, predicted=0.0, seconds=0.0)
     plain = 0.0
     with Drafter(spec, store) as drafter:
         drafter.rebuild(with_history)
@@ -211,6 +213,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None) -> dict[st
             "tokens_per_forward": tokens / totals["passes"],
             "drafted_per_forward": totals["drafted"] / totals["passes"],
             "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+            "predicted_acceptance": totals["predicted"] / totals["drafted"] if totals["drafted"] else 0.0,
             "modelled_speedup": plain / totals["seconds"] if totals["seconds"] else 1.0,
             "target_tokens": tokens, "sequence_passes": totals["passes"],
             "drafted_tokens": totals["drafted"], "accepted_tokens": totals["accepted"]}
@@ -251,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{len(cases)} targets, {out['target_tokens']} tokens, {args.rows} rows live: predicted share "
               f"{out['predicted_share']:.3f}, {out['tokens_per_forward']:.2f} tokens and "
-              f"{out['drafted_per_forward']:.2f} drafts per forward, acceptance {out['acceptance']:.3f}, "
+              f"{out['drafted_per_forward']:.2f} drafts per forward, acceptance {out['acceptance']:.3f} "
+              f"(predicted {out['predicted_acceptance']:.3f}), "
               f"modelled speed-up {out['modelled_speedup']:.2f}x")
     return 0

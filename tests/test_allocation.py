@@ -92,6 +92,8 @@ def test_step_cost_lookup_scaling_save_load(tmp_path):
     assert cost(4, 8, 3) == 3.0
     assert cost(4, 6, 2) == pytest.approx(2.0 * (8 + 6) / (8 + 4))  # nearest profiled program, scaled
     assert StepCost.prior()(4, 8, 3) == 16.0
+    lin = StepCost({(r, t, 1): 0.5 + 0.1 * r + 0.01 * t for r in (4, 16) for t in (r, 3 * r)})
+    assert lin(64, 128, 9) == pytest.approx(0.5 + 6.4 + 1.28)  # an unprofiled row bucket: the linear fit
     path = cost.save(tmp_path / "c.json")
     back = StepCost.load(path)
     assert back.seconds == cost.seconds and back.meta == {"backend": "cpu"}

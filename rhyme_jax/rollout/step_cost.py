@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
+
 from rhyme_jax.io.atomic import atomic_write
 
 FORMAT_VERSION = 1
@@ -60,17 +62,37 @@ class StepCost:
     def __call__(self, rows: int, tokens: int, q_len: int) -> float:
         """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program. A shape that was not
         profiled is scaled from the profiled program of the same rows with the nearest token
-        count (cost proportional to ``2 * rows + tokens``), else the prior."""
+        count (cost proportional to ``2 * rows + tokens``); a row bucket that was not profiled at
+        all (another engine's plan, e.g. a replay with other ``--rows``) uses the least-squares
+        fit ``a + b * rows + c * tokens`` (``a, b, c >= 0``) of the profile; no profile: the prior."""
         key = (int(rows), int(tokens), int(q_len))
         hit = self.seconds.get(key)
         if hit is not None:
             return hit
         prior = PRIOR_ROW_TOKENS * rows + tokens
         same = [(abs(t - tokens), t, s) for (r, t, _), s in self.seconds.items() if r == rows]
-        if not same:
+        if same:
+            _, t, s = min(same)
+            return s * prior / (PRIOR_ROW_TOKENS * rows + t)
+        if not self.seconds:
             return prior
-        _, t, s = min(same)
-        return s * prior / (PRIOR_ROW_TOKENS * rows + t)
+        a, b, c = self._linear()
+        return a + b * rows + c * tokens
+
+    def _linear(self) -> tuple[float, float, float]:
+        """Non-negative least-squares ``(a, b, c)`` of ``seconds ~ a + b * rows + c * tokens``."""
+        keys = sorted(self.seconds)
+        x = np.array([[1.0, r, t] for r, t, _ in keys])
+        y = np.array([self.seconds[k] for k in keys])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        if np.any(coef < 0):  # drop the negative terms and refit the rest
+            keep = coef >= 0
+            coef = np.zeros(3)
+            if keep.any():
+                coef[keep] = np.clip(np.linalg.lstsq(x[:, keep], y, rcond=None)[0], 0, None)
+        if not np.any(coef > 0):
+            coef = np.array([float(y.mean()), 0.0, 0.0])
+        return float(coef[0]), float(coef[1]), float(coef[2])
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON atomically; returns the path."""
