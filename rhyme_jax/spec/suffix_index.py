@@ -108,6 +108,23 @@ class SuffixIndex:
         for f, a in zip(_FIELDS, arrays):
             setattr(self, f, a)
         self._pack: IndexPack | None = None
+        self._best: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def best_children(self, branch: str) -> tuple[Int[np.ndarray, "S"], Int[np.ndarray, "S"]]:
+        """Each state's best non-terminator child by ``branch`` (``"reward"`` | ``"count"``):
+        ``(child int32[S] (-1: none), token int32[S])`` (``sam_kernels.best_children``); computed
+        once per branch rule (a concurrent first call may compute it twice, harmlessly).
+
+        Raises:
+          ValueError: unknown branch.
+        """
+        if branch not in BRANCHES:
+            raise ValueError(f"branch: expected one of {sorted(BRANCHES)}, got {branch!r}")
+        got = self._best.get(branch)
+        if got is None:
+            got = K.best_children(self.cnt, self.rcnt, self.rsum, self.cptr, self.ctok, self.cto, BRANCHES[branch])
+            self._best[branch] = got
+        return got
 
     @property
     def pack(self) -> IndexPack:
