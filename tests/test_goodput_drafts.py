@@ -132,6 +132,44 @@ def test_history_candidates_equal_brute_force(branch, pmin, min_prob):
         assert drafted > 40
 
 
+def test_match_advanced_from_the_last_step_equals_a_fresh_match():
+    """Each step the history match is advanced over the tokens observe() reported; a batch
+    without that memory (fresh every step) must draft the same, also after a tail that is not
+    the last one plus those tokens (e.g. a preempted and re-admitted request)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 5, 8) for _ in range(3)]
+    base = [rng.integers(0, 5, 40) for _ in range(3)]
+
+    def edit(b):
+        r = b.copy()
+        r[rng.integers(0, 40, 3)] = rng.integers(0, 5, 3)
+        return r
+
+    store = HistoryStore()
+    pids = np.repeat(np.arange(3), 4)
+    store.update(0, pids, [prompts[p] for p in pids], [edit(base[p]) for p in pids], rng.random(12))
+    targets = [np.r_[prompts[p], edit(base[p])] for p in pids]
+    done = np.array([9] * 12)
+    with Drafter(_cfg(pattern_max=5, pattern_min=1), store) as d:
+        d.rebuild(range(3))
+        batch = d.batch(pids.tolist())
+        for step in range(12):
+            if step == 4:  # request 3's tail jumps back 2 tokens without observe() saying so
+                done[3] -= 2
+            tails, budgets = _tails([targets[r][: done[r]] for r in range(12)], 5), 47 - done
+            drafts, lens = batch.draft(np.arange(12), tails, budgets)
+            other = d.batch(pids.tolist())
+            fresh, fresh_lens = other.draft(np.arange(12), tails, budgets)
+            assert lens.tolist() == fresh_lens.tolist() and lens.sum() > 0
+            np.testing.assert_array_equal(drafts, fresh)
+            np.testing.assert_array_equal(batch.estimates, other.estimates)
+            acc = np.array([int(np.argmin(np.r_[drafts[r, : lens[r]] == targets[r][done[r]: done[r] + lens[r]], False]))
+                            for r in range(12)])
+            batch.observe(np.arange(12), lens, acc)
+            done += acc + 1
+        assert (batch._goodput.memo[:, 0] > 0).all()
+
+
 def test_shorter_match_wins_when_its_continuation_is_better():
     # "9 1 2 3" (longest) continues with 30 or 31 and ends; "2 3" continues 10..15 in 6 of 8
     prompt = [50, 51, 52, 53, 54, 55]

@@ -47,52 +47,159 @@ def tail_bounds(top, out):
         out[r] = out[r - 1] + p
 
 
+LENGTH, LINK, COUNT, CHILD, TOKEN = range(5)  # columns of a compact state table
+
+
+@numba.njit(cache=True, nogil=True)
+def compact(length, link, cnt, cptr, ctok, cto, child, token):
+    """One index as two cache-friendly tables: ``states int32[S, 5]`` (length, link, count, best
+    child, its token) and the transition hash ``trans int64[H, 2]`` (key ``state << 32 | token``,
+    -1 empty; target state), H a power of two >= 2E + 2, linear probing with
+    ``sam_kernels._hash``: a lookup touches one cache line instead of four arrays."""
+    size = length.shape[0]
+    states = np.empty((size, 5), np.int32)
+    for v in range(size):
+        states[v, LENGTH] = length[v]
+        states[v, LINK] = link[v]
+        states[v, COUNT] = cnt[v]
+        states[v, CHILD] = child[v]
+        states[v, TOKEN] = token[v]
+    h = 1
+    while h < 2 * ctok.shape[0] + 2:
+        h *= 2
+    trans = np.full((h, 2), -1, np.int64)
+    mask = np.int64(h - 1)
+    for v in range(size):
+        for k in range(cptr[v], cptr[v + 1]):
+            i = K._hash(v, ctok[k], mask)
+            while trans[i, 0] != -1:
+                i = (i + 1) & mask
+            trans[i, 0] = K._key(v, ctok[k])
+            trans[i, 1] = cto[k]
+    return states, trans
+
+
+@numba.njit(cache=True, nogil=True)
+def _step(trans, h0, mask, v, c):
+    """Target of transition (v, c) in the hash at ``trans[h0:]``, or -1."""
+    key = K._key(v, c)
+    i = K._hash(v, c, mask)
+    while True:
+        k = trans[h0 + i, 0]
+        if k == key:
+            return trans[h0 + i, 1]
+        if k == -1:
+            return -1
+        i = (i + 1) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def _advance(states, s0, trans, h0, mask, v, m, c, pmax):
+    """Matching statistics, one token on: from the longest match (state v, m tokens) of a
+    sequence, that of the sequence + c, capped at ``pmax`` tokens (the cap moves v up the
+    suffix links to the state holding the ``pmax``-token suffix)."""
+    t = _step(trans, h0, mask, v, c)
+    while v != 0 and t == -1:
+        v = states[s0 + v, LINK]
+        m = states[s0 + v, LENGTH]
+        t = _step(trans, h0, mask, v, c)
+    if t == -1:
+        return 0, 0
+    v = t
+    m += 1
+    if m > pmax:
+        m = pmax
+        while states[s0 + states[s0 + v, LINK], LENGTH] >= pmax:
+            v = states[s0 + v, LINK]
+    return v, m
+
+
+@numba.njit(cache=True, nogil=True)
+def _match(states, s0, trans, h0, mask, tail, pmax):
+    """``sam_kernels.match_tail`` over the compact tables of the index at ``s0`` / ``h0``."""
+    P = tail.shape[0]
+    start = P - pmax if P > pmax else 0
+    for k in range(P - 1, start - 1, -1):
+        if tail[k] < 0:
+            start = k + 1
+            break
+    v = 0
+    m = 0
+    for k in range(start, P):
+        v, m = _advance(states, s0, trans, h0, mask, v, m, tail[k], pmax)
+    return v, m
+
+
+@numba.njit(cache=True, nogil=True)
+def _window_hash(tail, end, pmax):
+    """Hash of the tokens of ``tail[end - pmax:end]`` after its last negative (the window a
+    match reads)."""
+    h = np.int64(0x2545F4914F6CDD1D)
+    for k in range(max(end - pmax, 0), end):
+        t = tail[k]
+        if t < 0:
+            h = np.int64(0x2545F4914F6CDD1D)
+        else:
+            h = (h ^ np.int64(t)) * np.int64(0x100000001B3)
+            h ^= h >> np.int64(29)
+    return h
+
+
+@numba.njit(cache=True, nogil=True)
+def _match_since(states, s0, trans, h0, mask, tail, pmax, g, memo):
+    """The longest match of ``tail``: advanced over its last g tokens from the previous step's
+    match ``memo = (state, length, window hash)`` when the tail is that step's plus g tokens (g
+    from ``observe``; checked by the hash of the window before them), else matched afresh.
+    Updates ``memo``."""
+    w = tail.shape[0]
+    if (memo[0] >= 0 and 0 < g <= pmax and tail[w - g] >= 0 and _window_hash(tail, w - g, pmax) == memo[2]):
+        v, m = memo[0], memo[1]
+        for k in range(w - g, w):
+            v, m = _advance(states, s0, trans, h0, mask, v, m, tail[k], pmax)
+    else:
+        v, m = _match(states, s0, trans, h0, mask, tail, pmax)
+    memo[0], memo[1], memo[2] = v, m, _window_hash(tail, w, pmax)
+    return v, m
+
+
 class HistoryPack:
-    """The history indexes of one rollout batch as flat arrays (one numba call takes them without
-    per-index boxing): index i's states are ``so[i]:so[i+1]`` of ``length, link, cnt, child,
-    token`` (its best non-terminator child by the branch rule, ``SuffixIndex.best_children``), its
-    ``cptr`` is ``po[i]:po[i+1]``, its edges ``eo[i]:eo[i+1]`` of ``ctok, cto`` and its hash
-    ``ho[i]:ho[i+1]`` of ``htab``. Built once per batch: O(total index size) copy.
+    """The history indexes of one rollout batch in one pair of flat tables (``compact``; one
+    numba call takes them without per-index boxing): index i's states are rows
+    ``so[i]:so[i+1]`` of ``states`` and its transition hash rows ``ho[i]:ho[i+1]`` of ``trans``.
+    Built once per batch: an O(total index size) copy of each index's cached compact tables
+    (``SuffixIndex.compact``).
 
     Args:
       indexes: the batch's ``SuffixIndex`` objects (slot i = ``indexes[i]``).
-      branch: ``"reward"`` | ``"count"``.
+      branch: ``"reward"`` | ``"count"`` (the best child followed by walks).
     """
 
     def __init__(self, indexes: list, branch: str):
-        def cat(arrs, dtype):
-            return np.concatenate([np.asarray(a, dtype) for a in arrs]) if arrs else np.zeros(0, dtype)
-
-        def offs(sizes):
-            return np.r_[0, np.cumsum(sizes)].astype(np.int64)
-
-        best = [ix.best_children(branch) for ix in indexes]
-        self.so = offs([ix.length.size for ix in indexes])
-        self.po = offs([ix.cptr.size for ix in indexes])
-        self.eo = offs([ix.ctok.size for ix in indexes])
-        self.ho = offs([ix.htab.size for ix in indexes])
-        self.arrays = tuple(cat([getattr(ix, f) for ix in indexes], np.int32)
-                            for f in ("length", "link", "cnt", "cptr", "ctok", "cto", "htab"))
-        self.arrays += (cat([b[0] for b in best], np.int32), cat([b[1] for b in best], np.int32))
+        tables = [ix.compact(branch) for ix in indexes]
+        self.so = np.r_[0, np.cumsum([t[0].shape[0] for t in tables])].astype(np.int64)
+        self.ho = np.r_[0, np.cumsum([t[1].shape[0] for t in tables])].astype(np.int64)
+        self.states = np.concatenate([t[0] for t in tables]) if tables else np.zeros((0, 5), np.int32)
+        self.trans = np.concatenate([t[1] for t in tables]) if tables else np.zeros((0, 2), np.int64)
 
     def args(self) -> tuple:
         """The arguments ``history_candidates`` takes first."""
-        return (self.so, self.po, self.eo, self.ho) + self.arrays
+        return self.so, self.ho, self.states, self.trans
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def walk(cnt, child, token, v, m, max_len, min_prob, table, ub, best, tok, est, cell):
-    """Greedy walk from state v (match length m) of at most ``max_len`` tokens into
-    ``tok``/``est``/``cell``. Returns ``(n, score)``; score -1 when pruned (cannot beat ``best``)."""
+@numba.njit(cache=True, nogil=True)
+def walk(states, s0, v, m, max_len, min_prob, table, ub, best, tok, est, cell):
+    """Greedy walk from state v (match length m) of the index at ``s0``, at most ``max_len``
+    tokens into ``tok``/``est``/``cell``. Returns ``(n, score)``; score -1 when pruned (cannot
+    beat ``best``)."""
     prob = 1.0
     cum = 1.0
     score = 0.0
     n = 0
     while n < max_len:
-        nxt = child[v]
+        nxt = states[s0 + v, CHILD]
         if nxt == -1:
             break
-        q = cnt[nxt] / cnt[v]
+        q = states[s0 + nxt, COUNT] / states[s0 + v, COUNT]
         if prob * q < min_prob:
             break
         prob *= q
@@ -100,7 +207,7 @@ def walk(cnt, child, token, v, m, max_len, min_prob, table, ub, best, tok, est, 
         e = table[cl]
         cum *= e
         score += cum
-        tok[n] = token[v]
+        tok[n] = states[s0 + v, TOKEN]
         est[n] = e
         cell[n] = cl
         n += 1
@@ -112,15 +219,15 @@ def walk(cnt, child, token, v, m, max_len, min_prob, table, ub, best, tok, est, 
     return n, score
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _row(length, link, cnt, cptr, ctok, cto, htab, child, token, tail, max_len, min_prob, pmax, pmin, table, ub,
-         tok, est, cell, out, out_est, out_cell):
+@numba.njit(cache=True, nogil=True)
+def _row(states, s0, trans, h0, mask, tail, g, memo, max_len, min_prob, pmax, pmin, table, ub, tok, est, cell, out,
+         out_est, out_cell):
     """Best history candidate of one row into ``out*``; returns ``(n, score)``."""
-    v, m = K.match_tail(length, link, cptr, ctok, cto, htab, tail, pmax)
+    v, m = _match_since(states, s0, trans, h0, mask, tail, pmax, g, memo)
     n_best = 0
     s_best = 0.0
     while v != 0 and m >= pmin:
-        n, s = walk(cnt, child, token, v, m, max_len, min_prob, table, ub, s_best, tok, est, cell)
+        n, s = walk(states, s0, v, m, max_len, min_prob, table, ub, s_best, tok, est, cell)
         if s > s_best:
             s_best = s
             n_best = n
@@ -128,19 +235,21 @@ def _row(length, link, cnt, cptr, ctok, cto, htab, child, token, tail, max_len, 
                 out[j] = tok[j]
                 out_est[j] = est[j]
                 out_cell[j] = cell[j]
-        v = link[v]
-        m = length[v]
+        v = states[s0 + v, LINK]
+        m = states[s0 + v, LENGTH]
     return n_best, s_best
 
 
 @numba.njit(cache=True, nogil=True)
-def history_candidates(so, po, eo, ho, length, link, cnt, cptr, ctok, cto, htab, child, token, slots, tails,
-                       max_lens, min_prob, pmax, pmin, table, top, out, out_est, out_cell, lens, score):
-    """Best history candidate of B rows. The first 13 arguments are a ``HistoryPack``; row b uses
-    index ``slots[b]`` (-1: none), drafts at most ``max_lens[b]`` (<= 32) tokens into ``out[b]``
-    (int32), their estimates into ``out_est[b]`` (float32) and cells into ``out_cell[b]``
-    (int32), and writes ``lens[b]`` and ``score[b]`` (expected accepted tokens; 0 for an empty
-    draft). ``table``/``top``: the calibration's estimates and their maximum."""
+def history_candidates(so, ho, states, trans, slots, reqs, grow, memo, tails, max_lens, min_prob, pmax, pmin, table, top,
+                       out, out_est, out_cell, lens, score):
+    """Best history candidate of B rows. The first four arguments are a ``HistoryPack``; row b
+    (request ``reqs[b]``, whose tail grew by ``grow[reqs[b]]`` tokens since its last draft, -1
+    unknown; ``memo int64[R, 3]`` its last match, -1 none) uses index ``slots[b]`` (-1: none),
+    drafts at most ``max_lens[b]`` (<= 32) tokens into
+    ``out[b]`` (int32), their estimates into ``out_est[b]`` (float32) and cells into
+    ``out_cell[b]`` (int32), and writes ``lens[b]`` and ``score[b]`` (expected accepted tokens; 0
+    for an empty draft). ``table``/``top``: the calibration's estimates and their maximum."""
     ub = np.zeros(MAX_DRAFT + 1, np.float64)
     tail_bounds(top, ub)
     tok = np.zeros(MAX_DRAFT, np.int32)
@@ -153,10 +262,9 @@ def history_candidates(so, po, eo, ho, length, link, cnt, cptr, ctok, cto, htab,
         ml = min(max_lens[b], MAX_DRAFT)
         if i < 0 or ml <= 0:
             continue
-        s0, s1 = so[i], so[i + 1]
-        e0, e1 = eo[i], eo[i + 1]
-        n, s = _row(length[s0:s1], link[s0:s1], cnt[s0:s1], cptr[po[i]:po[i + 1]], ctok[e0:e1], cto[e0:e1],
-                    htab[ho[i]:ho[i + 1]], child[s0:s1], token[s0:s1], tails[b], ml, min_prob, pmax, pmin, table,
-                    ub, tok, est, cell, out[b], out_est[b], out_cell[b])
+        h0 = ho[i]
+        r = reqs[b]
+        n, s = _row(states, so[i], trans, h0, np.int64(ho[i + 1] - h0 - 1), tails[b], grow[r], memo[r], ml, min_prob,
+                    pmax, pmin, table, ub, tok, est, cell, out[b], out_est[b], out_cell[b])
         lens[b] = n
         score[b] = s

@@ -91,7 +91,7 @@ class Drafter:
         entry = self.store.entry(pid)
         index = None if entry is None else index_of(entry)
         if index is not None and self.goodput:
-            index.best_children(self.branch)  # what goodput walks follow, made off the critical path
+            index.compact(self.branch)  # what goodput drafting reads, made off the critical path
         with self._lock:
             if entry is None:
                 self._built.pop(pid, None)

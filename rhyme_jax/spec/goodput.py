@@ -38,12 +38,13 @@ if TYPE_CHECKING:
 
 
 @numba.njit(cache=True, nogil=True)
-def _finish(reqs, out, est, cell, lens, cells_state, ests_state):
+def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
     """Zero each row past its draft, remember its cells / estimates per request (for
-    ``observe``); returns the longest draft."""
+    ``observe``), mark its growth unknown until ``observe``; returns the longest draft."""
     k = 0
     for b in range(reqs.shape[0]):
         r = reqs[b]
+        grow[r] = -1
         n = lens[b]
         k = max(k, n)
         for j in range(MAX_DRAFT):
@@ -57,25 +58,25 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state):
 
 
 @numba.njit(cache=True, nogil=True)
-def draft_kernel(so, po, eo, ho, length, link, cnt, cptr, ctok, cto, htab, child, token, slots, reqs, tails, budgets,
-                 min_prob, pmax, pmin, table, top, lookup, use_self, use_sib, seq, prev, slen, seg, grow, keys, heads,
-                 used, groups, cells_state, ests_state, out, est, lens):
+def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top, lookup,
+                 use_self, use_sib, seq, prev, slen, seg, grams, used, groups, cells_state, ests_state, out, est, lens):
     """One goodput draft step in one call: history candidates (``history_candidates``; the first
-    13 arguments are a ``HistoryPack``, ``slots`` per request), then, if ``lookup``, the self /
-    sibling candidates (``lookup_candidates`` over a ``SequenceStore``'s arrays), then
-    ``_finish``. Returns the longest draft."""
+    four arguments are a ``HistoryPack``, ``slots`` per request; ``grow`` tokens each request's
+    tail gained since its last draft, -1 unknown; ``memo`` its last history match), then, if
+    ``lookup``, the self / sibling candidates (``lookup_candidates`` over a ``SequenceStore``'s
+    arrays), then ``_finish``. Returns the longest draft."""
     b = reqs.shape[0]
     cell = np.empty((b, MAX_DRAFT), np.int32)
     score = np.empty(b, np.float64)
     rs = np.empty(b, np.int64)
     for i in range(b):
         rs[i] = slots[reqs[i]]
-    history_candidates(so, po, eo, ho, length, link, cnt, cptr, ctok, cto, htab, child, token, rs, tails, budgets,
-                       min_prob, pmax, pmin, table, top, out, est, cell, lens, score)
+    history_candidates(so, ho, states, trans, rs, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top, out,
+                       est, cell, lens, score)
     if lookup:
-        lookup_candidates(seq, prev, slen, seg, grow, keys, heads, used, groups, reqs, tails, budgets, pmin, pmax,
-                          use_self, use_sib, table, out, est, cell, lens, score)
-    return _finish(reqs, out, est, cell, lens, cells_state, ests_state)
+        lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tails, budgets, pmin, pmax, use_self,
+                          use_sib, table, out, est, cell, lens, score)
+    return _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow)
 
 
 class GoodputDrafts:
@@ -96,6 +97,8 @@ class GoodputDrafts:
         r = slots.size
         self.cells = np.full((r, MAX_DRAFT), -1, np.int32)
         self.ests = np.zeros((r, MAX_DRAFT), np.float32)
+        self.grow = np.full(r, -1, np.int64)  # tokens each request's next tail adds (observe)
+        self.memo = np.full((r, 3), -1, np.int64)  # its last history match (state, length, window hash)
         self.lookup = parent.self_lookup or parent.siblings
         # without lookup sources the kernel gets an empty store (one compiled signature)
         self.store = SequenceStore(groups if self.lookup else np.zeros(0, np.int64), parent.pattern_min,
@@ -117,26 +120,25 @@ class GoodputDrafts:
         b = reqs.size
         tails = np.ascontiguousarray(tails, np.int32)
         if self.lookup:
-            st.reserve(reqs, tails.shape[1])
+            st.reserve(reqs, tails, self.grow)
         out = np.empty((b, MAX_DRAFT), np.int32)
         est = np.empty((b, MAX_DRAFT), np.float32)
         lens = np.empty(b, np.int32)
-        k = draft_kernel(*self.pack.args(), self.slots, reqs, tails, budgets, p.min_token_prob, p.pattern_max,
-                         p.pattern_min, cal.table, cal.top, self.lookup, p.self_lookup, p.siblings, st.seq, st.prev,
-                         st.slen, st.seg, st.grow, st.keys, st.heads, st.used, st.groups, self.cells, self.ests,
-                         out, est, lens)
+        k = draft_kernel(*self.pack.args(), self.slots, reqs, self.grow, self.memo, tails, budgets, p.min_token_prob,
+                         p.pattern_max, p.pattern_min, cal.table, cal.top, self.lookup, p.self_lookup, p.siblings,
+                         st.seq, st.prev, st.slen, st.seg, st.grams, st.used, st.groups, self.cells, self.ests, out,
+                         est, lens)
         return out[:, :k], lens, est[:, :k]
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"]
                 ) -> None:
         """Feed the calibration with each row's verify outcome (``drafted`` tokens sent after the
-        engine's cuts, the first ``accepted`` accepted) and tell the sequence store how many
-        tokens the next tails add. The drafts observed are forgotten (a request observed twice
+        engine's cuts, the first ``accepted`` accepted) and note how many tokens the next tails
+        add (the history match and the sequence store advance by those). The drafts observed are forgotten (a request observed twice
         without a draft in between counts once).
 
         Raises:
           ValueError: repeated requests or not ``0 <= accepted <= drafted`` (named).
         """
         self.calibration.update(reqs, self.cells, self.ests, drafted, accepted)
-        if self.lookup:
-            self.store.observed(reqs, accepted)
+        self.grow[reqs] = accepted + 1

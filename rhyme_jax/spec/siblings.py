@@ -59,35 +59,35 @@ def _gram_key(row, e, pmin, group):
 
 
 @numba.njit(cache=True, nogil=True)
-def _slot(keys, key):
-    """Table slot of ``key``: where it is, or the empty slot to put it in."""
-    mask = keys.shape[0] - 1
+def _slot(table, key):
+    """Row of ``key`` in the gram table: where it is, or the empty row to put it in."""
+    mask = table.shape[0] - 1
     h = (key ^ (key >> np.int64(23))) & mask
-    while keys[h] != -1 and keys[h] != key:
+    while table[h, 0] != -1 and table[h, 0] != key:
         h = (h + 1) & mask
     return h
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(seq, prev, keys, heads, used, r, e, pmin, group, seg):
-    """Enter the gram ending at ``seq[r, e - 1]`` into its group's occurrence chain."""
+def _insert(seq, prev, table, used, r, e, pmin, group, seg):
+    """Enter the gram ending at ``seq[r, e - 1]`` into its group's occurrence chain (the table
+    row holds the key and the newest occurrence ``request << 32 | end``)."""
     prev[r, e - 1, 0] = -1
     if e - pmin < seg:
         return
     key = _gram_key(seq[r], e, pmin, group)
     if key < 0:
         return
-    h = _slot(keys, key)
-    if keys[h] == -1:
-        if used[0] * 10 >= keys.shape[0] * 7:  # full: the gram is left out (the caller regrows)
+    h = _slot(table, key)
+    if table[h, 0] == -1:
+        if used[0] * 10 >= table.shape[0] * 7:  # full: the gram is left out (the caller regrows)
             return
-        keys[h] = key
+        table[h, 0] = key
         used[0] += 1
     else:
-        prev[r, e - 1, 0] = heads[h, 0]
-        prev[r, e - 1, 1] = heads[h, 1]
-    heads[h, 0] = r
-    heads[h, 1] = e
+        prev[r, e - 1, 0] = table[h, 1] >> np.int64(32)
+        prev[r, e - 1, 1] = table[h, 1] & np.int64(0xFFFFFFFF)
+    table[h, 1] = (np.int64(r) << np.int64(32)) | np.int64(e)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -103,42 +103,67 @@ def _lines_up(seq_row, n, seg, tail, lo, t, g):
 
 
 @numba.njit(cache=True, nogil=True)
-def _extend_row(seq, prev, slen, seg, grow, keys, heads, used, r, tail, pmin, group):
-    """Append the new tokens of request r's ``tail`` (module docstring) and index them."""
+def _quick_lines_up(seq_row, n, seg, tail, g):
+    """The common case without finding the tail's start: the ``ALIGN`` (or fewer, at a segment
+    start) tokens before the tail's last g are all tokens and equal the stored end."""
     w = tail.shape[0]
-    lo, hi = 0, w  # first non-padding column (padding is a left run of negatives)
+    c = min(n - seg, ALIGN)
+    if c <= 0 or g < 0 or w - g - c < 0 or tail[w - g - c] < 0:
+        return False
+    for i in range(c):
+        if seq_row[n - c + i] != tail[w - g - c + i]:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_token(tail):
+    """First non-padding column of a tail (padding is a left run of negatives)."""
+    lo, hi = 0, tail.shape[0]
     while lo < hi:
         mid = (lo + hi) // 2
         if tail[mid] < 0:
             lo = mid + 1
         else:
             hi = mid
-    t = w - lo
+    return lo
+
+
+@numba.njit(cache=True, nogil=True)
+def _new_tokens(seq, prev, slen, seg, grow, used, r, tail):
+    """How many tokens at the end of request r's ``tail`` are new: ``grow[r]`` when the tail
+    lines up with the stored sequence (the common case), else the smallest shift that lines up,
+    else the whole tail after a new segment's separator (module docstring). Counts the case in
+    ``used[1:]``."""
     n = slen[r]
-    g = -1
-    if n == 0:
-        g = t
-    elif grow[r] >= 0 and grow[r] <= t and _lines_up(seq[r], n, seg[r], tail, lo, t, grow[r]):
-        g = grow[r]
+    if n > 0 and _quick_lines_up(seq[r], n, seg[r], tail, grow[r]):
         used[1] += 1
-    else:
-        for cand in range(0, t):
-            if _lines_up(seq[r], n, seg[r], tail, lo, t, cand):
-                g = cand
-                used[2] += 1
-                break
-        if g == -1 and t > 0:  # no overlap: a new segment
-            seq[r, n] = -1
-            prev[r, n, 0] = -1
-            n += 1
-            seg[r] = n
-            g = t
-            used[3] += 1
-    grow[r] = -1
-    for i in range(lo + t - g, w):
+        return grow[r]
+    lo = _first_token(tail)
+    t = tail.shape[0] - lo
+    if n == 0 or t == 0:
+        return t
+    for g in range(0, t):
+        if _lines_up(seq[r], n, seg[r], tail, lo, t, g):
+            used[2] += 1
+            return g
+    seq[r, n] = -1  # no overlap: a new segment
+    prev[r, n, 0] = -1
+    slen[r] = seg[r] = n + 1
+    used[3] += 1
+    return t
+
+
+@numba.njit(cache=True, nogil=True)
+def _extend_row(seq, prev, slen, seg, grow, table, used, r, tail, pmin, group):
+    """Append the new tokens of request r's ``tail`` and index their grams."""
+    w = tail.shape[0]
+    g = _new_tokens(seq, prev, slen, seg, grow, used, r, tail)
+    n = slen[r]
+    for i in range(w - g, w):
         seq[r, n] = tail[i]
         n += 1
-        _insert(seq, prev, keys, heads, used, r, n, pmin, group, seg[r])
+        _insert(seq, prev, table, used, r, n, pmin, group, seg[r])
     slen[r] = n
 
 
@@ -177,7 +202,7 @@ def _score_into(seq, s, e, stop, m, source, max_len, table, best, out, out_est, 
 
 
 @numba.njit(cache=True, nogil=True)
-def _query_row(seq, prev, slen, seg, keys, heads, r, group, pmin, pmax, use_self, use_sib):
+def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_sib):
     """Longest earlier match of request r's end in itself and in a sibling:
     ``(self_m, self_e, sib_m, sib_s, sib_e)`` (m = 0: none)."""
     n = slen[r]
@@ -187,10 +212,10 @@ def _query_row(seq, prev, slen, seg, keys, heads, r, group, pmin, pmax, use_self
     key = _gram_key(seq[r], n, pmin, group)
     if key < 0:
         return sm, se, bm, bs, be
-    h = _slot(keys, key)
-    if keys[h] == -1:
+    h = _slot(table, key)
+    if table[h, 0] == -1:
         return sm, se, bm, bs, be
-    s, e = heads[h, 0], heads[h, 1]
+    s, e = table[h, 1] >> np.int64(32), table[h, 1] & np.int64(0xFFFFFFFF)
     for _ in range(CHAIN_MAX):
         if s < 0:
             break
@@ -204,26 +229,25 @@ def _query_row(seq, prev, slen, seg, keys, heads, r, group, pmin, pmax, use_self
                 bm, bs, be = m, s, e
         if (sm == pmax or not use_self) and (bm == pmax or not use_sib):
             break  # both at the longest match already
-        s, e = prev[s, e - 1, 0], prev[s, e - 1, 1]
+        s, e = np.int64(prev[s, e - 1, 0]), np.int64(prev[s, e - 1, 1])
     return sm, se, bm, bs, be
 
 
 @numba.njit(cache=True, nogil=True)
-def lookup_candidates(seq, prev, slen, seg, grow, keys, heads, used, groups, reqs, tails, max_lens, pmin, pmax,
-                      use_self, use_sib, table, out, out_est, out_cell, lens, score):
+def lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tails, max_lens, pmin, pmax, use_self,
+                      use_sib, table, out, out_est, out_cell, lens, score):
     """Extend every row's sequence with its tail, then let its best self / sibling candidate
     replace its history candidate (``out*``, ``lens``, ``score`` from ``history_candidates``)
     where that scores higher. Arrays as in ``SequenceStore``."""
     for b in range(reqs.shape[0]):
         r = reqs[b]
-        _extend_row(seq, prev, slen, seg, grow, keys, heads, used, r, tails[b], pmin, groups[r])
+        _extend_row(seq, prev, slen, seg, grow, grams, used, r, tails[b], pmin, groups[r])
     for b in range(reqs.shape[0]):
         r = reqs[b]
         ml = min(max_lens[b], MAX_DRAFT)
         if ml <= 0:
             continue
-        sm, se, bm, bs, be = _query_row(seq, prev, slen, seg, keys, heads, r, groups[r], pmin, pmax, use_self,
-                                        use_sib)
+        sm, se, bm, bs, be = _query_row(seq, prev, slen, seg, grams, r, groups[r], pmin, pmax, use_self, use_sib)
         if sm > 0:
             n, s = _score_into(seq, r, se, slen[r], sm, C.SELF, ml, table, score[b], out[b], out_est[b], out_cell[b])
             if n >= 0:
@@ -236,25 +260,28 @@ def lookup_candidates(seq, prev, slen, seg, grow, keys, heads, used, groups, req
 
 
 @numba.njit(cache=True, nogil=True)
-def _need(slen, grow, reqs, width):
-    """``(most tokens a row can hold after the next extension, bound on new grams)``."""
+def _need(slen, grow, reqs, tails):
+    """``(most tokens a row can hold after the next extension, new grams expected)`` (a tail that
+    does not line up may add more; the table then leaves grams out until the next call)."""
     most = 0
     new = 0
     for b in range(reqs.shape[0]):
         r = reqs[b]
-        most = max(most, slen[r] + width + 1)
-        new += (grow[r] if grow[r] >= 0 else width) + 1
+        most = max(most, slen[r] + tails.shape[1] + 1)
+        if grow[r] >= 0 and slen[r] > 0:
+            new += grow[r] + 1
+        else:
+            new += tails.shape[1] - _first_token(tails[b]) + 1
     return most, new
 
 
 @numba.njit(cache=True, nogil=True)
-def _rehash(keys, heads, new_keys, new_heads):
-    for h in range(keys.shape[0]):
-        if keys[h] != -1:
-            k = _slot(new_keys, keys[h])
-            new_keys[k] = keys[h]
-            new_heads[k, 0] = heads[h, 0]
-            new_heads[k, 1] = heads[h, 1]
+def _rehash(grams, new):
+    for h in range(grams.shape[0]):
+        if grams[h, 0] != -1:
+            k = _slot(new, grams[h, 0])
+            new[k, 0] = grams[h, 0]
+            new[k, 1] = grams[h, 1]
 
 
 class SequenceStore:
@@ -267,10 +294,10 @@ class SequenceStore:
 
     Attributes:
       seq: ``int32[R, cap]`` stored tokens (-1: segment separator); ``slen int64[R]`` their count;
-      seg: ``int64[R]`` start of the current segment; ``grow int64[R]`` tokens the next tail adds
-        (``accepted + 1`` from ``observe``; -1 unknown);
+      seg: ``int64[R]`` start of the current segment;
       prev: ``int32[R, cap, 2]`` previous occurrence (request, end) of the gram ending at each
-        position (-1: none); keys ``int64[H]`` / heads ``int32[H, 2]``: (group, gram) -> newest.
+        position (-1: none); grams ``int64[H, 2]``: key of (group, gram) (-1: empty) and its
+        newest occurrence ``request << 32 | end``.
       used: ``int64[4]``: table slots in use, then counts of tails that lined up as ``observe``
         said, that were aligned by search, and that started a new segment.
     """
@@ -283,32 +310,26 @@ class SequenceStore:
         self.prev = np.full((r, cap, 2), -1, np.int32)
         self.slen = np.zeros(r, np.int64)
         self.seg = np.zeros(r, np.int64)
-        self.grow = np.full(r, -1, np.int64)
-        self.keys = np.full(1 << 12, -1, np.int64)
-        self.heads = np.full((1 << 12, 2), -1, np.int32)
+        self.grams = np.full((1 << 12, 2), -1, np.int64)
         self.used = np.zeros(4, np.int64)
 
-    def reserve(self, reqs: Int[np.ndarray, "B"], width: int) -> None:
-        """Room for the next extension of rows ``reqs`` (``int64[B]``) by tails of ``width``
-        columns: tokens per row and table slots for their grams (doubling; a full table leaves
-        grams out, never fails)."""
-        need, new = _need(self.slen, self.grow, reqs, width)
+    def reserve(self, reqs: Int[np.ndarray, "B"], tails: Int[np.ndarray, "B W"], grow: Int[np.ndarray, "R"]) -> None:
+        """Room for the next extension of rows ``reqs`` (``int64[B]``) by ``tails``
+        (``int32[B, W]``; ``grow`` tokens each request's tail gained, -1 unknown): tokens per row
+        and table slots for their grams (doubling; a full table leaves grams out, never fails)."""
+        need, new = _need(self.slen, grow, reqs, tails)
         if need > self.seq.shape[1]:
             cap = max(need, 2 * self.seq.shape[1])
-            grow = cap - self.seq.shape[1]
-            self.seq = np.pad(self.seq, ((0, 0), (0, grow)), constant_values=-1)
-            self.prev = np.pad(self.prev, ((0, 0), (0, grow), (0, 0)), constant_values=-1)
-        size = self.keys.shape[0]
+            extra = cap - self.seq.shape[1]
+            self.seq = np.pad(self.seq, ((0, 0), (0, extra)), constant_values=-1)
+            self.prev = np.pad(self.prev, ((0, 0), (0, extra), (0, 0)), constant_values=-1)
+        size = self.grams.shape[0]
         while (self.used[0] + new) * 2 > size:
             size *= 2
-        if size > self.keys.shape[0]:
-            keys, heads = np.full(size, -1, np.int64), np.full((size, 2), -1, np.int32)
-            _rehash(self.keys, self.heads, keys, heads)
-            self.keys, self.heads = keys, heads
-
-    def observed(self, reqs: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"]) -> None:
-        """Each row's next tail adds ``accepted + 1`` tokens (the accepted drafts and one sampled)."""
-        self.grow[reqs] = np.asarray(accepted, np.int64) + 1
+        if size > self.grams.shape[0]:
+            grams = np.full((size, 2), -1, np.int64)
+            _rehash(self.grams, grams)
+            self.grams = grams
 
     def sequence(self, r: int) -> np.ndarray:
         """Stored tokens of request r (``int32[n]``; -1 between segments)."""
