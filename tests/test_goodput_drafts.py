@@ -336,3 +336,16 @@ def test_window_policies_give_no_estimates(window):
         assert batch.context_width == 7 and batch.estimates is None  # siblings need goodput
         drafts, _ = _draft(batch, [0], [prompt])
         assert batch.estimates is None and d.calibration() == []
+
+
+def test_run_config_selects_goodput_with_all_sources():
+    from rhyme_jax.config import load_config
+
+    spec = load_config(None, ["spec.window=goodput", "spec.siblings=true", "spec.self_lookup=true"]).spec
+    prompt = list(range(40, 50))
+    with Drafter(spec, _store(1, prompt, [[5, 6, 7, 8, 9]] * 2)) as d:
+        d.rebuild([1])
+        batch = d.batch([1, 1])
+        assert (d.goodput, d.siblings, d.self_lookup, batch.context_width) == (True, True, True, W)
+        drafts, est = _draft(batch, [0, 1], [prompt, prompt + [5, 6]])
+        assert drafts == [[5, 6, 7, 8, 9], [7, 8, 9]] and est.shape == (2, 5)

@@ -79,7 +79,7 @@ def compact(length, link, cnt, cptr, ctok, cto, child, token):
     return states, trans
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _step(trans, h0, mask, v, c):
     """Target of transition (v, c) in the hash at ``trans[h0:]``, or -1."""
     key = K._key(v, c)
@@ -93,7 +93,7 @@ def _step(trans, h0, mask, v, c):
         i = (i + 1) & mask
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _advance(states, s0, trans, h0, mask, v, m, c, pmax):
     """Matching statistics, one token on: from the longest match (state v, m tokens) of a
     sequence, that of the sequence + c, capped at ``pmax`` tokens (the cap moves v up the
@@ -114,7 +114,7 @@ def _advance(states, s0, trans, h0, mask, v, m, c, pmax):
     return v, m
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _match(states, s0, trans, h0, mask, tail, pmax):
     """``sam_kernels.match_tail`` over the compact tables of the index at ``s0`` / ``h0``."""
     P = tail.shape[0]
@@ -130,7 +130,7 @@ def _match(states, s0, trans, h0, mask, tail, pmax):
     return v, m
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _window_hash(tail, end, pmax):
     """Hash of the tokens of ``tail[end - pmax:end]`` after its last negative (the window a
     match reads)."""
@@ -145,7 +145,7 @@ def _window_hash(tail, end, pmax):
     return h
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _match_since(states, s0, trans, h0, mask, tail, pmax, g, memo):
     """The longest match of ``tail``: advanced over its last g tokens from the previous step's
     match ``memo = (state, length, window hash)`` when the tail is that step's plus g tokens (g
@@ -186,7 +186,7 @@ class HistoryPack:
         return self.so, self.ho, self.states, self.trans
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def walk(states, s0, v, m, max_len, min_prob, table, ub, best, tok, est, cell):
     """Greedy walk from state v (match length m) of the index at ``s0``, at most ``max_len``
     tokens into ``tok``/``est``/``cell``. Returns ``(n, score)``; score -1 when pruned (cannot
@@ -241,8 +241,8 @@ def _row(states, s0, trans, h0, mask, tail, g, memo, max_len, min_prob, pmax, pm
 
 
 @numba.njit(cache=True, nogil=True)
-def history_candidates(so, ho, states, trans, slots, reqs, grow, memo, tails, max_lens, min_prob, pmax, pmin, table, top,
-                       out, out_est, out_cell, lens, score):
+def history_candidates(so, ho, states, trans, slots, reqs, grow, memo, tails, max_lens, min_prob, pmax, pmin, table,
+                       top, out, out_est, out_cell, lens, score):
     """Best history candidate of B rows. The first four arguments are a ``HistoryPack``; row b
     (request ``reqs[b]``, whose tail grew by ``grow[reqs[b]]`` tokens since its last draft, -1
     unknown; ``memo int64[R, 3]`` its last match, -1 none) uses index ``slots[b]`` (-1: none),

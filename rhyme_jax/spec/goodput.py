@@ -58,8 +58,9 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
 
 
 @numba.njit(cache=True, nogil=True)
-def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top, lookup,
-                 use_self, use_sib, seq, prev, slen, seg, grams, used, groups, cells_state, ests_state, out, est, lens):
+def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top,
+                 lookup, use_self, use_sib, seq, prev, slen, seg, grams, used, groups, cells_state, ests_state, out,
+                 est, lens):
     """One goodput draft step in one call: history candidates (``history_candidates``; the first
     four arguments are a ``HistoryPack``, ``slots`` per request; ``grow`` tokens each request's
     tail gained since its last draft, -1 unknown; ``memo`` its last history match), then, if
@@ -71,8 +72,8 @@ def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets,
     rs = np.empty(b, np.int64)
     for i in range(b):
         rs[i] = slots[reqs[i]]
-    history_candidates(so, ho, states, trans, rs, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top, out,
-                       est, cell, lens, score)
+    history_candidates(so, ho, states, trans, rs, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top,
+                       out, est, cell, lens, score)
     if lookup:
         lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tails, budgets, pmin, pmax, use_self,
                           use_sib, table, out, est, cell, lens, score)
@@ -134,8 +135,8 @@ class GoodputDrafts:
                 ) -> None:
         """Feed the calibration with each row's verify outcome (``drafted`` tokens sent after the
         engine's cuts, the first ``accepted`` accepted) and note how many tokens the next tails
-        add (the history match and the sequence store advance by those). The drafts observed are forgotten (a request observed twice
-        without a draft in between counts once).
+        add (the history match and the sequence store advance by those). The drafts observed are
+        forgotten (a request observed twice without a draft in between counts once).
 
         Raises:
           ValueError: repeated requests or not ``0 <= accepted <= drafted`` (named).

@@ -44,7 +44,7 @@ ALIGN = 8  # tokens compared when lining a tail up with the stored sequence
 _MASK = np.int64(0x3FFFFFFFFFFFFFFF)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _gram_key(row, e, pmin, group):
     """Hash key (>= 0) of the ``pmin`` tokens ``row[e - pmin:e]`` in ``group``; -1 when one is
     negative (a separator)."""
@@ -58,7 +58,7 @@ def _gram_key(row, e, pmin, group):
     return h & _MASK
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _slot(table, key):
     """Row of ``key`` in the gram table: where it is, or the empty row to put it in."""
     mask = table.shape[0] - 1
@@ -68,7 +68,7 @@ def _slot(table, key):
     return h
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _insert(seq, prev, table, used, r, e, pmin, group, seg):
     """Enter the gram ending at ``seq[r, e - 1]`` into its group's occurrence chain (the table
     row holds the key and the newest occurrence ``request << 32 | end``)."""
@@ -90,7 +90,7 @@ def _insert(seq, prev, table, used, r, e, pmin, group, seg):
     table[h, 1] = (np.int64(r) << np.int64(32)) | np.int64(e)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _lines_up(seq_row, n, seg, tail, lo, t, g):
     """Do the ``t - g`` tokens of ``tail[lo:]`` before its last g line up with the stored end?"""
     c = min(t - g, n - seg, ALIGN)
@@ -102,7 +102,7 @@ def _lines_up(seq_row, n, seg, tail, lo, t, g):
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _quick_lines_up(seq_row, n, seg, tail, g):
     """The common case without finding the tail's start: the ``ALIGN`` (or fewer, at a segment
     start) tokens before the tail's last g are all tokens and equal the stored end."""
@@ -116,7 +116,7 @@ def _quick_lines_up(seq_row, n, seg, tail, g):
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _first_token(tail):
     """First non-padding column of a tail (padding is a left run of negatives)."""
     lo, hi = 0, tail.shape[0]
@@ -129,7 +129,7 @@ def _first_token(tail):
     return lo
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _new_tokens(seq, prev, slen, seg, grow, used, r, tail):
     """How many tokens at the end of request r's ``tail`` are new: ``grow[r]`` when the tail
     lines up with the stored sequence (the common case), else the smallest shift that lines up,
@@ -154,7 +154,7 @@ def _new_tokens(seq, prev, slen, seg, grow, used, r, tail):
     return t
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _extend_row(seq, prev, slen, seg, grow, table, used, r, tail, pmin, group):
     """Append the new tokens of request r's ``tail`` and index their grams."""
     w = tail.shape[0]
@@ -167,7 +167,7 @@ def _extend_row(seq, prev, slen, seg, grow, table, used, r, tail, pmin, group):
     slen[r] = n
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _back_match(seq, s, e, r, n, pmax):
     """Tokens (<= pmax) that ``seq[s, :e]`` and ``seq[r, :n]`` share at their ends."""
     m = 0
@@ -179,7 +179,7 @@ def _back_match(seq, s, e, r, n, pmax):
     return m
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _score_into(seq, s, e, stop, m, source, max_len, table, best, out, out_est, out_cell):
     """Candidate ``seq[s, e:stop]`` (up to a separator / ``max_len``) at match length m: written
     into ``out*`` when its expected accepted length beats ``best``; returns ``(n, score)`` or
@@ -201,7 +201,7 @@ def _score_into(seq, s, e, stop, m, source, max_len, table, best, out, out_est, 
     return n, score
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_sib):
     """Longest earlier match of request r's end in itself and in a sibling:
     ``(self_m, self_e, sib_m, sib_s, sib_e)`` (m = 0: none)."""
