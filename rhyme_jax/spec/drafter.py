@@ -6,6 +6,10 @@ every step ``draft`` returns one padded ``int32[B, K]`` draft batch (K = the lon
 engine fits drafts to its step shapes) and ``observe`` updates each request's draft window.
 A ``DraftBatch`` is what ``rhyme_jax.rollout.types.Drafter`` (the engine's protocol) describes.
 RhymeRL (arXiv 2508.18588) s.4.
+
+With ``spec.window = "goodput"`` there is no window: each row gets the best-scored candidate of
+every source (``goodput.py``) with per-token acceptance estimates (``DraftBatch.estimates``)
+calibrated online in one table per drafter (``Drafter.calibration``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.spec.calibration import Calibration
+from rhyme_jax.spec.candidates import HistoryPack
+from rhyme_jax.spec.goodput import GoodputDrafts
 from rhyme_jax.spec.history import HistoryEntry, HistoryStore
 from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
@@ -41,7 +48,7 @@ class Drafter:
 
     Args:
       cfg: the run's ``spec`` section (``rhyme_jax.config.SpecSection``): ``branch``, ``window``, ``fixed_window``,
-        ``min_token_prob``, ``pattern_max``, ``pattern_min``.
+        ``min_token_prob``, ``pattern_max``, ``pattern_min`` and, optional, ``self_lookup``, ``siblings``.
       store: the history store the indexes are built from.
 
     Attributes:
@@ -60,10 +67,16 @@ class Drafter:
         self.pattern_min = int(cfg.pattern_min)
         # Extension beyond the paper: fall back to the sequence's own earlier tokens.
         self.self_lookup = bool(getattr(cfg, "self_lookup", False))
+        self.goodput = self.window_policy == "goodput"
+        # Extension (goodput only): draft from the batch's other requests with the same prompt.
+        self.siblings = bool(getattr(cfg, "siblings", False)) and self.goodput
         # Tokens of each running sequence the engine passes as ``tails``.
-        self.context_width = SELF_LOOKUP_WIDTH if self.self_lookup else self.pattern_max
+        wide = self.self_lookup or self.siblings
+        self.context_width = SELF_LOOKUP_WIDTH if wide else self.pattern_max
         check_draft_args(self.branch, self.min_token_prob, self.pattern_max, self.pattern_min)
-        initial_window(self.window_policy, 0, self.fixed_window)  # validates window/fixed_window
+        if not self.goodput:
+            initial_window(self.window_policy, 0, self.fixed_window)  # validates window/fixed_window
+        self._calibration = Calibration()
         self.store = store
         self.seconds = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histospec-index")
@@ -77,6 +90,8 @@ class Drafter:
         """Index the store's current entry of ``pid`` (or forget the prompt if it has none)."""
         entry = self.store.entry(pid)
         index = None if entry is None else index_of(entry)
+        if index is not None and self.goodput:
+            index.compact(self.branch)  # what goodput drafting reads, made off the critical path
         with self._lock:
             if entry is None:
                 self._built.pop(pid, None)
@@ -122,12 +137,21 @@ class Drafter:
         pids = [int(p) for p in prompt_ids]
         indexes: list[SuffixIndex] = []
         slot_of: dict[int, int] = {}
-        for pid in dict.fromkeys(pids):
+        group_of = {pid: g for g, pid in enumerate(dict.fromkeys(pids))}
+        for pid in group_of:
             ix = self._index(pid)
             if ix is not None:
                 slot_of[pid] = len(indexes)
                 indexes.append(ix)
-        return DraftBatch(self, IndexPack.of(indexes), np.array([slot_of.get(p, -1) for p in pids], np.int64))
+        pack = HistoryPack(indexes, self.branch) if self.goodput else IndexPack.of(indexes)
+        return DraftBatch(self, pack, np.array([slot_of.get(p, -1) for p in pids], np.int64),
+                          np.array([group_of[p] for p in pids], np.int64))
+
+    def calibration(self) -> list[dict]:
+        """The goodput acceptance table (shared by this drafter's batches): one row per cell with
+        tested draft tokens, as ``calibration.Calibration.rows`` (source, match / depth / prob
+        buckets, predicted, observed, trials, estimate). Empty unless ``window = "goodput"``."""
+        return self._calibration.rows()
 
     def close(self) -> None:
         """Stop the background build thread (queued builds are dropped, a running one finishes)."""
@@ -147,14 +171,25 @@ class DraftBatch:
     Attributes:
       context_width: from the parent drafter (how many tokens ``tails`` must hold).
       seconds: host time inside ``draft`` (also added to the parent's ``seconds``).
+      estimates: after each ``draft`` with ``window = "goodput"``, ``float32[B, K]`` estimated
+        probability that draft token j of row b is accepted given that tokens ``< j`` were (in
+        (0, 1) for ``j < lens[b]``, 0 after); ``None`` with the window policies.
     """
 
-    def __init__(self, parent: Drafter, pack: IndexPack, slots: np.ndarray):
+    def __init__(self, parent: Drafter, pack: IndexPack | HistoryPack, slots: np.ndarray,
+                 groups: np.ndarray | None = None):
         self.parent = parent
         self.context_width = parent.context_width
         self._pack, self._slots = pack, slots
-        self._window = initial_window(parent.window_policy, slots.size, parent.fixed_window)
         self.seconds = 0.0
+        self.estimates: np.ndarray | None = None
+        self._goodput: GoodputDrafts | None = None
+        if parent.goodput:  # no window: drafts up to 32 tokens, the engine sizes them
+            self._window = np.full(slots.size, MAX_WINDOW, np.int32)
+            groups = np.arange(slots.size, dtype=np.int64) if groups is None else groups
+            self._goodput = GoodputDrafts(parent, pack, slots, groups)
+        else:
+            self._window = initial_window(parent.window_policy, slots.size, parent.fixed_window)
 
     def _reqs(self, reqs) -> np.ndarray:
         r = np.asarray(reqs, dtype=np.int64)
@@ -183,6 +218,8 @@ class DraftBatch:
           ``(drafts int32[B, K], lens int32[B])``; lens[b] <= min(window[reqs[b]], budgets[b]);
           padding 0; K = max(lens). Row b equals ``SuffixIndex.draft`` of its prompt's index
           (or, with self-lookup, ``self_lookup_drafts`` of its tail where the index has none).
+          With ``window = "goodput"``: the best candidate of ``goodput.GoodputDrafts.draft``
+          (``lens[b] <= min(32, budgets[b])``) and ``estimates`` set.
 
         Raises:
           ValueError: shapes or request indices that do not fit (named).
@@ -199,6 +236,10 @@ class DraftBatch:
         max_lens = np.minimum(self._window[r], budgets)
         if tails.shape[1] < p.pattern_max:
             raise ValueError(f"tails: need at least pattern_max={p.pattern_max} columns, got {tails.shape[1]}")
+        if self._goodput is not None:
+            drafts, lens, self.estimates = self._goodput.draft(r, tails, max_lens)
+            self._spent(time.perf_counter() - t0)
+            return drafts, lens
         out, lens = draft_batch(self._pack, self._slots[r], np.ascontiguousarray(tails[:, -p.pattern_max:]),
                                 max_lens, branch=p.branch, min_token_prob=p.min_token_prob,
                                 pattern_max=p.pattern_max, pattern_min=p.pattern_min)
@@ -218,19 +259,25 @@ class DraftBatch:
         drafts = np.zeros((r.size, k), np.int32)
         w = min(k, out.shape[1])
         drafts[:, :w] = out[:, :w]
-        dt = time.perf_counter() - t0
-        self.seconds += dt
-        p.seconds += dt
+        self._spent(time.perf_counter() - t0)
         return drafts, lens
+
+    def _spent(self, dt: float) -> None:
+        self.seconds += dt
+        self.parent.seconds += dt
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"],
                 accepted: Int[np.ndarray, "B"]) -> None:
-        """Window update after a verify step (``window.next_window``) for distinct requests.
+        """Window update after a verify step (``window.next_window``) for distinct requests;
+        with ``window = "goodput"`` the calibration update instead (``GoodputDrafts.observe``).
 
         Raises:
           ValueError: repeated or out-of-range requests, or bad drafted/accepted (named).
         """
         r = self._reqs(reqs)
+        if self._goodput is not None:  # checks repeats and counts in one pass
+            self._goodput.observe(r, np.asarray(drafted, np.int64), np.asarray(accepted, np.int64))
+            return
         if np.unique(r).size != r.size:
             raise ValueError("reqs: each request may appear once per observe()")
         p = self.parent

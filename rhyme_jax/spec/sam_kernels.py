@@ -245,20 +245,16 @@ def _better(branch, hr, mean, c, tok, bhr, bmean, bc, btok):
 
 
 @numba.njit(cache=True, nogil=True)
-def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_len, branch,
-              min_prob, pmax, pmin, out):
-    """Draft of one sequence from one index (ARCHITECTURE.md s.5 draft rule).
-
-    ``tail``: the running sequence's last tokens (negative = padding; only tokens after the last
-    negative are used, at most ``pmax``). Writes the draft into ``out[:n]`` and returns n.
-    """
+def match_tail(length, link, cptr, ctok, cto, htab, tail, pmax):
+    """Longest suffix of ``tail`` (its last ``pmax`` tokens after the last negative one) that
+    occurs in the index (matching statistics over the automaton): ``(state, match length)``,
+    ``(0, 0)`` when not even the last token occurs."""
     P = tail.shape[0]
     start = P - pmax if P > pmax else 0
     for k in range(P - 1, start - 1, -1):
         if tail[k] < 0:
             start = k + 1
             break
-    # Longest suffix of the tail that occurs (matching statistics over the automaton).
     v = 0
     m = 0
     for k in range(start, P):
@@ -273,6 +269,18 @@ def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_le
         else:
             v = 0
             m = 0
+    return v, m
+
+
+@numba.njit(cache=True, nogil=True)
+def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_len, branch,
+              min_prob, pmax, pmin, out):
+    """Draft of one sequence from one index (ARCHITECTURE.md s.5 draft rule).
+
+    ``tail``: the running sequence's last tokens (negative = padding; only tokens after the last
+    negative are used, at most ``pmax``). Writes the draft into ``out[:n]`` and returns n.
+    """
+    v, m = match_tail(length, link, cptr, ctok, cto, htab, tail, pmax)
     if m < pmin or m == 0:
         return 0
     prob = 1.0
@@ -320,3 +328,32 @@ def draft_batch(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, slots, tai
             continue
         lens[b] = draft_one(length[i], link[i], cnt[i], rcnt[i], rsum[i], cptr[i], ctok[i], cto[i],
                             htab[i], tails[b], max_lens[b], branch, min_prob, pmax, pmin, out[b])
+
+
+@numba.njit(cache=True, nogil=True)
+def best_children(cnt, rcnt, rsum, cptr, ctok, cto, branch):
+    """Per state, its best child by the branch rule (``_better``) among the children whose token
+    is not a terminator: ``(child int32[S], token int32[S])``, child -1 where there is none.
+    O(E); what the goodput walk follows instead of scanning children at every step."""
+    size = cptr.shape[0] - 1
+    child = np.full(size, -1, np.int32)
+    token = np.full(size, -1, np.int32)
+    for v in range(size):
+        best = -1
+        bhr = False
+        bmean = 0.0
+        bc = np.int32(0)
+        btok = np.int32(0)
+        for k in range(cptr[v], cptr[v + 1]):
+            if ctok[k] < 0:
+                continue
+            t = cto[k]
+            c = cnt[t]
+            rc = rcnt[t]
+            hr = rc > 0
+            mean = rsum[t] / rc if hr else 0.0
+            if best == -1 or _better(branch, hr, mean, c, ctok[k], bhr, bmean, bc, btok):
+                best, bhr, bmean, bc, btok = t, hr, mean, c, ctok[k]
+        child[v] = best
+        token[v] = btok if best != -1 else -1
+    return child, token

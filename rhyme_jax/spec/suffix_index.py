@@ -108,6 +108,41 @@ class SuffixIndex:
         for f, a in zip(_FIELDS, arrays):
             setattr(self, f, a)
         self._pack: IndexPack | None = None
+        self._derived: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # best_children / compact, per branch
+
+    def best_children(self, branch: str) -> tuple[Int[np.ndarray, "S"], Int[np.ndarray, "S"]]:
+        """Each state's best non-terminator child by ``branch`` (``"reward"`` | ``"count"``):
+        ``(child int32[S] (-1: none), token int32[S])`` (``sam_kernels.best_children``); computed
+        once per branch rule (a concurrent first call may compute it twice, harmlessly).
+
+        Raises:
+          ValueError: unknown branch.
+        """
+        if branch not in BRANCHES:
+            raise ValueError(f"branch: expected one of {sorted(BRANCHES)}, got {branch!r}")
+        got = self._derived.get(branch)
+        if got is None:
+            got = K.best_children(self.cnt, self.rcnt, self.rsum, self.cptr, self.ctok, self.cto, BRANCHES[branch])
+            self._derived[branch] = got
+        return got
+
+    def compact(self, branch: str) -> tuple[Int[np.ndarray, "S 5"], Int[np.ndarray, "H 2"]]:
+        """The index as goodput drafting reads it (``candidates.compact``): ``states int32[S, 5]``
+        (length, link, count, best child by ``branch``, its token) and the transition hash
+        ``trans int64[H, 2]``; computed once per branch rule.
+
+        Raises:
+          ValueError: unknown branch.
+        """
+        key = "compact-" + branch
+        got = self._derived.get(key)
+        if got is None:
+            from rhyme_jax.spec.candidates import compact
+
+            child, token = self.best_children(branch)
+            got = compact(self.length, self.link, self.cnt, self.cptr, self.ctok, self.cto, child, token)
+            self._derived[key] = got
+        return got
 
     @property
     def pack(self) -> IndexPack:

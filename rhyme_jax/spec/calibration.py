@@ -1,0 +1,244 @@
+"""Online calibration of per-token draft acceptance estimates (``spec.window = "goodput"``).
+
+Each draft token gets a *cell*: (source, match-length bucket, depth bucket, raw-probability
+bucket). Sources: ``history`` (the prompt's suffix index; raw probability = the branch share
+``count(child) / count(parent)`` of the token), ``self`` (the sequence's own earlier tokens) and
+``sibling`` (the same step's other responses to the prompt); the two lookup sources have no raw
+probability (bucket 0). The estimate of a token is the posterior mean of its cell's conditional
+acceptance (accepted given the earlier draft tokens were) under a two-level Beta model:
+
+* coarse cell (source, raw-probability bucket): ``Beta(S0 * base, S0 * (1 - base))`` with
+  ``base = HISTORY_SHRINK * bucket centre`` for history and ``LOOKUP_BASE`` for self/sibling;
+  its posterior mean ``c = (succ_c + S0 * base) / (trials_c + S0)``;
+* fine cell: prior ``Beta(S1 * c, S1 * (1 - c))`` around the coarse mean, so a cell seen rarely
+  follows what its source and branch share do overall; estimate
+  ``(succ_f + S1 * c) / (trials_f + S1)``, strictly inside (0, 1).
+
+``observe`` feeds the verify outcome of each drafted row: with ``d`` tokens sent and ``a``
+accepted, positions ``0..a-1`` count as accepted trials, position ``a`` (if ``a < d``) as a
+rejected one, later positions were not tested. The policy changes during training, so old
+outcomes fade: a (fine or coarse) cell past ``MEMORY`` trials has its counts (and issued-estimate
+sum) halved. One ``Calibration`` serves all rollout batches of
+a drafter: updates run under a lock; the numba draft kernels read the estimate table without it
+(a concurrent update can make a read one observation stale, never inconsistent: each float is
+written whole).
+
+Sources: SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) scores drafts by expected
+accepted length from empirical branch frequencies; here the frequencies are calibrated online.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from jaxtyping import Float, Int
+
+SOURCES = ("history", "self", "sibling")
+HISTORY, SELF, SIBLING = 0, 1, 2
+# match length m (tokens) -> bucket; m >= 64 shares the last bucket
+MATCH_EDGES = (1, 2, 3, 4, 5, 7, 10, 16)  # bucket k holds MATCH_EDGES[k] <= m < MATCH_EDGES[k + 1]
+DEPTH_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24)  # draft position j (0-based), same rule
+NUM_PROB = 11  # raw probability q: bucket floor(10 q) for q < 1, bucket 10 for q == 1
+MAX_DEPTH = 32  # longest draft (the engine's shapes.MAX_DRAFT)
+S0 = 4.0  # pseudo-trials of a coarse cell's prior
+S1 = 8.0  # pseudo-trials of a fine cell's prior (centred on its coarse cell)
+HISTORY_SHRINK = 0.85  # prior acceptance of a history token = 0.85 x its branch share
+LOOKUP_BASE = 0.3  # prior acceptance of a self / sibling token (conservative)
+MEMORY = 5000.0  # a cell past this many trials has its counts halved (older outcomes fade)
+
+
+def _bucket_table(edges: tuple[int, ...], size: int) -> np.ndarray:
+    return (np.searchsorted(np.asarray(edges), np.arange(size), side="right") - 1).clip(0).astype(np.int64)
+
+
+MATCH_BUCKET = _bucket_table(MATCH_EDGES, 65)
+DEPTH_BUCKET = _bucket_table(DEPTH_EDGES, MAX_DEPTH)
+NUM_MATCH, NUM_DEPTH = len(MATCH_EDGES), len(DEPTH_EDGES)
+NUM_CELLS = len(SOURCES) * NUM_MATCH * NUM_DEPTH * NUM_PROB
+NUM_COARSE = len(SOURCES) * NUM_PROB
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def cell_of(source, match_len, depth, q):
+    """Cell id of a draft token: ``source`` (0..2), match length (>= 1 tokens), draft position
+    ``depth`` (0-based, < 32) and raw branch probability ``q`` in (0, 1] (ignored unless
+    history)."""
+    mb = MATCH_BUCKET[min(match_len, 64)]
+    db = DEPTH_BUCKET[min(depth, MAX_DEPTH - 1)]
+    pb = 0
+    if source == HISTORY:
+        pb = NUM_PROB - 1 if q >= 1.0 - 1e-9 else min(int(q * 10.0), NUM_PROB - 2)
+    return ((source * NUM_MATCH + mb) * NUM_DEPTH + db) * NUM_PROB + pb
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def coarse_of(cell):
+    """Coarse cell (source, raw-probability bucket) of a fine cell."""
+    return (cell // (NUM_MATCH * NUM_DEPTH * NUM_PROB)) * NUM_PROB + cell % NUM_PROB
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def estimate(fine, coarse, cell):
+    """Posterior mean acceptance of ``cell`` (module docstring). ``fine f64[C, 2]`` = (accepted,
+    trials) per fine cell; ``coarse f64[Cc, 3]`` = (accepted, trials, prior base)."""
+    cc = coarse_of(cell)
+    c = (coarse[cc, 0] + S0 * coarse[cc, 2]) / (coarse[cc, 1] + S0)
+    return (fine[cell, 0] + S1 * c) / (fine[cell, 1] + S1)
+
+
+@numba.njit(cache=True, nogil=True)
+def _refresh(fine, coarse, table):
+    """``table[c]`` = the estimate of every cell; returns the largest."""
+    top = 0.0
+    for c in range(fine.shape[0]):
+        table[c] = estimate(fine, coarse, c)
+        top = max(top, table[c])
+    return top
+
+
+@numba.njit(cache=True, nogil=True)
+def _update(fine, coarse, issued, table, reqs, cells, ests, drafted, accepted):
+    """Count the verify outcome of each row b (request ``reqs[b]``, whose last draft had cells
+    ``cells[reqs[b]]`` and estimates ``ests[reqs[b]]``) into ``fine``/``coarse`` and the
+    issued-estimate sums ``issued f64[C]`` (module docstring), forget those drafts (cells -1),
+    refresh ``table`` where it changed. Returns ``(code, largest entry of table)``; code 0, or,
+    with nothing changed, 1 (a request out of range), 2 (a repeated request) or 3 (not
+    ``0 <= accepted <= drafted``)."""
+    seen = np.zeros(cells.shape[0], np.bool_)
+    for b in range(reqs.shape[0]):
+        r = reqs[b]
+        if r < 0 or r >= cells.shape[0]:
+            return 1, 0.0
+        if seen[r]:
+            return 2, 0.0
+        seen[r] = True
+        if accepted[b] < 0 or accepted[b] > drafted[b]:
+            return 3, 0.0
+    touched = np.zeros(coarse.shape[0], np.bool_)
+    for b in range(reqs.shape[0]):
+        r = reqs[b]
+        d = min(drafted[b], cells.shape[1])
+        a = min(accepted[b], d)
+        for j in range(min(a + 1, d)):
+            c = cells[r, j]
+            if c < 0:
+                break
+            hit = 1.0 if j < a else 0.0
+            fine[c, 0] += hit
+            fine[c, 1] += 1.0
+            issued[c] += ests[r, j]
+            if fine[c, 1] > MEMORY:
+                fine[c, 0] *= 0.5
+                fine[c, 1] *= 0.5
+                issued[c] *= 0.5
+            cc = coarse_of(c)
+            coarse[cc, 0] += hit
+            coarse[cc, 1] += 1.0
+            if coarse[cc, 1] > MEMORY:
+                coarse[cc, 0] *= 0.5
+                coarse[cc, 1] *= 0.5
+            touched[cc] = True
+        for j in range(cells.shape[1]):
+            cells[r, j] = -1
+    for cc in range(coarse.shape[0]):
+        if touched[cc]:
+            src, pb = cc // NUM_PROB, cc % NUM_PROB
+            for k in range(NUM_MATCH * NUM_DEPTH):
+                c = (src * NUM_MATCH * NUM_DEPTH + k) * NUM_PROB + pb
+                table[c] = estimate(fine, coarse, c)
+    top = 0.0
+    for c in range(table.shape[0]):
+        top = max(top, table[c])
+    return 0, top
+
+
+def _label(edges: tuple[int, ...], k: int, last: int) -> str:
+    lo = edges[k]
+    hi = edges[k + 1] - 1 if k + 1 < len(edges) else last
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+class Calibration:
+    """Acceptance estimates per cell, updated online from verify outcomes (module docstring).
+
+    Attributes (numpy, read by the numba draft kernels; modify only through ``update``):
+      fine: ``float64[NUM_CELLS, 2]`` accepted and tested draft tokens per cell.
+      coarse: ``float64[NUM_COARSE, 3]`` the same per (source, raw-probability bucket) and the
+        prior base acceptance.
+      table: ``float64[NUM_CELLS]`` the current estimate of every cell (what the kernels read).
+      top: largest entry of ``table`` (an upper bound the kernels prune with).
+    """
+
+    def __init__(self):
+        self.fine = np.zeros((NUM_CELLS, 2), np.float64)
+        self.coarse = np.zeros((NUM_COARSE, 3), np.float64)
+        centres = np.r_[(np.arange(NUM_PROB - 1) + 0.5) / 10.0, 1.0]
+        self.coarse[HISTORY * NUM_PROB:(HISTORY + 1) * NUM_PROB, 2] = HISTORY_SHRINK * centres
+        self.coarse[NUM_PROB:, 2] = LOOKUP_BASE
+        self.issued = np.zeros(NUM_CELLS, np.float64)
+        self.table = np.zeros(NUM_CELLS, np.float64)
+        self.top = float(_refresh(self.fine, self.coarse, self.table))
+        self._lock = threading.Lock()
+
+    def update(self, reqs: Int[np.ndarray, "B"], cells: Int[np.ndarray, "R D"], ests: Float[np.ndarray, "R D"],
+               drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"]) -> None:
+        """Count one verify step: row b (request ``reqs[b]``, distinct) sent ``drafted[b]`` draft
+        tokens, whose cells are ``cells[reqs[b], :drafted[b]]`` (-1 = none: nothing was drafted)
+        and estimates ``ests[reqs[b]]``; the first ``accepted[b]`` were accepted. The counted
+        rows of ``cells`` are set to -1 (each draft counts once). Thread-safe.
+
+        Args:
+          cells: ``int32[R, D]`` (C-contiguous; modified in place); ests: ``float32[R, D]``;
+          reqs, drafted, accepted: ``int64[B]``.
+
+        Raises:
+          ValueError: wrong dtypes or shapes, requests out of range or repeated, or not
+            ``0 <= accepted <= drafted`` (named).
+        """
+        reqs, drafted, accepted = (np.asarray(x, np.int64) for x in (reqs, drafted, accepted))
+        b = (reqs.size,)
+        if (cells.dtype != np.int32 or ests.dtype != np.float32 or cells.ndim != 2 or ests.shape != cells.shape
+                or not cells.flags.c_contiguous or drafted.shape != b or accepted.shape != b):
+            raise ValueError(f"cells/ests/drafted/accepted: expected int32[R, D]/float32[R, D]/[B]/[B], got "
+                             f"{cells.dtype}{cells.shape}/{ests.dtype}{ests.shape}/{drafted.shape}/{accepted.shape}")
+        with self._lock:
+            code, top = _update(self.fine, self.coarse, self.issued, self.table, reqs, cells, ests, drafted, accepted)
+            if code == 0:
+                self.top = float(top)
+        if code:
+            raise ValueError(("", f"reqs: expected requests in [0, {cells.shape[0]})",
+                              "reqs: each request may appear once per observe()",
+                              "accepted: expected 0 <= accepted <= drafted per row")[code])
+
+    def estimate(self, source: str, match_len: int, depth: int, q: float = 1.0) -> float:
+        """Current estimate of one token (``source`` in ``SOURCES``; ``q`` the raw branch share,
+        history only).
+
+        Raises:
+          ValueError: unknown source (named).
+        """
+        if source not in SOURCES:
+            raise ValueError(f"source: expected one of {SOURCES}, got {source!r}")
+        return float(self.table[cell_of(SOURCES.index(source), int(match_len), int(depth), float(q))])
+
+    def rows(self) -> list[dict]:
+        """Every cell with tested tokens: ``source``, ``match`` / ``depth`` / ``prob`` bucket labels
+        (match length in tokens, 0-based draft position, raw branch share; ``-`` for lookup
+        sources), ``predicted`` (mean estimate issued for its tested tokens), ``observed``
+        (accepted share), ``trials`` and the current ``estimate``."""
+        with self._lock:
+            fine, issued, table = self.fine.copy(), self.issued.copy(), self.table.copy()
+        out = []
+        for c in np.flatnonzero(fine[:, 1] > 0):
+            rest, pb = divmod(int(c), NUM_PROB)
+            rest, db = divmod(rest, NUM_DEPTH)
+            src, mb = divmod(rest, NUM_MATCH)
+            prob = "-" if src != HISTORY else ("1" if pb == NUM_PROB - 1 else f"{pb / 10:.1f}-{(pb + 1) / 10:.1f}")
+            t = float(fine[c, 1])
+            out.append(dict(source=SOURCES[src], match=_label(MATCH_EDGES, mb, 64),
+                            depth=_label(DEPTH_EDGES, db, MAX_DEPTH - 1), prob=prob,
+                            predicted=float(issued[c] / t), observed=float(fine[c, 0] / t), trials=int(t),
+                            estimate=float(table[c])))
+        return out
