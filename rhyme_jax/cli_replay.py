@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="targets live at once (default: %(default)s)")
     sp.add_argument("--step-cost", default="", help="step-cost profile JSON the step choice uses (default: the "
                     "config's spec.step_cost, else the analytical prior)")
+    sp.add_argument("--draft-price", type=float, default=None, metavar="P",
+                    help="instead of a step-cost model: a step of S rows packing T tokens costs S + P (T - S) "
+                    "(one draft token = P row decodes; 0 = drafts are free); traces share against drafts per forward")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -151,6 +154,13 @@ def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost,
         totals["drafted"] += int(lens.sum())
         totals["accepted"] += int(accepted.sum())
         totals["seconds"] += cost(choice.rows, choice.tokens, choice.q_len)
+
+
+def _priced(price: float):
+    """The ``--draft-price`` cost: ``rows + price * (tokens - rows)`` row decodes per step."""
+    def cost(rows: int, tokens: int, q_len: int) -> float:
+        return rows + price * (tokens - rows)
+    return cost
 
 
 def _plain_seconds(lengths: list[int], plan, cost) -> float:
@@ -245,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = args.step_cost or cfg.spec.step_cost
         cost = StepCost.load(path) if path not in ("", "prior") else None
+        if args.draft_price is not None:
+            if not args.draft_price >= 0:
+                raise StepCostError(f"--draft-price: expected >= 0, got {args.draft_price}")
+            cost = _priced(args.draft_price)
     except StepCostError as exc:
         print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
         return 2
