@@ -64,19 +64,21 @@ def test_drafts_that_do_not_pay_are_not_sent():
     assert choice.tokens == pairs[-1][0] and choice.draft_lens.sum() == pairs[-1][0] - 16
 
 
-def test_fixed_rule_takes_a_program_whose_q_len_holds_the_longest_draft():
+def test_fixed_rule_sends_drafts_when_fewer_rows_are_live_than_the_bucket():
     """Fewer live rows than the bucket: the decode pair (S, 1) holds rows + drafts but would cut
-    every draft to 0 (the old rule's defect); the fixed rule moves to a verify program."""
-    lens = np.array([5, 0, 2])  # 3 rows live in a 4-row bucket (max_slots 16 -> buckets 1, 4, 16)
+    every draft to 0 (the old rule's defect); the fixed rule takes the first verify program."""
+    lens = np.array([2, 0, 1])  # 3 rows live in a 4-row bucket (max_slots 16 -> buckets 1, 4, 16)
+    pairs = shapes.verify_pairs(4, PLAN.verify_budget)
     choice = allocation.fixed_rule(PLAN, lens)
-    assert choice.rows == 4 and choice.q_len - 1 >= 5
-    np.testing.assert_array_equal(choice.draft_lens, lens)
+    assert choice.rows == 4 and (choice.tokens, choice.q_len) == pairs[1]
+    np.testing.assert_array_equal(choice.draft_lens, np.minimum(lens, pairs[1][1] - 1))
+    assert choice.draft_lens.sum() > 0
     choice = allocation.fixed_rule(PLAN, np.zeros(3, np.int64))
     assert (choice.tokens, choice.q_len) == (4, 1)
-    t_last, q_last = shapes.verify_pairs(4, PLAN.verify_budget)[-1]
-    big = allocation.fixed_rule(PLAN, np.array([q_last + 3, 1]))  # longer than any Q - 1: cut in the last program
+    t_last, q_last = pairs[-1]
+    big = allocation.fixed_rule(PLAN, np.array([q_last + 3, t_last - q_last - 6]))  # only the last program holds them
     assert (big.tokens, big.q_len) == (t_last, q_last)
-    np.testing.assert_array_equal(big.draft_lens, [q_last - 1, 1])
+    np.testing.assert_array_equal(big.draft_lens, [q_last - 1, t_last - q_last - 6])
     with pytest.raises(ValueError, match="more than the cap"):
         allocation.fixed_rule(PLAN, np.array([t_last, 0]))
 

@@ -15,8 +15,11 @@ expected tokens per second (goodput). Drafting that does not pay is not sent: pl
 whenever no draft adds enough expected tokens to pay for the bigger step.
 
 ``fixed_rule`` is the paper policies' step (no estimates): the first program whose ``T`` holds
-the rows plus their drafts and whose ``Q - 1`` holds the longest draft, else the last program
-whose ``T`` holds them (drafts cut to its ``Q - 1``).
+the rows plus their drafts, a verify program (``Q > 1``) whenever a row drafts, drafts cut to its
+``Q - 1``. (Before, the decode program ``(S, 1)`` could take a step whose rows drafted when fewer
+rows were live than their bucket, cutting every draft to nothing.) Cutting drafts to the first
+program that holds the tokens keeps one long draft from pushing the whole step into the biggest
+program.
 
 Source: the issue "goodput-optimal HistoSpec" scope 3; expected accepted length as in
 SpecInfer / SuffixDecoding (arXiv 2411.04975); goodput-driven speculation length as in
@@ -97,18 +100,18 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
 
 
 def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> StepChoice:
-    """The step of the paper's window policies (module docstring): keep every draft that fits.
+    """The step of the paper's window policies (module docstring).
 
     Raises:
       ValueError: the rows plus drafts exceed the cap of the row bucket.
     """
     lens = np.asarray(draft_lens, np.int64)
     rows = seq_bucket(lens.size, plan.max_slots)
-    used, longest = lens.size + int(lens.sum()), int(lens.max(initial=0))
-    pairs = [p for p in verify_pairs(rows, plan.verify_budget) if p[0] >= used]
+    used, drafting = lens.size + int(lens.sum()), bool(lens.any())
+    pairs = [p for p in verify_pairs(rows, plan.verify_budget) if p[0] >= used and (p[1] > 1 or not drafting)]
     if not pairs:
         raise ValueError(f"step packs {used} tokens, more than the cap of {rows} rows")
-    t_total, q_len = next((p for p in pairs if p[1] - 1 >= longest), pairs[-1])
+    t_total, q_len = pairs[0]
     return StepChoice(rows, t_total, q_len, np.minimum(lens, q_len - 1), 0.0)
 
 
