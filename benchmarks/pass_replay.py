@@ -27,6 +27,11 @@ Usage::
 
     python benchmarks/pass_replay.py runs/bench_rollout            # a run with HistoSpec on
     python benchmarks/pass_replay.py runs/bench_rollout --siblings --from-epoch 3
+    python benchmarks/pass_replay.py runs/demo --set spec.window=goodput --set spec.pattern_min=1 \
+        --set spec.siblings=true --set spec.min_token_prob=0     # the goodput drafter's sources
+
+With ``spec.window=goodput`` every proposed draft token is sent (the engine would send only those
+that pay for their step), so the replay bounds what the goodput sources can save in passes.
 """
 
 from __future__ import annotations
@@ -167,12 +172,15 @@ def main(argv=None) -> int:
     ap.add_argument("--siblings", action="store_true", help="also draft from finished responses of the same step")
     ap.add_argument("--oracle", action="store_true", help="upper bound: best continuation among all matches")
     ap.add_argument("--oracle-window", type=int, default=32)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override the run's config, e.g. spec.window=goodput (the goodput drafter's sources, "
+                    "every drafted token sent: its bound without the engine's cost-aware cuts)")
     args = ap.parse_args(argv)
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
         print(f"benchmarks/pass_replay.py: {run / 'config.yaml'}: no such file", file=sys.stderr)
         return 2
-    cfg = load_config(str(run / "config.yaml"), [])
+    cfg = load_config(str(run / "config.yaml"), args.overrides)
     train, _ = load_problems(cfg.data)
     tokens = PromptTokens(build_tokenizer(cfg, run, train), train, cfg.model.prompt_template)
 

@@ -140,7 +140,8 @@ def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost,
         budgets = np.maximum(left - 1, 0)
         drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), budgets)
         lens = np.minimum(np.minimum(np.asarray(lens, np.int64), budgets), shapes.MAX_DRAFT)
-        choice, curve = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost)
+        choice, curve = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost,
+                                               getattr(batch, "priorities", None))
         lens = choice.draft_lens
         totals["predicted"] += allocation.expected_accepted(curve, lens)
         accepted = np.zeros(len(live), np.int64)

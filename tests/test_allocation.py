@@ -123,3 +123,19 @@ def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tm
 def test_monotone_costs_never_fall_with_more_tokens():
     got = monotone({(8, 8, 1): 2.0, (8, 12, 5): 1.5, (8, 56, 29): 3.0, (32, 32, 1): 1.0})
     assert got == {(8, 8, 1): 2.0, (8, 12, 5): 2.0, (8, 56, 29): 3.0, (32, 32, 1): 1.0}
+
+
+def test_rows_predicted_long_get_the_scarce_draft_tokens():
+    """Equal acceptance everywhere and room for only some drafts: the row the history predicts
+    longest gets them; without priorities the first rows do (ties by depth, then order)."""
+    plan = shapes.plan(max_slots=4, page_size=16, max_prompt_len=8, max_new_tokens=16, max_verify_tokens=8)
+    curve = allocation.accept_curve(np.full((4, 4), 0.9), np.full(4, 4))
+    free = StepCost({(4, t, q): 1.0 for t, q in shapes.verify_pairs(4, plan.verify_budget)})
+    w = allocation.makespan_weights(np.array([0.0, 3.0, 30.0, 0.0]), 4)
+    np.testing.assert_allclose(w, [1.0, 1.1, 2.0, 1.0])
+    choice = allocation.goodput_choice(plan, curve, free, w)
+    assert choice.tokens == 8 and choice.draft_lens.tolist() == [0, 0, 4, 0]
+    assert allocation.goodput_choice(plan, curve, free).draft_lens.tolist() == [1, 1, 1, 1]
+    assert choice.expected == pytest.approx(4 + allocation.expected_accepted(curve, choice.draft_lens))
+    np.testing.assert_array_equal(allocation.makespan_weights(None, 3), np.ones(3))
+    np.testing.assert_array_equal(allocation.makespan_weights(np.zeros(2), 2), np.ones(2))

@@ -349,3 +349,22 @@ def test_run_config_selects_goodput_with_all_sources():
         assert (d.goodput, d.siblings, d.self_lookup, batch.context_width) == (True, True, True, W)
         drafts, est = _draft(batch, [0, 1], [prompt, prompt + [5, 6]])
         assert drafts == [[5, 6, 7, 8, 9], [7, 8, 9]] and est.shape == (2, 5)
+
+
+def test_priorities_are_the_tokens_the_history_predicts_left():
+    """Makespan priority: each row's prompt's mean response length last time minus the tokens it
+    emitted in observed passes (accepted + 1 each), floored at 0; 0 for a prompt without history."""
+    prompt = list(range(40, 50))
+    store = _store(2, prompt, [[5, 6, 7, 8], [5, 6, 7, 8, 9, 10]])  # mean length 5
+    with Drafter(_cfg(), store) as d:
+        d.rebuild([2])
+        batch = d.batch([2, 2, 9])
+        _draft(batch, [0, 1, 2], [prompt, prompt, [1, 2, 3]])
+        np.testing.assert_allclose(batch.priorities, [5.0, 5.0, 0.0])
+        batch.observe(np.array([0, 1]), np.array([3, 0]), np.array([2, 0]))
+        _draft(batch, [0, 1], [prompt + [5, 6, 7], prompt + [5]])
+        np.testing.assert_allclose(batch.priorities, [2.0, 4.0])
+    with Drafter(_cfg(window="aimd"), store) as d:
+        batch = d.batch([2])
+        _draft(batch, [0], [prompt])
+        assert batch.priorities is None

@@ -12,7 +12,8 @@ probability that draft token j is accepted, i.e. that all tokens up to j are). T
 drafts are the ``T - rows`` largest ``P[i, j]`` with ``j < Q - 1`` (``P`` falls along a row, so
 the largest values form a prefix of each row's draft); the chosen program maximises ``E / cost``,
 expected tokens per second (goodput). Drafting that does not pay is not sent: plain decode wins
-whenever no draft adds enough expected tokens to pay for the bigger step.
+whenever no draft adds enough expected tokens to pay for the bigger step. Rows the history predicts
+long weigh up to twice as much (``makespan_weights``): the rollout waits for its longest row.
 
 ``fixed_rule`` is the paper policies' step (no estimates): the first program whose ``T`` holds
 the rows plus their drafts, a verify program (``Q > 1``) whenever a row drafts, drafts cut to its
@@ -75,27 +76,42 @@ def accept_curve(estimates: Float[np.ndarray, "n K"], lens: Int[np.ndarray, "n"]
     return p
 
 
-def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Callable[[int, int, int], float]) -> StepChoice:
+def makespan_weights(priorities: Float[np.ndarray, "n"] | None, n: int) -> Float[np.ndarray, "n"]:
+    """Per-row token weights in [1, 2]: ``1 + priorities / max(priorities)`` (the tokens the
+    history predicts a row still has to generate; a row predicted to run longest counts its
+    tokens double, since it bounds the rollout's batch passes); ones without priorities."""
+    if priorities is None:
+        return np.ones(n)
+    p = np.asarray(priorities, np.float64)
+    top = float(p.max(initial=0.0))
+    return 1.0 + p / top if top > 0 else np.ones(n)
+
+
+def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Callable[[int, int, int], float],
+                   weights: Float[np.ndarray, "n"] | None = None) -> StepChoice:
     """The step of ``n`` live rows with acceptance curve ``curve`` (``accept_curve``) that
-    maximises expected emitted tokens per second under ``cost(rows, tokens, q_len)``.
+    maximises expected emitted tokens per second under ``cost(rows, tokens, q_len)``; with
+    ``weights`` (``makespan_weights``) row i's expected tokens count ``weights[i]`` times in the
+    choice of drafts and program (``StepChoice.expected`` stays unweighted).
 
     Returns:
       ``StepChoice`` (ties: the smaller program, i.e. plain decode first).
     """
     n, k = curve.shape
     rows = seq_bucket(n, plan.max_slots)
+    w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
     flat = curve.ravel()
+    score = (curve * w[:, None]).ravel()
     depth = np.tile(np.arange(k), n)
-    order = np.lexsort((depth, -flat))  # largest P first; within equal P, shallower first
+    order = np.lexsort((depth, -score))  # largest weighted P first; within equal, shallower first
     order = order[flat[order] > 0]
     best, best_rate = None, -1.0
     for t_total, q_len in verify_pairs(rows, plan.verify_budget):
         take = order[depth[order] < q_len - 1][: t_total - n]
-        expected = n + float(flat[take].sum())
-        rate = expected / max(cost(rows, t_total, q_len), 1e-12)
+        rate = (float(w.sum()) + float(score[take].sum())) / max(cost(rows, t_total, q_len), 1e-12)
         if rate > best_rate * (1 + 1e-9):
             lens = np.bincount(take // max(k, 1), minlength=n).astype(np.int64) if k else np.zeros(n, np.int64)
-            best, best_rate = StepChoice(rows, t_total, q_len, lens, expected), rate
+            best, best_rate = StepChoice(rows, t_total, q_len, lens, n + float(flat[take].sum())), rate
     return best
 
 
@@ -116,16 +132,18 @@ def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> StepChoice:
 
 
 def choose_step(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] | None,
-                cost: Callable[[int, int, int], float]) -> tuple[StepChoice, np.ndarray | None]:
+                cost: Callable[[int, int, int], float],
+                priorities: Float[np.ndarray, "n"] | None = None) -> tuple[StepChoice, np.ndarray | None]:
     """The engine's step for drafts of ``draft_lens`` tokens (already capped by each request's
     budget and ``shapes.MAX_DRAFT``): with ``estimates``, ``goodput_choice`` under ``cost``;
     without, the drafts cut longest-first to the plan's packed-token budget
-    (``batching.trim_drafts``) and ``fixed_rule``. Returns the choice and the acceptance curve
+    (``batching.trim_drafts``) and ``fixed_rule``. ``priorities``: the drafter's predicted
+    remaining tokens per row (``makespan_weights``). Returns the choice and the acceptance curve
     (``None`` without estimates)."""
     if estimates is None:
         return fixed_rule(plan, trim_drafts(draft_lens, plan.verify_budget)), None
     curve = accept_curve(np.asarray(estimates)[:, : int(np.max(draft_lens, initial=0))], draft_lens)
-    return goodput_choice(plan, curve, cost), curve
+    return goodput_choice(plan, curve, cost, makespan_weights(priorities, curve.shape[0])), curve
 
 
 def expected_accepted(curve: np.ndarray | None, lens: Int[np.ndarray, "n"]) -> float:
@@ -135,4 +153,5 @@ def expected_accepted(curve: np.ndarray | None, lens: Int[np.ndarray, "n"]) -> f
     return float(curve[np.arange(curve.shape[1])[None, :] < np.asarray(lens)[:, None]].sum())
 
 
-__all__ = ["StepChoice", "accept_curve", "choose_step", "expected_accepted", "fixed_rule", "goodput_choice"]
+__all__ = ["StepChoice", "accept_curve", "choose_step", "expected_accepted", "fixed_rule", "goodput_choice",
+           "makespan_weights"]

@@ -322,10 +322,11 @@ class RolloutEngine:
         budgets = np.maximum(table.limit - table.n_generated[reqs] - 1, 0)
         d_tok, got = drafter.draft(reqs, table.tail[ids], budgets)
         est = getattr(drafter, "estimates", None)
+        prio = getattr(drafter, "priorities", None)
         table.stats["drafting_seconds"] += time.perf_counter() - t0
         d_tok = np.asarray(d_tok, np.int32)
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
-        choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost)
+        choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
         lens = self._page_cut(table, ids, choice.draft_lens)
         table.stats["predicted_accepted"] += allocation.expected_accepted(curve, lens)
         return d_tok, dataclasses.replace(choice, draft_lens=lens)

@@ -108,6 +108,9 @@ class Drafter(Protocol):
         chooses each row's draft length and the step shape for the most expected tokens per
         second under its step-cost model (``rollout/allocation.py``); without, it keeps every
         draft that fits the first step shape holding it.
+      priorities: optionally, after each ``draft`` call, ``float32[n]`` tokens each row is
+        predicted still to generate (the allocation weighs rows predicted long up to twice), or
+        ``None``.
     """
 
     context_width: int

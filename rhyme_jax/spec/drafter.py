@@ -144,8 +144,13 @@ class Drafter:
                 slot_of[pid] = len(indexes)
                 indexes.append(ix)
         pack = HistoryPack(indexes, self.branch) if self.goodput else IndexPack.of(indexes)
-        return DraftBatch(self, pack, np.array([slot_of.get(p, -1) for p in pids], np.int64),
-                          np.array([group_of[p] for p in pids], np.int64))
+        batch = DraftBatch(self, pack, np.array([slot_of.get(p, -1) for p in pids], np.int64),
+                           np.array([group_of[p] for p in pids], np.int64))
+        if self.goodput:  # makespan priority: each request's prompt's mean length last time
+            means = {pid: float(np.mean(ln)) if (ln := self.store.lengths(pid)) is not None and ln.size else 0.0
+                     for pid in group_of}
+            batch.predicted_lengths = np.array([means[p] for p in pids], np.float64)
+        return batch
 
     def calibration(self) -> list[dict]:
         """The goodput acceptance table (shared by this drafter's batches): one row per cell with
@@ -174,6 +179,10 @@ class DraftBatch:
       estimates: after each ``draft`` with ``window = "goodput"``, ``float32[B, K]`` estimated
         probability that draft token j of row b is accepted given that tokens ``< j`` were (in
         (0, 1) for ``j < lens[b]``, 0 after); ``None`` with the window policies.
+      priorities: after each goodput ``draft``, ``float32[B]`` tokens the history predicts each
+        row still has to generate (its prompt's mean response length last time minus the tokens
+        it emitted in verified passes so far, >= 0; 0 without history), so the engine can favour
+        the rows that bound the rollout's makespan; ``None`` with the window policies.
     """
 
     def __init__(self, parent: Drafter, pack: IndexPack | HistoryPack, slots: np.ndarray,
@@ -183,6 +192,9 @@ class DraftBatch:
         self._pack, self._slots = pack, slots
         self.seconds = 0.0
         self.estimates: np.ndarray | None = None
+        self.priorities: np.ndarray | None = None
+        self.predicted_lengths = np.zeros(slots.size, np.float64)
+        self._emitted = np.zeros(slots.size, np.int64)
         self._goodput: GoodputDrafts | None = None
         if parent.goodput:  # no window: drafts up to 32 tokens, the engine sizes them
             self._window = np.full(slots.size, MAX_WINDOW, np.int32)
@@ -238,6 +250,7 @@ class DraftBatch:
             raise ValueError(f"tails: need at least pattern_max={p.pattern_max} columns, got {tails.shape[1]}")
         if self._goodput is not None:
             drafts, lens, self.estimates = self._goodput.draft(r, tails, max_lens)
+            self.priorities = np.maximum(self.predicted_lengths[r] - self._emitted[r], 0.0).astype(np.float32)
             self._spent(time.perf_counter() - t0)
             return drafts, lens
         out, lens = draft_batch(self._pack, self._slots[r], np.ascontiguousarray(tails[:, -p.pattern_max:]),
@@ -277,6 +290,7 @@ class DraftBatch:
         r = self._reqs(reqs)
         if self._goodput is not None:  # checks repeats and counts in one pass
             self._goodput.observe(r, np.asarray(drafted, np.int64), np.asarray(accepted, np.int64))
+            self._emitted[r] += np.asarray(accepted, np.int64) + 1
             return
         if np.unique(r).size != r.size:
             raise ValueError("reqs: each request may appear once per observe()")
