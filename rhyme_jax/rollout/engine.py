@@ -194,8 +194,8 @@ class RolloutEngine:
             self._run(flat_state, inp, key, 0, sampling, mode)
         return len(inputs)
 
-    def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 3) -> StepCost:
-        """Measure ``self.step_cost``: the median seconds of every decode/verify program
+    def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
+        """Measure ``self.step_cost``: the fastest of ``repeats`` runs of every decode/verify program
         (``step_cost.profile`` over ``self.programs(spec=True)`` on dummy inputs, each compiled or
         loaded first). Returns the new model (its ``meta`` names backend and device)."""
         self._ensure_pool(state)

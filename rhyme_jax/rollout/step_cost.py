@@ -6,7 +6,7 @@ step with 2 drafts per row costs ~1.8x a decode step at 128 rows; on an H200 3 d
 ~1.2x), on the live rows and on the packed tokens, so the model is measured, not assumed:
 
 * ``profile`` times every decode/verify program of an engine (``ShapePlan.programs``) on dummy
-  inputs after compiling it (median of ``repeats`` runs; a few seconds on CPU for the demo);
+  inputs after compiling it (fastest of ``repeats`` runs; a few seconds on CPU for the demo);
 * ``StepCost`` holds ``seconds[(rows, tokens, max_q_len)]`` (at the widest page table) and is
   saved as JSON; ``cache_path`` keys the file by model, dtype, backend, device kind and the
   engine's plan, so a run profiles once per machine kind and later runs load the file;
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,8 +146,10 @@ def cache_path(parts: dict) -> Path:
     return root / f"{cache_key(parts)}.json"
 
 
-def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: int = 3) -> dict:
-    """``{(rows, tokens, q_len): median seconds}`` of ``run_program(shape)`` per step shape.
+def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: int = 5) -> dict:
+    """``{(rows, tokens, q_len): seconds}`` of ``run_program(shape)`` per step shape: the fastest
+    of ``repeats`` timed runs (other processes only ever add time, so the minimum is the least
+    noisy figure on a shared machine).
 
     ``run_program`` must block until the step's outputs are on the host (the engine's ``_run``
     does). Each shape runs twice untimed (compile or cache load, then the first run on the
@@ -172,7 +173,7 @@ def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: in
             t0 = time.perf_counter()
             run_program(s)
             times.append(time.perf_counter() - t0)
-        out[key] = statistics.median(times)
+        out[key] = min(times)
     return monotone(out)
 
 
