@@ -118,11 +118,7 @@ def _advance(states, s0, trans, h0, mask, v, m, c, pmax):
 def _match(states, s0, trans, h0, mask, tail, pmax):
     """``sam_kernels.match_tail`` over the compact tables of the index at ``s0`` / ``h0``."""
     P = tail.shape[0]
-    start = P - pmax if P > pmax else 0
-    for k in range(P - 1, start - 1, -1):
-        if tail[k] < 0:
-            start = k + 1
-            break
+    start = K.tail_start(tail, pmax)
     v = 0
     m = 0
     for k in range(start, P):

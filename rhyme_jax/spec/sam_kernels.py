@@ -244,17 +244,25 @@ def _better(branch, hr, mean, c, tok, bhr, bmean, bc, btok):
     return tok < btok
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def tail_start(tail, pmax):
+    """First index of the tokens a match uses: the last ``pmax`` of ``tail``, after its last
+    negative (padding) entry."""
+    P = tail.shape[0]
+    start = P - pmax if P > pmax else 0
+    for k in range(P - 1, start - 1, -1):
+        if tail[k] < 0:
+            return k + 1
+    return start
+
+
 @numba.njit(cache=True, nogil=True)
 def match_tail(length, link, cptr, ctok, cto, htab, tail, pmax):
     """Longest suffix of ``tail`` (its last ``pmax`` tokens after the last negative one) that
     occurs in the index (matching statistics over the automaton): ``(state, match length)``,
     ``(0, 0)`` when not even the last token occurs."""
     P = tail.shape[0]
-    start = P - pmax if P > pmax else 0
-    for k in range(P - 1, start - 1, -1):
-        if tail[k] < 0:
-            start = k + 1
-            break
+    start = tail_start(tail, pmax)
     v = 0
     m = 0
     for k in range(start, P):
