@@ -34,7 +34,7 @@ from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, shapes
 from rhyme_jax.rollout.allocation import StepChoice
-from rhyme_jax.rollout.step_cost import StepCost, profile
+from rhyme_jax.rollout.step_cost import PROFILE_VERSION, StepCost, profile
 from rhyme_jax.rollout.step_cost import cache_path as step_cost_cache_path
 from rhyme_jax.rollout.batching import StepInputs
 from rhyme_jax.rollout.kv_cache import KVCache
@@ -196,16 +196,16 @@ class RolloutEngine:
 
     def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
         """Measure ``self.step_cost``: the fastest of ``repeats`` runs of every decode/verify program
-        (``step_cost.profile`` over ``self.programs(spec=True)`` on dummy inputs, each compiled or
-        loaded first). Returns the new model (its ``meta`` names backend and device)."""
+        (``step_cost.profile`` over ``self.programs(spec=True)`` with every row live,
+        ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
         self._ensure_pool(state)
         flat_state = self._flat_state(state)
         mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
         key = jax.random.key(0)
 
         def run_program(shape):
-            self._run(flat_state, batching.step_inputs(shape, self.max_slots, self.pages_per_seq), key, 0,
-                      sampling, mode)
+            inp = batching.busy_verify(shape, self.max_slots, self.pages_per_seq, self.page_size)
+            self._run(flat_state, inp, key, 0, sampling, mode)
 
         secs = profile(run_program, self.programs(spec=True), repeats)
         dev = jax.devices()[0]
@@ -226,7 +226,7 @@ class RolloutEngine:
             return self.step_cost
         leaves = jax.tree.leaves(state)
         cfg = self.model_cfg
-        parts = {"model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
+        parts = {"profile": PROFILE_VERSION, "model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
                            sum(int(np.prod(x.shape)) for x in leaves)],
                  "dtype": str(leaves[0].dtype) if leaves else "", "backend": jax.default_backend(),
                  "device": jax.devices()[0].device_kind, "devices": int(self.mesh.size),

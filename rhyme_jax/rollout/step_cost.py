@@ -33,6 +33,7 @@ import numpy as np
 from rhyme_jax.io.atomic import atomic_write
 
 FORMAT_VERSION = 1
+PROFILE_VERSION = 2  # how programs are timed (part of the cache key): 2 = every row live, fastest of 5
 PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
 CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
 
