@@ -139,3 +139,18 @@ def test_rows_predicted_long_get_the_scarce_draft_tokens():
     assert choice.expected == pytest.approx(4 + allocation.expected_accepted(curve, choice.draft_lens))
     np.testing.assert_array_equal(allocation.makespan_weights(None, 3), np.ones(3))
     np.testing.assert_array_equal(allocation.makespan_weights(np.zeros(2), 2), np.ones(2))
+
+
+def test_busy_verify_fills_every_program_with_live_rows():
+    """The profile's inputs: every row live, the program's T tokens all used, drafts within Q - 1,
+    contexts on the scratch page only."""
+    from rhyme_jax.rollout.batching import busy_verify
+
+    for s in PLAN.programs():
+        if s.kind == "prefill":
+            continue
+        inp = busy_verify(s, PLAN.max_slots, PLAN.pages_per_seq, 16)
+        lens = inp.draft_lens[: s.rows]
+        assert s.rows + lens.sum() == s.tokens and lens.max() <= s.q_len - 1
+        assert inp.meta.page_indices.shape == (s.rows, s.width) and not inp.meta.page_indices.any()
+        assert np.all(inp.meta.kv_lens[: s.rows] > 1)
