@@ -22,7 +22,11 @@ def add_parser(sub) -> None:
     sp.add_argument("--list", action="store_true", help="print every id with its configs and what it measures")
     sp.add_argument("--quick", action="store_true", help="the quick CPU scale (same as --scale quick)")
     sp.add_argument("--scale", choices=sorted(SCALES), default=None,
-                    help="full (the configs as written), quick (minutes on 2 CPU cores) or tiny (tests)")
+                    help="full (the configs as written), quick (minutes on 2 CPU cores), tiny (tests) or gpu "
+                         "(configs/ablations/gpu: a real model on accelerators; docs/reproduction.md)")
+    sp.add_argument("--set", dest="sets", action="append", default=[], metavar="[RUN:]KEY=VALUE",
+                    help="config override of every run, or of the runs of one kind (sft, e2e, paired, session) "
+                         "or one run: e.g. --set model.path=/ckpt/Qwen2.5-1.5B --set session:rollout.max_slots=64")
     sp.add_argument("--only", default="", metavar="IDS", help="comma-separated ids of the suite, e.g. A1,K2")
     sp.add_argument("--out", default=None, help="results directory (default: results/<suite>[-<scale>])")
     sp.add_argument("--force", action="store_true", help="measure the ids again (units already run are kept; "
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         table, results = run_suite(args.suite, scale=scale, out=args.out, only=args.only, force=args.force,
-                                   progress=args.progress)
+                                   progress=args.progress, sets=tuple(args.sets))
     except AblationError as exc:
         print(f"rhyme-jax ablate: {exc}", file=sys.stderr)
         return 2

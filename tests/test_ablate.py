@@ -19,7 +19,8 @@ PAPER_IDS = ["A1", "A2", "A3", "A4", "A5", "A6", "A10", "K1", "K2", "K3", "K4", 
 ONE_DEVICE = ("parallel.rollout_workers=1",)  # the test process has one CPU device
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "ablations").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "ablations").rglob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(ROOT / "configs" / "ablations")))
 def test_every_ablation_config_loads(path):
     cfg = load_config(path)
     assert cfg.run.name.startswith("abl_")
@@ -43,6 +44,27 @@ def test_registry_covers_the_paper_ids_with_loadable_sweeps():
     assert registry.suite_ids("paper", "k2,a1") == ["A1", "K2"]
     with pytest.raises(registry.AblationError, match="not in suite"):
         registry.suite_ids("histopipe", "K2")
+
+
+def test_scales_place_every_unit_on_an_existing_config():
+    for scale in registry.SCALES.values():
+        for unit in UNITS.values():
+            path, sets = registry.unit_config(unit, scale)
+            cfg = load_config(ROOT / path, list(sets))
+            assert cfg.run.name.startswith("abl_"), (scale.name, unit.name)
+            if scale.name == "gpu":
+                assert path.startswith("configs/ablations/gpu/") and cfg.data.source == "gsm8k"
+    assert registry.unit_config(UNITS["real_session"], registry.SCALES["tiny"])[0].endswith("histospec_tiny.yaml")
+
+
+def test_user_overrides_reach_the_runs_they_name():
+    from rhyme_jax.ablate.units import sets_for
+
+    sets = ["model.path=/ckpt/m", "session:rollout.max_slots=8", "e2e_fifo:grpo.steps=3", "e2e:spec.branch=count"]
+    assert sets_for(UNITS["real_session"], sets) == ["model.path=/ckpt/m", "rollout.max_slots=8"]
+    assert sets_for(UNITS["e2e_fifo"], sets) == ["model.path=/ckpt/m", "grpo.steps=3", "spec.branch=count"]
+    assert sets_for(UNITS["e2e_histospec"], sets) == ["model.path=/ckpt/m", "spec.branch=count"]
+    assert sets_for(UNITS["demo_sft"], ["data.train_path=C:/x:y"]) == ["data.train_path=C:/x:y"]
 
 
 def test_list_prints_every_id_with_its_config(capsys):
@@ -125,3 +147,19 @@ def test_a_finished_suite_is_not_rerun(tiny_suite, monkeypatch):
     assert all(r["status"] == "ok" for r in results.values())
     with pytest.raises(registry.AblationError, match="tiny"):
         runner.run_suite("paper", scale="quick", out=out, progress=False)
+
+
+@pytest.mark.slow
+def test_subprocess_units_get_their_fake_devices(tmp_path, compile_cache, monkeypatch):
+    """The runner's own path: each unit in a child process; the end-to-end runs get 8 fake CPU
+    devices and use 2 rollout workers at the tiny scale (about 2 minutes on 2 cores)."""
+    from rhyme_jax.ablate import runner
+
+    for k, v in compile_cache.items():
+        monkeypatch.setenv(k, v)
+    _, results = runner.run_suite("histopipe", scale="tiny", out=tmp_path, only="A1", progress=False)
+    assert results["A1"]["status"] == "ok", results["A1"].get("reason")
+    fifo = json.loads((tmp_path / "units" / "e2e_fifo.json").read_text())["result"]
+    assert fifo["workers"] == 2
+    sched = json.loads((Path(fifo["run_dir"]) / "schedule" / "step_000001.json").read_text())
+    assert {iv[0] for iv in sched["intervals"]} == {0, 1}  # both workers rolled out

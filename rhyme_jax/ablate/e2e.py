@@ -39,6 +39,8 @@ def run_sft_unit(cfg, progress, *, skip: int = 0, warmup: bool = True) -> dict:
     from rhyme_jax.train.warm_start import sft_params_dir
 
     run_dir = run_dir_of(cfg)
+    if cfg.sft.steps < 1:
+        return {"run_dir": str(run_dir), "skipped": "sft.steps=0: the runs start from model.path"}
     train, held_out = load_problems(cfg.data)
     tokenizer = build_tokenizer(cfg, run_dir, train)
     last: dict = {}

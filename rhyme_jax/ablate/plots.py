@@ -113,9 +113,10 @@ def draft_lengths(results: dict[str, dict], path: Path) -> Path | None:
         return None
     fig = _figure(8, 4.5)
     ax = fig.add_subplot(1, 1, 1)
-    lens = np.arange(1, len(hists[0][1]))
+    top = max(int(np.flatnonzero(h)[-1]) for _, h in hists) + 1
+    lens = np.arange(1, top + 1)
     for name, h in hists:
-        ax.plot(lens, h[1:] / h[1:].sum(), marker=".", label=name)
+        ax.plot(lens, h[1:top + 1] / h[1:].sum(), marker=".", label=name)
     ax.set(xlabel="draft length (tokens, after the engine's cut)", ylabel="share of drafted passes",
            title="Draft lengths of the replayed drafters")
     ax.legend(fontsize="x-small")

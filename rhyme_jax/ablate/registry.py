@@ -5,7 +5,8 @@ project's knobs, with the paper's or the released specRL code's choice where the
 the units whose outputs its figures come from. Units are defined by a config file under
 ``configs/ablations`` (the full CPU scale, as ``rhyme-jax train --config`` would run it) plus the
 overrides of a scale: ``quick`` (``rhyme-jax ablate SUITE --quick``: minutes on 2 CPU cores) and
-``tiny`` (the tests: seconds, a tiny model everywhere).
+``tiny`` (the tests: seconds, a tiny model everywhere); ``gpu`` takes the same units from
+``configs/ablations/gpu`` (a real model on accelerators, docs/reproduction.md).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Unit:
         on the same weights, prompts and key) or ``session`` (rollouts of one fixed policy over
         epochs: plain, live HistoSpec and the sweeps of the scale's ``SessionPlan``).
       config: YAML under ``configs/ablations`` (repository-relative).
-      devices: CPU devices the process needs (fake host devices; 8 for 4 rollout workers).
+      devices: CPU devices the process is given (fake host devices: 4 rollout workers need 4; the
+        paired run takes the same 8 as the end-to-end runs, so their compiled programs are its).
       needs: units whose outputs it starts from (``demo_sft``: params and tokenizer).
       what: one line for ``--list``.
     """
@@ -84,7 +86,7 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "GRPO, 4 workers, HistoPipe tier 1 + tier 2 + migration, plain decode"),
     Unit("e2e_histospec", "e2e", _cfg("e2e_histopipe_histospec"), 8, ("demo_sft",),
          "GRPO, 4 workers, full HistoPipe + HistoSpec (paper drafter)"),
-    Unit("demo_paired", "paired", _cfg("histospec_per_step"), 1, ("demo_sft",),
+    Unit("demo_paired", "paired", _cfg("histospec_per_step"), 8, ("demo_sft",),
          "GRPO, 1 worker, every rollout plain and HistoSpec on the same weights/prompts/key"),
     Unit("real_session", "session", _cfg("histospec_real"),
          what="SmolLM2-135M-Instruct on GSM8K: plain epochs, live HistoSpec, temperature and batch sweeps"),
@@ -107,10 +109,10 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              "up to 1.68x; 2.2-5.5% migrated", ("e2e_fifo", "e2e_tier12_migration")),
     Ablation("A10", "sampling temperature", "acceptance, speed-up", "gains shrink as T rises",
              ("real_session",), ("rollout.temperature", ())),
-    Ablation("K1", "branch choice reward vs count", "acceptance", "(ours) paper: reward; specRL code: count",
+    Ablation("K1", "branch choice reward vs count", "acceptance", "reward (paper text); count (specRL code)",
              ("real_session",), ("spec.branch", ("reward", "count"))),
     Ablation("K2", "draft window aimd / mimd / fixed / goodput", "tokens per forward (and tokens/s live)",
-             "(ours) paper: aimd; specRL code: mimd", ("real_session",),
+             "aimd (paper); mimd (specRL code); goodput (ours)", ("real_session",),
              ("spec.window", ("aimd", "mimd", "fixed", "goodput"))),
     Ablation("K3", "minimum match 3 vs 4", "hit rate (passes with a draft)", "paper 3, code 4",
              ("real_session",), ("spec.pattern_min", (3, 4))),
@@ -166,6 +168,8 @@ class Scale:
       overrides: unit kind -> ``--set`` strings.
       session: the ``SessionPlan``.
       session_config: replaces the session unit's config when set (``tiny``: the test model).
+      config_dir: where the units' configs live instead of ``configs/ablations`` (same file names;
+        ``gpu``: ``configs/ablations/gpu``, the real-scale recipe).
       e2e_steps_skipped: first GRPO steps left out of the end-to-end figures (they compile).
       warmup: compile every rollout program of the GRPO units before step 1 (``e2e.warm_up``);
         off for the tests (they time nothing and compile only what they run).
@@ -175,6 +179,7 @@ class Scale:
     overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)
     session: SessionPlan = SessionPlan()
     session_config: str = ""
+    config_dir: str = ""
     e2e_steps_skipped: int = 1
     warmup: bool = True
 
@@ -194,6 +199,7 @@ SCALES: dict[str, Scale] = {s.name: s for s in (
                                "rollout.max_slots=4")},
           SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 2), live_windows=("aimd", "goodput")),
           session_config=_cfg("histospec_tiny"), e2e_steps_skipped=0, warmup=False),
+    Scale("gpu", session=SessionPlan(batch_prompts=(8, 16, 32)), config_dir=f"{ABLATION_DIR}/gpu"),
 )}
 
 
@@ -229,7 +235,11 @@ def units_of(ids: list[str]) -> list[str]:
 
 def unit_config(unit: Unit, scale: Scale) -> tuple[str, tuple[str, ...]]:
     """``(config path, overrides)`` of ``unit`` at ``scale`` (path repository-relative)."""
-    path = scale.session_config if unit.kind == "session" and scale.session_config else unit.config
+    path = unit.config
+    if scale.config_dir:
+        path = f"{scale.config_dir}/{Path(path).name}"
+    if unit.kind == "session" and scale.session_config:
+        path = scale.session_config
     return path, scale.overrides.get(unit.kind, ())
 
 
@@ -249,5 +259,5 @@ def listing() -> str:
                      f"     runs: " + "; ".join(f"{u} = {UNITS[u].config}" for u in a.units))
     lines.append("\nunits (each run once per results directory, shared by the ids):")
     lines += [f"  {u.name:22s} {u.config:50s} {u.what}" for u in UNITS.values()]
-    lines.append(f"\nsuites: " + "; ".join(f"{k} = {' '.join(v)}" for k, v in SUITES.items()))
+    lines.append("\nsuites: " + "; ".join(f"{k} = {' '.join(v)}" for k, v in SUITES.items()))
     return "\n".join(lines)

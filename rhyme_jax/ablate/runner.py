@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from rhyme_jax.ablate import measures, spec_measures
-from rhyme_jax.ablate.registry import ABLATIONS, ROOT, UNITS, AblationError, suite_ids, units_of
+from rhyme_jax.ablate.registry import ROOT, UNITS, AblationError, get_scale, suite_ids, units_of
 from rhyme_jax.ablate.units import progress_file, unit_json, write_json
 
 MEASURES = {"A1": measures.a1, "A2": measures.a2, "A3": measures.a3, "A4": measures.a4, "A5": spec_measures.a5,
@@ -46,8 +46,9 @@ def _last_line(log: Path) -> str:
     return lines[-1].strip()[:300] if lines else "no output"
 
 
-def spawn_unit(name: str, out: Path, scale: str, bar=None) -> str | None:
-    """Run one unit in a child process; returns None on success, else the reason it failed."""
+def spawn_unit(name: str, out: Path, scale: str, bar=None, sets: tuple[str, ...] = ()) -> str | None:
+    """Run one unit in a child process (``sets``: the user's ``--set`` overrides); returns None
+    on success, else the reason it failed."""
     log = out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     run_dir = out / "runs" / name
@@ -55,7 +56,8 @@ def spawn_unit(name: str, out: Path, scale: str, bar=None) -> str | None:
         import shutil
 
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "rhyme_jax.ablate.units", name, "--out", str(out), "--scale", scale]
+    cmd = [sys.executable, "-m", "rhyme_jax.ablate.units", name, "--out", str(out), "--scale", scale,
+           *(f"--set={s}" for s in sets)]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_child_env(UNITS[name].devices))
         try:
@@ -78,13 +80,15 @@ def _poll(path: Path, bar) -> None:
         p = json.loads(path.read_text())
     except (OSError, ValueError):
         return
-    bar.total = max(int(p["total"]), 1)
-    bar.n = int(p["done"])
-    bar.set_postfix_str(str(p.get("what", ""))[:60])
-    bar.refresh()
+    state = (max(int(p["total"]), 1), int(p["done"]), str(p.get("what", ""))[:60])
+    if state == getattr(bar, "_last_state", None):
+        return
+    bar._last_state = state
+    bar.total, bar.n = state[0], state[1]
+    bar.set_postfix_str(state[2])  # refreshes the bar
 
 
-def run_units(names: list[str], out: Path, scale: str, progress: bool) -> dict[str, str]:
+def run_units(names: list[str], out: Path, scale: str, progress: bool, sets: tuple[str, ...] = ()) -> dict[str, str]:
     """Run the units not done yet, prerequisites first; returns ``{unit: why it failed}``."""
     from tqdm import tqdm
 
@@ -100,7 +104,7 @@ def run_units(names: list[str], out: Path, scale: str, progress: bool) -> dict[s
                 failures[name] = f"needs {', '.join(missing)}, which failed"
             else:
                 with tqdm(total=1, desc=f"  {name}", leave=False, disable=not progress, position=1) as inner:
-                    why = spawn_unit(name, out, scale, inner)
+                    why = spawn_unit(name, out, scale, inner, sets)
                 if why:
                     failures[name] = why
                     tqdm.write(f"unit {name} failed: {why}")
@@ -119,38 +123,40 @@ def measure(aid: str, inputs: measures.Inputs) -> dict:
     return {"id": aid, "status": "ok", "notes": "", **r}
 
 
-def _suite_meta(out: Path, suite: str, scale: str, force: bool) -> dict:
-    """``out/suite.json``: refuses a results directory of another scale (unless ``force``)."""
+def _suite_meta(out: Path, suite: str, scale: str, sets: tuple[str, ...]) -> dict:
+    """``out/suite.json``: refuses a results directory of another scale or other ``--set``
+    overrides (its runs would not be the ones asked for)."""
     path = out / "suite.json"
-    meta = json.loads(path.read_text()) if path.is_file() else {"suite": suite, "scale": scale, "invocations": []}
-    if meta["scale"] != scale and not force:
-        raise AblationError(f"{out} holds a {meta['scale']!r}-scale suite; pass --out for the {scale!r} scale "
-                            f"(or --force to start it over there)")
-    if meta["scale"] != scale:
-        meta = {"suite": suite, "scale": scale, "invocations": []}
+    meta = json.loads(path.read_text()) if path.is_file() else \
+        {"suite": suite, "scale": scale, "sets": list(sets), "invocations": []}
+    if meta["scale"] != scale or meta.get("sets", []) != list(sets):
+        raise AblationError(f"{out} holds runs of scale {meta['scale']!r} with --set {meta.get('sets', [])}; "
+                            f"pass another --out for scale {scale!r} with --set {list(sets)}")
     return meta
 
 
 def run_suite(suite: str, *, scale: str = "full", out: Path | None = None, only: str = "", force: bool = False,
-              progress: bool = True) -> tuple[Path, dict[str, dict]]:
+              progress: bool = True, sets: tuple[str, ...] = ()) -> tuple[Path, dict[str, dict]]:
     """Run and report ``suite`` at ``scale`` into ``out``; returns ``(table path, results by id)``.
+    ``sets``: ``[RUN:]KEY=VALUE`` config overrides of every run (or of one kind / one run).
 
     Raises:
-      AblationError: unknown suite / id / scale, or ``out`` holds another scale.
+      AblationError: unknown suite / id / scale, or ``out`` holds another scale or other sets.
     """
     from tqdm import tqdm
 
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     out = Path(out or default_out(suite, scale)).resolve()
     ids = suite_ids(suite, only)
-    meta = _suite_meta(out, suite, scale, force)
+    get_scale(scale)
+    meta = _suite_meta(out, suite, scale, tuple(sets))
     if force:
         for aid in ids:
             (out / "ids" / f"{aid}.json").unlink(missing_ok=True)
     done = {aid: json.loads(p.read_text()) for aid in ids if (p := out / "ids" / f"{aid}.json").is_file()}
     done = {k: v for k, v in done.items() if v.get("status") == "ok"}
     todo = [aid for aid in ids if aid not in done]
-    failures = run_units(units_of(todo), out, scale, progress)
+    failures = run_units(units_of(todo), out, scale, progress, tuple(sets))
     inputs = measures.Inputs(out, failures)
     for aid in tqdm(todo, desc="ids", disable=not progress):
         done[aid] = measure(aid, inputs)

@@ -211,7 +211,7 @@ def _rhyme_sources(inp: Inputs) -> list[tuple[str, dict]]:
     return out
 
 
-def _rhyme(inp: Inputs, key: str, metric: str) -> dict:
+def _rhyme(inp: Inputs, key: str, metric: str, note: str = "") -> dict:
     cells, figs = [], []
     for label, x in _rhyme_sources(inp):
         if "error" in x:
@@ -221,7 +221,7 @@ def _rhyme(inp: Inputs, key: str, metric: str) -> dict:
         cells.append(f"{label}: {100 * x[key]:.1f}% ({x['prompts']} prompt-epochs, {x['tokens']} tokens)")
     return {"ours": "; ".join(cells), "figures": figs,
             "notes": "rhyme-jax analyze (paper drafter, teacher-forced); the session's epochs come from one "
-                     "fixed policy, the demo run's from a policy in training"}
+                     "fixed policy, the demo run's from a policy in training" + note}
 
 
 def o5(inp: Inputs) -> dict:
@@ -229,4 +229,6 @@ def o5(inp: Inputs) -> dict:
 
 
 def o6(inp: Inputs) -> dict:
-    return _rhyme(inp, "rank_shift_share", "share of prompts moved > a decile in length rank")
+    return _rhyme(inp, "rank_shift_share", "share of prompts moved > a decile in length rank",
+                  "; a prompt's rank is among the prompts of its step (8 per step in the quick demo runs, "
+                  "the session's 4 or 8 in all), so with few prompts one place is more than a decile")

@@ -74,12 +74,30 @@ class Progress:
 
 
 def wiring(unit: Unit, out: Path) -> list[str]:
-    """Overrides that place the unit's run under ``out`` and start it from ``demo_sft``."""
+    """Overrides that place the unit's run under ``out`` and start it from ``demo_sft``'s params
+    and tokenizer when that run trained any (a real model with ``sft.steps=0`` starts from
+    ``model.path``)."""
     sets = [f"run.runs_dir={Path(out) / RUNS_DIR}", f"run.name={unit.name}", "run.progress=false"]
-    if "demo_sft" in unit.needs:
-        sft = Path(out) / RUNS_DIR / "demo_sft"
+    sft = Path(out) / RUNS_DIR / "demo_sft"
+    if "demo_sft" in unit.needs and (sft / "sft" / "params").exists():
         sets += [f"run.init_from={sft / 'sft' / 'params'}", f"model.tokenizer_path={sft / 'tokenizer.json'}"]
     return sets
+
+
+def sets_for(unit: Unit, sets: list[str] | tuple[str, ...]) -> list[str]:
+    """The user's ``--set [RUN:]KEY=VALUE`` overrides that apply to ``unit``: those without a
+    prefix, and those whose prefix is the unit's kind (``sft``, ``e2e``, ``paired``, ``session``)
+    or name, with the prefix removed."""
+    out = []
+    for item in sets:
+        key = item.split("=", 1)[0]
+        if ":" not in key:
+            out.append(item)
+            continue
+        prefix, rest = item.split(":", 1)
+        if prefix in (unit.kind, unit.name):
+            out.append(rest)
+    return out
 
 
 def unit_run_config(unit: Unit, scale_name: str, out: Path, extra: tuple[str, ...] = ()):
@@ -125,8 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("unit", choices=sorted(UNITS))
     ap.add_argument("--out", required=True, help="results directory of the suite")
     ap.add_argument("--scale", default="full")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="[RUN:]KEY=VALUE")
     args = ap.parse_args(argv)
-    run_unit(args.unit, Path(args.out), args.scale)
+    run_unit(args.unit, Path(args.out), args.scale, tuple(sets_for(UNITS[args.unit], args.sets)))
     return 0
 
 
