@@ -137,7 +137,8 @@ def _suite_meta(out: Path, suite: str, scale: str, sets: tuple[str, ...]) -> dic
 
 def run_suite(suite: str, *, scale: str = "full", out: Path | None = None, only: str = "", force: bool = False,
               progress: bool = True, sets: tuple[str, ...] = ()) -> tuple[Path, dict[str, dict]]:
-    """Run and report ``suite`` at ``scale`` into ``out``; returns ``(table path, results by id)``.
+    """Run and report ``suite`` at ``scale`` into ``out``; returns ``(table path, results by id)``
+    (every id of the suite: those outside ``only`` as stored by earlier invocations).
     ``sets``: ``[RUN:]KEY=VALUE`` config overrides of every run (or of one kind / one run).
 
     Raises:
@@ -161,9 +162,17 @@ def run_suite(suite: str, *, scale: str = "full", out: Path | None = None, only:
     for aid in tqdm(todo, desc="ids", disable=not progress):
         done[aid] = measure(aid, inputs)
         write_json(out / "ids" / f"{aid}.json", done[aid])
-    results = {aid: done[aid] for aid in ids}
+    results = {aid: done[aid] if aid in done else _stored(out, aid) for aid in suite_ids(suite)}
     table = _report(out, suite, scale, results, inputs, meta, t0, load0)
     return table, results
+
+
+def _stored(out: Path, aid: str) -> dict:
+    """An id outside this invocation's ``--only``: its stored result, or n/a (not run yet)."""
+    path = out / "ids" / f"{aid}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"id": aid, "status": "n/a", "reason": "not run yet (this results directory ran --only other ids)"}
 
 
 def _report(out, suite, scale, results, inputs, meta, t0, load0) -> Path:
