@@ -31,6 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rhyme_jax.ablate.paired import paired_rollouts  # noqa: E402  (moved into the package; re-exported)
+
 
 def write_report(rows, out: Path, final: bool, meta: dict) -> None:
     """Per-epoch table of ``rows`` (plain vs HistoSpec stats per step) into ``out``/rollout_benchmark.{md,json}."""
@@ -87,28 +91,6 @@ def write_report(rows, out: Path, final: bool, meta: dict) -> None:
                                                             "steps": rows}, indent=1, default=float))
     if final:
         print(f"written: {out / 'rollout_benchmark.md'}")
-
-
-def paired_rollouts(rows: list):
-    """The ``wrap_generate`` hook of this benchmark: every engine call of the run's rollout
-    workers first generates the same inputs with plain decoding (output discarded), then with the
-    HistoSpec drafter, and appends both calls' stats (and XLA compiles inside each) to ``rows``;
-    the HistoSpec rollout is what the trainer gets."""
-    from rhyme_jax.compile_count import CompileCounter
-
-    def wrap(generate):
-        def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
-            with CompileCounter() as plain_compiles:  # a compile inside a timed rollout would skew it
-                plain = generate(state, prompts, sampling, key, **kw)
-            with CompileCounter() as spec_compiles:
-                spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
-            rows.append({"plain": {**plain.stats, "compiles": plain_compiles.count},
-                         "spec": {**spec.stats, "compiles": spec_compiles.count}})
-            return spec
-
-        return paired_generate
-
-    return wrap
 
 
 def main(argv=None) -> int:

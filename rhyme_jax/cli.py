@@ -1,4 +1,4 @@
-"""``rhyme-jax`` command line: sft | train | eval | demo | analyze | memory | models | convert-gguf.
+"""``rhyme-jax`` command line: sft | train | eval | demo | analyze | memory | models | convert-gguf | ablate.
 
 Every command but ``analyze RUN_DIR`` takes ``--config configs/X.yaml`` and any number of
 ``--set a.b=c`` overrides. Outputs go to ``<run.runs_dir>/<run.name>/``.
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_jax import cli_compile, cli_memory, cli_models, cli_replay
+from rhyme_jax import cli_ablate, cli_compile, cli_memory, cli_models, cli_replay
 from rhyme_jax.config import ConfigError, RunConfig, load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_models.add_parsers(sub)
     cli_compile.add_parser(sub)
     cli_replay.add_parser(sub)
+    cli_ablate.add_parser(sub)
     return p
 
 
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None, *, reward_fn=None) -> int:
         return cli_compile.run(args)
     if args.command == "replay-drafts":
         return cli_replay.run(args)
+    if args.command == "ablate":
+        return cli_ablate.run(args)
     if args.command == "analyze":
         from rhyme_jax.spec.analyze import AnalyzeError
         from rhyme_jax.io.rollout_log import RolloutLogError

@@ -1,0 +1,263 @@
+"""The ablation ids of ARCHITECTURE.md s.10, the runs (units) they need, and the scales.
+
+Every id names the paper's figure (RhymeRL, arXiv 2508.18588, s.6 evaluation; K-ids are this
+project's knobs, with the paper's or the released specRL code's choice where they made one) and
+the units whose outputs its figures come from. Units are defined by a config file under
+``configs/ablations`` (the full CPU scale, as ``rhyme-jax train --config`` would run it) plus the
+overrides of a scale: ``quick`` (``rhyme-jax ablate SUITE --quick``: minutes on 2 CPU cores) and
+``tiny`` (the tests: seconds, a tiny model everywhere); ``gpu`` takes the same units from
+``configs/ablations/gpu`` (a real model on accelerators, docs/reproduction.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (configs/ lives here)
+ABLATION_DIR = "configs/ablations"
+
+
+class AblationError(ValueError):
+    """An unknown suite, id, unit or scale (the message lists the known ones)."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One run several ids draw on; its process writes ``units/<name>.json``.
+
+    Attributes:
+      name: file stem of its outputs.
+      kind: ``sft`` (demo warm start), ``e2e`` (GRPO steps on the rollout workers of the config,
+        timed end to end), ``paired`` (GRPO steps, each rollout generated plain and with HistoSpec
+        on the same weights, prompts and key) or ``session`` (rollouts of one fixed policy over
+        epochs: plain, live HistoSpec and the sweeps of the scale's ``SessionPlan``).
+      config: YAML under ``configs/ablations`` (repository-relative).
+      devices: CPU devices the process is given (fake host devices: 4 rollout workers need 4; the
+        paired run takes the same 8 as the end-to-end runs, so their compiled programs are its).
+      needs: units whose outputs it starts from (``demo_sft``: params and tokenizer).
+      what: one line for ``--list``.
+    """
+
+    name: str
+    kind: str
+    config: str
+    devices: int = 1
+    needs: tuple[str, ...] = ()
+    what: str = ""
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One id of ARCHITECTURE.md s.10.
+
+    Attributes:
+      id: ``A1`` ... ``O6``.
+      varied: what changes between the compared runs.
+      measured: the figure reported.
+      paper: the paper's figure (or the choice it / the specRL code made), as text.
+      units: the units the figures come from.
+      sweep: ``(config key, values)`` varied on top of the unit's config, if any.
+    """
+
+    id: str
+    varied: str
+    measured: str
+    paper: str
+    units: tuple[str, ...]
+    sweep: tuple[str, tuple] = ()
+
+    def configs(self) -> list[str]:
+        """The config files of its units, in order, without repeats."""
+        return list(dict.fromkeys(UNITS[u].config for u in self.units))
+
+
+def _cfg(stem: str) -> str:
+    return f"{ABLATION_DIR}/{stem}.yaml"
+
+
+UNITS: dict[str, Unit] = {u.name: u for u in (
+    Unit("demo_sft", "sft", _cfg("e2e_fifo"), what="SFT warm start of the demo model (params + tokenizer)"),
+    Unit("e2e_fifo", "e2e", _cfg("e2e_fifo"), 8, ("demo_sft",),
+         "GRPO, 4 rollout workers, fifo placement, plain decode (the baseline)"),
+    Unit("e2e_tier1_migration", "e2e", _cfg("e2e_histopipe_tier1_migration"), 8, ("demo_sft",),
+         "GRPO, 4 workers, HistoPipe tier 1 + tail migration, plain decode"),
+    Unit("e2e_tier12_migration", "e2e", _cfg("e2e_histopipe_tier12_migration"), 8, ("demo_sft",),
+         "GRPO, 4 workers, HistoPipe tier 1 + tier 2 + migration, plain decode"),
+    Unit("e2e_histospec", "e2e", _cfg("e2e_histopipe_histospec"), 8, ("demo_sft",),
+         "GRPO, 4 workers, full HistoPipe + HistoSpec (paper drafter)"),
+    Unit("demo_paired", "paired", _cfg("histospec_per_step"), 8, ("demo_sft",),
+         "GRPO, 1 worker, every rollout plain and HistoSpec on the same weights/prompts/key"),
+    Unit("real_session", "session", _cfg("histospec_real"),
+         what="SmolLM2-135M-Instruct on GSM8K: plain epochs, live HistoSpec, temperature and batch sweeps"),
+)}
+
+_E2E = ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration", "e2e_histospec")
+
+ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
+    Ablation("A1", "+ HistoPipe (tier 1 + migration) vs fifo", "end-to-end throughput (tokens/s)",
+             "1.43x (Math-14B)", ("e2e_fifo", "e2e_tier1_migration")),
+    Ablation("A2", "+ tier-2 allocation", "end-to-end throughput", "x1.10 more (1.56x)",
+             ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration")),
+    Ablation("A3", "+ HistoSpec", "end-to-end throughput", "x1.50 more (2.34x)",
+             ("e2e_fifo", "e2e_tier12_migration", "e2e_histospec")),
+    Ablation("A4", "HistoSpec per step over training", "rollout tokens/s ratio, acceptance",
+             "up to 1.86x; acceptance 65-79% rising", ("demo_paired",)),
+    Ablation("A5", "rollout batch size", "HistoSpec rollout speed-up", "holds 1.80-1.86x at large batch",
+             ("real_session",), ("rows", ())),
+    Ablation("A6", "HistoPipe on/off", "time per 10 steps, migrated share",
+             "up to 1.68x; 2.2-5.5% migrated", ("e2e_fifo", "e2e_tier12_migration")),
+    Ablation("A10", "sampling temperature", "acceptance, speed-up", "gains shrink as T rises",
+             ("real_session",), ("rollout.temperature", ())),
+    Ablation("K1", "branch choice reward vs count", "acceptance", "reward (paper text); count (specRL code)",
+             ("real_session",), ("spec.branch", ("reward", "count"))),
+    Ablation("K2", "draft window aimd / mimd / fixed / goodput", "tokens per forward (and tokens/s live)",
+             "aimd (paper); mimd (specRL code); goodput (ours)", ("real_session",),
+             ("spec.window", ("aimd", "mimd", "fixed", "goodput"))),
+    Ablation("K3", "minimum match 3 vs 4", "hit rate (passes with a draft)", "paper 3, code 4",
+             ("real_session",), ("spec.pattern_min", (3, 4))),
+    Ablation("K4", "min_token_prob", "draft length, acceptance", "code 0.1",
+             ("real_session",), ("spec.min_token_prob", (0.0, 0.1, 0.3))),
+    Ablation("K6", "history depth 1 vs 2", "acceptance", "paper 1", ("real_session",),
+             ("spec.history_depth", (1, 2))),
+    Ablation("O5", "epoch e vs e+1", "share of tokens a drafter predicts", "75-95%",
+             ("real_session", "e2e_histospec")),
+    Ablation("O6", "epoch e vs e+1", "share of prompts with a large length-rank shift", "2-4%",
+             ("e2e_histospec", "real_session")),
+)}
+
+SUITES: dict[str, tuple[str, ...]] = {
+    "paper": tuple(ABLATIONS),
+    "histopipe": ("A1", "A2", "A6", "O6"),
+    "histospec": ("A3", "A4", "A5", "A10", "K1", "K2", "K3", "K4", "K6", "O5"),
+}
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What the rollout session runs (one fixed policy, no training; ``units.session``).
+
+    Attributes:
+      epochs: plain rollouts of every row per temperature at the first temperature (the history
+        of epoch e is epoch e - 1; K6 needs 3); other temperatures run 2.
+      temperatures: A10's sweep; the first is the main one.
+      batch_prompts: A5's sweep, in prompts (rows = prompts x ``grpo.samples_per_prompt``).
+      live_windows: window policies timed live at the first temperature (K2; the rest replayed).
+      seed: rollout keys.
+    """
+
+    epochs: int = 3
+    temperatures: tuple[float, ...] = (1.0, 0.6, 0.3)
+    batch_prompts: tuple[int, ...] = (1, 2, 4, 8)
+    live_windows: tuple[str, ...] = ("aimd", "mimd", "fixed", "goodput")
+    seed: int = 0
+
+
+# tiny model shape for the tests (configs/tiny_test.yaml's, one layer)
+_TINY_MODEL = ("model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_layers=1",
+               "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.head_dim=16",
+               "model.scan_unroll=1", "data.num_train=200", "data.num_eval=2", "data.tokenizer_vocab_size=256")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Overrides by unit kind (applied after the config file) and the session plan.
+
+    Attributes:
+      name: ``full``, ``quick`` or ``tiny``.
+      overrides: unit kind -> ``--set`` strings.
+      session: the ``SessionPlan``.
+      session_config: replaces the session unit's config when set (``tiny``: the test model).
+      config_dir: where the units' configs live instead of ``configs/ablations`` (same file names;
+        ``gpu``: ``configs/ablations/gpu``, the real-scale recipe).
+      e2e_steps_skipped: first GRPO steps left out of the end-to-end figures (they compile).
+      warmup: compile every rollout program of the GRPO units before step 1 (``e2e.warm_up``);
+        off for the tests (they time nothing and compile only what they run).
+    """
+
+    name: str
+    overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    session: SessionPlan = SessionPlan()
+    session_config: str = ""
+    config_dir: str = ""
+    e2e_steps_skipped: int = 1
+    warmup: bool = True
+
+
+_QUICK_DEMO = ("grpo.steps=6", "grpo.prompts_per_step=8", "grpo.num_prompts=16")
+_TINY_DEMO = _TINY_MODEL + ("rollout.max_new_tokens=8", "rollout.max_slots=4", "sft.steps=1", "sft.batch_size=4",
+                            "sft.warmup_steps=0", "grpo.steps=2", "grpo.prompts_per_step=2",
+                            "grpo.samples_per_prompt=2", "grpo.num_prompts=2")
+
+SCALES: dict[str, Scale] = {s.name: s for s in (
+    Scale("full"),
+    Scale("quick", {"sft": ("sft.steps=100", "data.num_eval=16"), "e2e": _QUICK_DEMO, "paired": _QUICK_DEMO,
+                    "session": ("grpo.num_prompts=4", "rollout.max_new_tokens=48", "rollout.max_slots=16")},
+          SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 4), live_windows=("aimd", "goodput"))),
+    Scale("tiny", {"sft": _TINY_DEMO, "e2e": _TINY_DEMO + ("parallel.rollout_workers=2",), "paired": _TINY_DEMO,
+                   "session": ("grpo.num_prompts=2", "grpo.samples_per_prompt=2", "rollout.max_new_tokens=8",
+                               "rollout.max_slots=4")},
+          SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 2), live_windows=("aimd", "goodput")),
+          session_config=_cfg("histospec_tiny"), e2e_steps_skipped=0, warmup=False),
+    Scale("gpu", session=SessionPlan(batch_prompts=(8, 16, 32)), config_dir=f"{ABLATION_DIR}/gpu"),
+)}
+
+
+def suite_ids(suite: str, only: str = "") -> list[str]:
+    """The ids of ``suite`` (or of ``only``, comma-separated ids, within it), in table order.
+
+    Raises:
+      AblationError: unknown suite or id.
+    """
+    if suite not in SUITES:
+        raise AblationError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    ids = list(SUITES[suite])
+    if not only:
+        return ids
+    wanted = [x.strip().upper() for x in only.split(",") if x.strip()]
+    bad = [x for x in wanted if x not in ids]
+    if bad:
+        raise AblationError(f"--only {','.join(bad)}: not in suite {suite!r} ({', '.join(ids)})")
+    return [x for x in ids if x in wanted]
+
+
+def units_of(ids: list[str]) -> list[str]:
+    """The units the ids need, their prerequisites first, in ``UNITS`` order."""
+    need: set[str] = set()
+    todo = [u for i in ids for u in ABLATIONS[i].units]
+    while todo:
+        u = todo.pop()
+        if u not in need:
+            need.add(u)
+            todo.extend(UNITS[u].needs)
+    return [u for u in UNITS if u in need]
+
+
+def unit_config(unit: Unit, scale: Scale) -> tuple[str, tuple[str, ...]]:
+    """``(config path, overrides)`` of ``unit`` at ``scale`` (path repository-relative)."""
+    path = unit.config
+    if scale.config_dir:
+        path = f"{scale.config_dir}/{Path(path).name}"
+    if unit.kind == "session" and scale.session_config:
+        path = scale.session_config
+    return path, scale.overrides.get(unit.kind, ())
+
+
+def get_scale(name: str) -> Scale:
+    """The scale called ``name``. Raises ``AblationError`` when unknown."""
+    if name not in SCALES:
+        raise AblationError(f"unknown scale {name!r}; known: {', '.join(SCALES)}")
+    return SCALES[name]
+
+
+def listing() -> str:
+    """``rhyme-jax ablate --list``: every id with its configs, sweep, measure and paper figure."""
+    lines = []
+    for a in ABLATIONS.values():
+        sweep = f"; sweep {a.sweep[0]} in {list(a.sweep[1]) or 'the scale plan'}" if a.sweep else ""
+        lines.append(f"{a.id:4s} {a.varied}{sweep}\n     measures: {a.measured} (paper: {a.paper})\n"
+                     f"     runs: " + "; ".join(f"{u} = {UNITS[u].config}" for u in a.units))
+    lines.append("\nunits (each run once per results directory, shared by the ids):")
+    lines += [f"  {u.name:22s} {u.config:50s} {u.what}" for u in UNITS.values()]
+    lines.append("\nsuites: " + "; ".join(f"{k} = {' '.join(v)}" for k, v in SUITES.items()))
+    return "\n".join(lines)
