@@ -7,7 +7,7 @@ p(x) and otherwise emits a token of p with x removed, which is how a token drawn
 to x. So replaying the drafter along plain rollouts gives the pass counts and acceptance of live
 HistoSpec in distribution, without the model (as ``rhyme-jax replay-drafts`` and
 ``benchmarks/pass_replay.py`` do). Drafts are cut as the engine cuts them (longest first to the
-packed-token budget, then to the step shape's ``max_q_len``: ``ShapePlan.fit_step``), ``rows``
+packed-token budget and the step program: ``rollout.allocation.choose_step``), ``rows``
 targets live at once; pages are not simulated.
 """
 
@@ -64,12 +64,16 @@ def _tails(targets: list[Target], live: list[int], done: np.ndarray, width: int)
     return out
 
 
-def _fit(plan, lens: np.ndarray) -> np.ndarray:
-    """The engine's cut of one step's draft lengths (``batching.trim_drafts``, ``fit_step``)."""
-    from rhyme_jax.rollout import batching
+def _fit(plan, lens: np.ndarray, batch, left: np.ndarray) -> np.ndarray:
+    """The engine's choice of one step's draft lengths (``rollout.allocation.choose_step``: the
+    paper windows' fixed rule, or with the drafter's estimates the goodput choice under the
+    analytical step-cost prior)."""
+    from rhyme_jax.rollout import allocation
+    from rhyme_jax.rollout.step_cost import StepCost
 
-    lens = batching.trim_drafts(np.minimum(lens, MAX_LEN), plan.verify_budget)
-    return plan.fit_step(lens)[3]
+    lens = np.minimum(np.minimum(lens, MAX_LEN), np.maximum(left - 1, 0))
+    choice, _ = allocation.choose_step(plan, lens, batch.estimates, StepCost.prior(), batch.priorities)
+    return choice.draft_lens
 
 
 def _group(targets, group: list[int], drafter, plan, tot: dict) -> None:
@@ -84,7 +88,7 @@ def _group(targets, group: list[int], drafter, plan, tot: dict) -> None:
         live = [group[j] for j in reqs]
         left = size[reqs] - done[live]
         drafts, lens = batch.draft(reqs, _tails(targets, live, done, batch.context_width), np.maximum(left - 1, 0))
-        lens = _fit(plan, np.asarray(lens, np.int64))
+        lens = _fit(plan, np.asarray(lens, np.int64), batch, left)
         acc = np.zeros(len(live), np.int64)
         for i, c in enumerate(live):
             want = targets[c].tokens[done[c]: done[c] + lens[i]]
