@@ -118,6 +118,9 @@ def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tm
     monkeypatch.setenv("RHYME_JAX_STEP_COST_DIR", str(tmp_path))
     a, b = cache_path({"m": 1}), cache_path({"m": 2})
     assert a.parent == tmp_path and a != b and a == cache_path({"m": 1})
+    monkeypatch.delenv("RHYME_JAX_STEP_COST_DIR")
+    monkeypatch.setenv("RHYME_JAX_CACHE", str(tmp_path / "cache"))  # the rest of rhyme-jax's cache
+    assert cache_path({"m": 1}) == tmp_path / "cache" / "step_cost" / a.name
 
 
 def test_monotone_costs_never_fall_with_more_tokens():

@@ -79,3 +79,30 @@ def test_lenient_extraction_takes_the_last_number():
     assert reward_fn("marker")("She makes $18.", problem) == 0.0
     with pytest.raises(ValueError, match="answer_extraction"):
         reward_fn("first")
+
+
+def test_concurrent_imports_of_one_directory_convert_once(tmp_path, monkeypatch):
+    """Two imports of the same directory at once (parallel jobs or test workers): the second waits
+    on the lock and reuses the first's finished import instead of deleting it mid-read."""
+    import threading
+    import time
+
+    calls = []
+
+    def fake_convert(name, model, out, log):
+        calls.append(name)
+        time.sleep(0.3)
+        out.mkdir(parents=True)
+        (out / hub.MARKER).write_text("{}")
+        return out
+
+    monkeypatch.setattr(hub, "_fetch_and_convert", fake_convert)
+    out = tmp_path / "models" / "smollm2-135m-instruct"
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(hub.get("smollm2-135m-instruct", out, log=None)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["smollm2-135m-instruct"] and got == [out, out]

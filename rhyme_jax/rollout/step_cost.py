@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from rhyme_jax.io.atomic import atomic_write
+from rhyme_jax.model.hub import cache_dir
 
 FORMAT_VERSION = 1
 PROFILE_VERSION = 2  # how programs are timed (part of the cache key): 2 = every row live, fastest of 5
@@ -142,8 +143,9 @@ def cache_key(parts: dict) -> str:
 
 def cache_path(parts: dict) -> Path:
     """Where the profile of ``parts`` is cached: ``$RHYME_JAX_STEP_COST_DIR`` or
-    ``~/.cache/rhyme_jax/step_cost``, file ``<cache_key>.json``."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rhyme_jax" / "step_cost")
+    ``<rhyme-jax cache>/step_cost`` (``rhyme_jax.model.hub.cache_dir()``: ``$RHYME_JAX_CACHE``,
+    else ``~/.cache/rhyme_jax``), file ``<cache_key>.json``."""
+    root = Path(os.environ.get(CACHE_ENV) or cache_dir() / "step_cost")
     return root / f"{cache_key(parts)}.json"
 
 
