@@ -196,9 +196,11 @@ def _fill_store(cases: list[ReplayCase]) -> tuple[object, list[int], list[int]]:
     return store, pids, with_history
 
 
-def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None) -> dict[str, float]:
+def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_drafter=None) -> dict[str, float]:
     """Draft along every case's target, ``rows`` at a time (see the module docstring), with the
-    engine's step choice under ``cost`` (``StepCost``; default the prior).
+    engine's step choice under ``cost`` (``StepCost``; default the prior). ``make_drafter(spec,
+    store)``: the drafter (default ``rhyme_jax.spec.drafter.Drafter``; benchmarks/replay_bound.py
+    passes one that knows the targets, for upper bounds).
 
     Returns:
       ``predicted_share``, ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance``,
@@ -213,7 +215,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None) -> dict[st
     store, pids, with_history = _fill_store(cases)
     totals = dict(passes=0, drafted=0, accepted=0, predicted=0.0, seconds=0.0)
     plain = 0.0
-    with Drafter(spec, store) as drafter:
+    with (make_drafter or Drafter)(spec, store) as drafter:
         drafter.rebuild(with_history)
         for start in range(0, len(cases), rows):
             group = list(range(start, min(start + rows, len(cases))))

@@ -95,3 +95,24 @@ def test_cli_json_and_errors_name_the_line(tokenizer, tmp_path, capsys):
     with pytest.raises(ReplayInputError, match="history_rewards"):
         read_cases(_write(tmp_path, [{"prompt": "x", "history": ["a"], "history_rewards": [1, 2],
                                       "target": "a"}]), lambda s: [1, 2])
+
+
+def test_replay_bounds_always_right_above_best_source_above_the_drafter(tokenizer, tmp_path, benchmark_module):
+    """benchmarks/replay_bound.py: always-right drafts accept everything and beat the
+    best-in-hindsight drafts from the sources, which accept everything they send and predict at
+    least what the real drafter predicts (same steps, the analytical prior as step cost)."""
+    bound = benchmark_module("replay_bound")
+    tok, _ = tokenizer
+    changed = [a.replace("72", "73").replace("10", "11").replace("5 more", "6 more") for a in ANSWERS]
+    path = _write(tmp_path, [{"prompt": q, "history": [a], "history_rewards": [1.0], "target": b}
+                             for q, a, b in zip(QUESTIONS, ANSWERS, changed)])
+    cases = read_cases(path, tok.encode)
+    spec = _spec(window="goodput", pattern_min=1, self_lookup=True, min_token_prob=0.0)
+    tokens = sum(c.target.size for c in cases)
+    perfect = replay(cases, spec, _plan(8), 8, make_drafter=bound.PerfectDrafter([c.target for c in cases]))
+    oracle = replay(cases, spec, _plan(8), 8, make_drafter=bound.PerfectDrafter([c.target for c in cases], cases))
+    real = replay(cases, spec, _plan(8), 8)
+    assert perfect["acceptance"] == oracle["acceptance"] == 1.0
+    assert perfect["sequence_passes"] + perfect["accepted_tokens"] == tokens
+    assert perfect["accepted_tokens"] > oracle["accepted_tokens"] >= real["accepted_tokens"] > 0
+    assert perfect["modelled_speedup"] >= oracle["modelled_speedup"] > 1.0
