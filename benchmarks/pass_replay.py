@@ -144,25 +144,32 @@ def oracle_passes(prompt: np.ndarray, response: np.ndarray, sources: list[np.nda
     pos, passes = min(1, response.size), 0
     while pos < response.size:
         ctx = np.concatenate([prompt, response[:pos]])
-        rest = response[pos:]
-        budget = int(min(window, max_new - pos - 1))
-        best = 0
-        for k in range(min(pattern_max, ctx.size - 1), pattern_min - 1, -1):
-            pattern = ctx[-k:]
-            # the sources, then the context's own earlier occurrences (not the one ending it)
-            for src, searched in [*((x, x) for x in sources), (ctx, ctx[:-1])]:
-                if searched.size < k:
-                    continue
-                windows = np.lib.stride_tricks.sliding_window_view(searched, k)
-                for j in np.flatnonzero((windows == pattern).all(axis=1)):
-                    cont = src[j + k: j + k + budget]
-                    m = min(cont.size, rest.size)
-                    best = max(best, int(np.argmin(np.append(cont[:m] == rest[:m], False))))
-            if best:
-                break
-        pos += min(best + 1, rest.size)
+        rest = response[pos: pos + int(min(window, max_new - pos - 1))]
+        best = best_continuation(ctx, rest, sources, pattern_max, pattern_min, longest_only=True)
+        pos += min(best + 1, response.size - pos)
         passes += 1
     return passes
+
+
+def best_continuation(ctx: np.ndarray, rest: np.ndarray, sources: list[np.ndarray], pattern_max: int,
+                      pattern_min: int, longest_only: bool) -> int:
+    """Longest prefix of ``rest`` that follows an occurrence of the context's last ``k`` tokens
+    (``k`` from ``pattern_max`` down to ``pattern_min``) in a source or in ``ctx`` itself (not
+    the occurrence ending it); ``longest_only``: stop at the longest ``k`` that gives anything."""
+    best = 0
+    for k in range(min(pattern_max, ctx.size - 1), pattern_min - 1, -1):
+        pattern = ctx[-k:]
+        for src, searched in [*((x, x) for x in sources), (ctx, ctx[:-1])]:
+            if searched.size < k:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(searched, k)
+            for j in np.flatnonzero((windows == pattern).all(axis=1)):
+                cont = src[j + k: j + k + rest.size]
+                m = min(cont.size, rest.size)
+                best = max(best, int(np.argmin(np.append(cont[:m] == rest[:m], False))))
+        if best and longest_only:
+            break
+    return best
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from pass_replay import best_continuation  # noqa: E402
 
 from rhyme_jax.cli_replay import read_cases, replay  # noqa: E402
 from rhyme_jax.config import load_config  # noqa: E402
@@ -85,19 +88,8 @@ class SourceOracleBatch(PerfectBatch):
     def _best(self, r: int, budget: int) -> int:
         c, pos = self.cases[r], self.done[r]
         ctx = np.concatenate([c.prompt, c.target[:pos]])
-        rest = c.target[pos: pos + budget]
-        best = 0
-        for k in range(min(self.pattern_max, ctx.size - 1), 0, -1):
-            pat = ctx[-k:]
-            for src, searched in [*((x, x) for x in self._sources(r)), (ctx, ctx[:-1])]:
-                if searched.size < k:
-                    continue
-                hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(searched, k) == pat).all(axis=1))
-                for j in hits:
-                    cont = src[j + k: j + k + rest.size]
-                    m = min(cont.size, rest.size)
-                    best = max(best, int(np.argmin(np.append(cont[:m] == rest[:m], False))))
-        return best
+        return best_continuation(ctx, c.target[pos: pos + budget], self._sources(r), self.pattern_max, 1,
+                                 longest_only=False)
 
     def draft(self, reqs, tails, budgets):
         out, lens = super().draft(reqs, tails, budgets)

@@ -123,6 +123,27 @@ def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tm
     assert cache_path({"m": 1}) == tmp_path / "cache" / "step_cost" / a.name
 
 
+def test_profile_takes_the_median_of_rounds_over_the_programs(monkeypatch):
+    """Timed runs alternate between the programs (one of each per round, after two untimed runs of
+    each) and each program's figure is the median of its rounds."""
+    import types
+
+    from rhyme_jax.rollout import step_cost as sc
+
+    clock, order = [0.0], []
+    timed = {(4, 4, 1): [0, 0, 5.0, 1.0, 3.0], (4, 8, 3): [0, 0, 2.0, 9.0, 4.0]}  # seconds per call
+
+    def run(shape):
+        key = (shape.rows, shape.tokens, shape.q_len)
+        order.append(key)
+        clock[0] += timed[key][sum(k == key for k in order) - 1]
+
+    monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    progs = [shapes.StepShape("decode", 4, 4, 1, 8), shapes.StepShape("verify", 8, 4, 3, 8)]
+    assert sc.profile(run, progs, repeats=3) == {(4, 4, 1): 3.0, (4, 8, 3): 4.0}
+    assert order[4:] == [(4, 4, 1), (4, 8, 3)] * 3
+
+
 def test_monotone_costs_never_fall_with_more_tokens():
     got = monotone({(8, 8, 1): 2.0, (8, 12, 5): 1.5, (8, 56, 29): 3.0, (32, 32, 1): 1.0})
     assert got == {(8, 8, 1): 2.0, (8, 12, 5): 2.0, (8, 56, 29): 3.0, (32, 32, 1): 1.0}
@@ -146,7 +167,7 @@ def test_rows_predicted_long_get_the_scarce_draft_tokens():
 
 def test_busy_verify_fills_every_program_with_live_rows():
     """The profile's inputs: every row live, the program's T tokens all used, drafts within Q - 1,
-    contexts on the scratch page only."""
+    contexts on the scratch page only, or (given the pool's size) on each row's own pages."""
     from rhyme_jax.rollout.batching import busy_verify
 
     for s in PLAN.programs():
@@ -157,3 +178,7 @@ def test_busy_verify_fills_every_program_with_live_rows():
         assert s.rows + lens.sum() == s.tokens and lens.max() <= s.q_len - 1
         assert inp.meta.page_indices.shape == (s.rows, s.width) and not inp.meta.page_indices.any()
         assert np.all(inp.meta.kv_lens[: s.rows] > 1)
+        # with the pool's size: each row on its own pages, never the scratch page 0
+        own = busy_verify(s, PLAN.max_slots, PLAN.pages_per_seq, 16, PLAN.max_slots * PLAN.pages_per_seq + 1)
+        pages = own.meta.page_indices
+        assert pages.min() >= 1 and np.unique(pages).size == pages.size

@@ -188,17 +188,22 @@ def dummy_verify(num_rows: int, t_total: int, q_len: int, width: int, pages_per_
                          q_len, width)
 
 
-def busy_verify(shape, max_slots: int, pages_per_seq: int, page_size: int) -> VerifyInputs:
+def busy_verify(shape, max_slots: int, pages_per_seq: int, page_size: int, num_pages: int = 0) -> VerifyInputs:
     """Decode/verify inputs of a ``shapes.StepShape`` with every row live (the step-cost profile:
     a step's cost depends on its live rows, drafts and context, which ``dummy_verify`` leaves
     empty): ``shape.rows`` rows, each with a context filling half its page-table width and the
-    ``T - rows`` draft tokens spread evenly (at most ``q_len - 1`` per row). Every page is the
-    scratch page 0, so the step reads and writes nothing else."""
+    ``T - rows`` draft tokens spread evenly (at most ``q_len - 1`` per row). With ``num_pages``
+    (the pool's size, > 1) each row reads and writes its own pages ``1 ..`` (wrapping), as rows do
+    in a rollout: the pool must hold nothing needed (the engine profiles with no slot holding
+    pages). Without, every page is the scratch page 0 (cheaper than a rollout's steps: every
+    write of the step hits the same page)."""
     rows, q_len = shape.rows, shape.q_len
     lens = np.full(rows, min(q_len - 1, (shape.tokens - rows) // rows), np.int64)
     lens[: min(rows, shape.tokens - rows - int(lens.sum()))] += lens[0] < q_len - 1
     context = max(1, shape.width * page_size // 2 - q_len)
     table = np.zeros((max_slots, pages_per_seq), np.int32)
+    if num_pages > 1:
+        table[:] = 1 + np.arange(table.size).reshape(table.shape) % (num_pages - 1)
     return verify_inputs(np.arange(rows), np.full(max_slots, context, np.int64), np.zeros(max_slots, np.int32),
                          np.zeros((rows, q_len), np.int32), lens, table, page_size, rows, shape.tokens, q_len,
                          shape.width)

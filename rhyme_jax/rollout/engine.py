@@ -195,16 +195,18 @@ class RolloutEngine:
         return len(inputs)
 
     def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
-        """Measure ``self.step_cost``: the fastest of ``repeats`` runs of every decode/verify program
-        (``step_cost.profile`` over ``self.programs(spec=True)`` with every row live,
-        ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
+        """Measure ``self.step_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
+        (``step_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
+        when no slot holds any, ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
         self._ensure_pool(state)
         flat_state = self._flat_state(state)
         mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
         key = jax.random.key(0)
 
+        own_pages = self.num_pages if not self.allocator.num_held.any() else 0  # pool idle: rows on their own pages
+
         def run_program(shape):
-            inp = batching.busy_verify(shape, self.max_slots, self.pages_per_seq, self.page_size)
+            inp = batching.busy_verify(shape, self.max_slots, self.pages_per_seq, self.page_size, own_pages)
             self._run(flat_state, inp, key, 0, sampling, mode)
 
         secs = profile(run_program, self.programs(spec=True), repeats)

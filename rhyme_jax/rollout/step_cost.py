@@ -34,7 +34,7 @@ from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.model.hub import cache_dir
 
 FORMAT_VERSION = 1
-PROFILE_VERSION = 2  # how programs are timed (part of the cache key): 2 = every row live, fastest of 5
+PROFILE_VERSION = 3  # how programs are timed (part of the cache key): 3 = rows live on their own pages, median of rounds
 PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
 CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
 
@@ -150,15 +150,15 @@ def cache_path(parts: dict) -> Path:
 
 
 def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: int = 5) -> dict:
-    """``{(rows, tokens, q_len): seconds}`` of ``run_program(shape)`` per step shape: the fastest
-    of ``repeats`` timed runs (other processes only ever add time, so the minimum is the least
-    noisy figure on a shared machine).
+    """``{(rows, tokens, q_len): seconds}`` of ``run_program(shape)`` per step shape: the median of
+    ``repeats`` timed runs, taken in rounds over all shapes (one run of each shape per round, as a
+    rollout alternates its programs; back-to-back runs of one program time faster than it runs in
+    a rollout, and the largest programs vary the most).
 
     ``run_program`` must block until the step's outputs are on the host (the engine's ``_run``
-    does). Each shape runs twice untimed (compile or cache load, then the first run on the
-    donated KV pool it returned), then ``repeats`` timed runs.
-    Only the widest page table of each ``(rows, tokens, q_len)`` is timed; the result is made
-    non-decreasing in tokens per row bucket (``monotone``).
+    does). Each shape first runs twice untimed (compile or cache load, then the first run on the
+    donated KV pool it returned). Only the widest page table of each ``(rows, tokens, q_len)`` is
+    timed; the result is made non-decreasing in tokens per row bucket (``monotone``).
     """
     widest = {}
     for s in shapes:
@@ -167,17 +167,17 @@ def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: in
         key = (s.rows, s.tokens, s.q_len)
         if key not in widest or s.width > widest[key].width:
             widest[key] = s
-    out = {}
-    for key, s in sorted(widest.items()):
+    todo = sorted(widest.items())
+    for _, s in todo:
         run_program(s)  # compiles (or loads) the program
         run_program(s)  # a donated buffer's first reuse may specialise once more
-        times = []
-        for _ in range(max(1, int(repeats))):
+    times: dict = {key: [] for key, _ in todo}
+    for _ in range(max(1, int(repeats))):
+        for key, s in todo:
             t0 = time.perf_counter()
             run_program(s)
-            times.append(time.perf_counter() - t0)
-        out[key] = min(times)
-    return monotone(out)
+            times[key].append(time.perf_counter() - t0)
+    return monotone({key: float(np.median(v)) for key, v in times.items()})
 
 
 def monotone(seconds: dict) -> dict:
