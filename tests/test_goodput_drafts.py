@@ -188,7 +188,8 @@ def test_shorter_match_wins_when_its_continuation_is_better():
         expect = [d._calibration.estimate("history", 2, 0, q)] + [d._calibration.estimate("history", 2, j, 1.0)
                                                                   for j in range(1, 6)]
         np.testing.assert_allclose(est[0], np.float32(expect))
-        assert est[0, 0] == np.float32(C.HISTORY_SHRINK * 0.75)  # prior: 0.85 x the bucket centre
+        # prior: 0.85 x the bucket centre x the factor of a 2-token match
+        assert est[0, 0] == np.float32(C.HISTORY_SHRINK * 0.75 * C.MATCH_PRIOR[C.MATCH_BUCKET[2]])
 
 
 def test_prompt_head_drafts_at_response_start():

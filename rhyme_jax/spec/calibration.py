@@ -10,9 +10,10 @@ acceptance (accepted given the earlier draft tokens were) under a two-level Beta
 * coarse cell (source, raw-probability bucket): ``Beta(S0 * base, S0 * (1 - base))`` with
   ``base = HISTORY_SHRINK * bucket centre`` for history and ``LOOKUP_BASE`` for self/sibling;
   its posterior mean ``c = (succ_c + S0 * base) / (trials_c + S0)``;
-* fine cell: prior ``Beta(S1 * c, S1 * (1 - c))`` around the coarse mean, so a cell seen rarely
-  follows what its source and branch share do overall; estimate
-  ``(succ_f + S1 * c) / (trials_f + S1)``, strictly inside (0, 1).
+* fine cell: prior ``Beta(S1 * c', S1 * (1 - c'))`` around ``c' = c * MATCH_PRIOR[match bucket]``
+  (1- and 2-token matches start lower: one-sided branch counts after so short a match are weak
+  evidence), so a cell seen rarely follows what its source and branch share do overall;
+  estimate ``(succ_f + S1 * c') / (trials_f + S1)``, strictly inside (0, 1).
 
 ``observe`` feeds the verify outcome of each drafted row: with ``d`` tokens sent and ``a``
 accepted, positions ``0..a-1`` count as accepted trials, position ``a`` (if ``a < d``) as a
@@ -54,6 +55,10 @@ def _bucket_table(edges: tuple[int, ...], size: int) -> np.ndarray:
 
 
 MATCH_BUCKET = _bucket_table(MATCH_EDGES, 65)
+# a fine cell's prior is its coarse cell's mean times this factor of its match-length bucket: a
+# continuation after a 1- or 2-token match is weak evidence however one-sided its branch counts
+# (SuffixDecoding caps a draft at its match length for the same reason)
+MATCH_PRIOR = np.array([0.35, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0])
 DEPTH_BUCKET = _bucket_table(DEPTH_EDGES, MAX_DEPTH)
 NUM_MATCH, NUM_DEPTH = len(MATCH_EDGES), len(DEPTH_EDGES)
 NUM_CELLS = len(SOURCES) * NUM_MATCH * NUM_DEPTH * NUM_PROB
@@ -85,6 +90,7 @@ def estimate(fine, coarse, cell):
     trials) per fine cell; ``coarse f64[Cc, 3]`` = (accepted, trials, prior base)."""
     cc = coarse_of(cell)
     c = (coarse[cc, 0] + S0 * coarse[cc, 2]) / (coarse[cc, 1] + S0)
+    c *= MATCH_PRIOR[(cell // (NUM_DEPTH * NUM_PROB)) % NUM_MATCH]
     return (fine[cell, 0] + S1 * c) / (fine[cell, 1] + S1)
 
 
