@@ -16,9 +16,9 @@ RhymeRL (arXiv 2508.18588) s.4; SuffixDecoding (Oliaro et al. 2024, arXiv 2411.0
 scoring candidates by expected accepted length; prompt lookup decoding (Saxena 2023) for self.
 
 One numba call per step (``draft_kernel``) runs all sources. Numba's on-disk cache keys a compiled
-function on its own file only: after editing ``calibration.py``, ``candidates.py``,
-``siblings.py`` or ``sam_kernels.py``, delete ``rhyme_jax/spec/__pycache__/*.nb[ic]`` (or touch
-this file), or ``draft_kernel`` keeps the old code of what it calls.
+function on its own file only; ``kernel_cache.refresh`` (run when ``rhyme_jax.spec`` is imported)
+drops the cached kernels whenever any kernel source changed, so ``draft_kernel`` never keeps the
+old code of what it calls.
 """
 
 from __future__ import annotations
