@@ -84,7 +84,7 @@ def _reference(prompt, responses, rewards, tail, max_len, cfg, cal):
             if prob * q < cfg.min_token_prob:
                 break
             prob *= q
-            e = cal.estimate("history", m, len(toks), q)
+            e = cal.estimate("history", m, len(toks), q, once=len(occ) == 1)
             cum *= e
             score += cum
             toks.append(nxt[0])
@@ -230,6 +230,44 @@ def test_self_lookup_is_scored_against_the_history():
         assert _draft(d.batch([5]), [0], [seq])[0] == [[60]]
 
 
+def test_self_lookup_drafts_the_most_common_continuation_of_the_longest_match():
+    prompt = list(range(40, 50))
+    x = 9
+    # "x" occurs 4 times before the end: followed by 31, 30, 30, 30 (31 is the newest but rarest)
+    seq = prompt + [x, 30, 5, x, 30, 6, x, 30, 7, x, 31, 8, x]
+    cfg = _cfg(self_lookup=True, min_token_prob=0.0, pattern_min=1)
+    with Drafter(cfg, HistoryStore()) as d:
+        batch = d.batch([3])
+        drafts, est = _draft(batch, [0], [seq])
+        assert drafts[0][0] == 30  # prompt lookup's newest occurrence would give 31
+        cal = d._calibration
+        assert est[0, 0] == np.float32(cal.estimate("self", 1, 0, 3 / 4))
+        seq2 = prompt + [x, 30, 5, x, 30, 6, 7, 8]
+        # "x 30" occurred twice, followed by 5 and by 6: a tie, the newest wins at share 1/2
+        drafts, est = _draft(d.batch([3]), [0], [seq2 + [x, 30]])
+        assert drafts[0][:2] == [6, 7] and est[0, 0] == np.float32(cal.estimate("self", 2, 0, 0.5))
+        # "6" occurred once: the "once" cell (share 1 on one example)
+        batch = d.batch([3])
+        drafts, _ = _draft(batch, [0], [seq2 + [6]])
+        assert drafts[0][:2] == [7, 8]
+        assert batch._goodput.cells[0, 0] == C.cell_of(C.SELF, 1, 0, 1.0, True) != C.cell_of(C.SELF, 1, 0, 1.0, False)
+
+
+def test_middle_cells_carry_what_match_length_and_depth_do_across_branch_shares():
+    cal = C.Calibration()
+    cold = cal.estimate("history", 2, 1, 0.95)
+    assert cold == pytest.approx(C.HISTORY_SHRINK * 0.95 * C.MATCH_PRIOR[C.MATCH_BUCKET[2]])
+    cells = np.full((1, 32), -1, np.int32)
+    for _ in range(400):  # 2-token matches, depth 1, branch share ~0.5: the second token always fails
+        cells[0, :2] = [C.cell_of(C.HISTORY, 2, 0, 0.55, False), C.cell_of(C.HISTORY, 2, 1, 0.55, False)]
+        cal.update(np.array([0]), cells, np.full((1, 32), 0.5, np.float32), [2], [1])
+    # an untried share at the same match length and depth now starts far lower; other depths and
+    # match lengths keep their prior factor (their coarse cell moved: bucket 0.9 saw no trials)
+    assert cal.estimate("history", 2, 1, 0.95) < 0.1 * cold
+    assert cal.estimate("history", 4, 1, 0.95) == pytest.approx(C.HISTORY_SHRINK * 0.95)
+    assert cal.estimate("history", 2, 0, 0.95) > 0.9 * cold
+
+
 def test_siblings_draft_from_the_groups_other_requests():
     prompt = list(range(1, 11))
     resp = list(range(20, 40))
@@ -279,7 +317,7 @@ def test_calibration_converges_to_the_true_acceptance():
 
 def test_calibration_updates_are_thread_safe():
     cal = C.Calibration()
-    cell = C.cell_of(C.SIBLING, 3, 0, 1.0)
+    cell = C.cell_of(C.SIBLING, 3, 0, 1.0, False)
 
     def work():
         cells = np.full((8, 32), -1, np.int32)
@@ -320,7 +358,7 @@ def test_old_outcomes_fade():
     cal = C.Calibration()
     cells = np.full((1, 32), -1, np.int32)
     for i in range(int(C.MEMORY) + 100):
-        cells[0, 0] = C.cell_of(C.SELF, 4, 2, 1.0)
+        cells[0, 0] = C.cell_of(C.SELF, 4, 2, 1.0, False)
         cal.update(np.array([0]), cells, np.full((1, 32), 0.3, np.float32), [1], [int(i >= C.MEMORY)])
     # trial 5001 (the first accepted) halves the counts: 2500.5 trials, 0.5 accepted; 99 accepted follow
     (row,) = cal.rows()

@@ -2,24 +2,36 @@
 
 Each draft token gets a *cell*: (source, match-length bucket, depth bucket, raw-probability
 bucket). Sources: ``history`` (the prompt's suffix index; raw probability = the branch share
-``count(child) / count(parent)`` of the token), ``self`` (the sequence's own earlier tokens) and
-``sibling`` (the same step's other responses to the prompt); the two lookup sources have no raw
-probability (bucket 0). The estimate of a token is the posterior mean of its cell's conditional
+``count(child) / count(parent)`` of the token), ``self`` (the sequence's own earlier tokens; raw
+probability = the share of the longest match's earlier occurrences that continue with the
+drafted occurrence's next token) and ``sibling`` (the same step's other responses to the prompt;
+no raw probability, bucket 0). Raw-probability buckets: ``floor(10 q)`` for ``q < 1``, 10 for
+``q = 1`` over several occurrences, 11 for a match that occurred once (``q = 1`` on one
+example: weak evidence). The estimate of a token is the posterior mean of its cell's conditional
 acceptance (accepted given the earlier draft tokens were) under a two-level Beta model:
 
 * coarse cell (source, raw-probability bucket): ``Beta(S0 * base, S0 * (1 - base))`` with
-  ``base = HISTORY_SHRINK * bucket centre`` for history and ``LOOKUP_BASE`` for self/sibling;
+  ``base = HISTORY_SHRINK * bucket centre`` for history (``SINGLE_BASE`` for one occurrence) and
+  ``LOOKUP_BASE`` for self/sibling;
   its posterior mean ``c = (succ_c + S0 * base) / (trials_c + S0)``;
-* fine cell: prior ``Beta(S1 * c', S1 * (1 - c'))`` around ``c' = c * MATCH_PRIOR[match bucket]``
-  (1- and 2-token matches start lower: one-sided branch counts after so short a match are weak
-  evidence), so a cell seen rarely follows what its source and branch share do overall;
+* middle cell (source, match-length bucket, depth bucket): how its tokens fare against their
+  coarse means, a factor ``r = (succ_m + S2 * MATCH_PRIOR[match bucket]) / (expected_m + S2)``
+  (``expected_m``: the sum of the coarse means its tested tokens had). Its prior factor is below
+  1 after 1- to 3-token matches (one-sided branch counts after so short a match are weak
+  evidence); the data then learn how match length and draft position shift acceptance, pooled
+  over branch shares (far more trials than a fine cell gets);
+* fine cell: prior ``Beta(S1 * c', S1 * (1 - c'))`` around ``c' = min(c * r, CAP)``, so a cell
+  seen rarely follows what its source, branch share, match length and depth do overall;
   estimate ``(succ_f + S1 * c') / (trials_f + S1)``, strictly inside (0, 1).
+
+The middle level and the one-occurrence bucket came from the SmolLM2 replay at T = 1 against the
+suffix-tree peer (``rhyme-jax replay-drafts``, docs/architecture.md s. goodput).
 
 ``observe`` feeds the verify outcome of each drafted row: with ``d`` tokens sent and ``a``
 accepted, positions ``0..a-1`` count as accepted trials, position ``a`` (if ``a < d``) as a
 rejected one, later positions were not tested. The policy changes during training, so old
-outcomes fade: a (fine or coarse) cell past ``MEMORY`` trials has its counts (and issued-estimate
-sum) halved. One ``Calibration`` serves all rollout batches of
+outcomes fade: a (fine, middle or coarse) cell past ``MEMORY`` trials (a middle cell: expected
+tokens) has its counts (and issued-estimate sum) halved. One ``Calibration`` serves all rollout batches of
 a drafter: updates run under a lock; the numba draft kernels read the estimate table without it
 (a concurrent update can make a read one observation stale, never inconsistent: each float is
 written whole).
@@ -41,11 +53,15 @@ HISTORY, SELF, SIBLING = 0, 1, 2
 # match length m (tokens) -> bucket; m >= 64 shares the last bucket
 MATCH_EDGES = (1, 2, 3, 4, 5, 7, 10, 16)  # bucket k holds MATCH_EDGES[k] <= m < MATCH_EDGES[k + 1]
 DEPTH_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24)  # draft position j (0-based), same rule
-NUM_PROB = 11  # raw probability q: bucket floor(10 q) for q < 1, bucket 10 for q == 1
+NUM_PROB = 12  # raw probability q: bucket floor(10 q) for q < 1, 10 for q == 1, 11 one occurrence
+SINGLE = NUM_PROB - 1  # the bucket of a match that occurred once
 MAX_DEPTH = 32  # longest draft (the engine's shapes.MAX_DRAFT)
 S0 = 4.0  # pseudo-trials of a coarse cell's prior
 S1 = 8.0  # pseudo-trials of a fine cell's prior (centred on its coarse cell)
+S2 = 4.0  # pseudo-accepted tokens of a middle cell's prior factor
+CAP = 0.99  # largest prior mean of a fine cell
 HISTORY_SHRINK = 0.85  # prior acceptance of a history token = 0.85 x its branch share
+SINGLE_BASE = 0.425  # ... and after a match that occurred once (0.85 x 0.5)
 LOOKUP_BASE = 0.3  # prior acceptance of a self / sibling token (conservative)
 MEMORY = 5000.0  # a cell past this many trials has its counts halved (older outcomes fade)
 
@@ -55,26 +71,32 @@ def _bucket_table(edges: tuple[int, ...], size: int) -> np.ndarray:
 
 
 MATCH_BUCKET = _bucket_table(MATCH_EDGES, 65)
-# a fine cell's prior is its coarse cell's mean times this factor of its match-length bucket: a
-# continuation after a 1- or 2-token match is weak evidence however one-sided its branch counts
-# (SuffixDecoding caps a draft at its match length for the same reason)
+# a middle cell's prior factor by match-length bucket: a continuation after a 1- or 2-token match
+# is weak evidence however one-sided its branch counts (SuffixDecoding caps a draft at its match
+# length for the same reason)
 MATCH_PRIOR = np.array([0.35, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0])
 DEPTH_BUCKET = _bucket_table(DEPTH_EDGES, MAX_DEPTH)
 NUM_MATCH, NUM_DEPTH = len(MATCH_EDGES), len(DEPTH_EDGES)
 NUM_CELLS = len(SOURCES) * NUM_MATCH * NUM_DEPTH * NUM_PROB
+NUM_MID = len(SOURCES) * NUM_MATCH * NUM_DEPTH
 NUM_COARSE = len(SOURCES) * NUM_PROB
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def cell_of(source, match_len, depth, q):
+def cell_of(source, match_len, depth, q, once):
     """Cell id of a draft token: ``source`` (0..2), match length (>= 1 tokens), draft position
-    ``depth`` (0-based, < 32) and raw branch probability ``q`` in (0, 1] (ignored unless
-    history)."""
+    ``depth`` (0-based, < 32), raw probability ``q`` in (0, 1] and whether the match occurred
+    once (``once``; both ignored for siblings)."""
     mb = MATCH_BUCKET[min(match_len, 64)]
     db = DEPTH_BUCKET[min(depth, MAX_DEPTH - 1)]
     pb = 0
-    if source == HISTORY:
-        pb = NUM_PROB - 1 if q >= 1.0 - 1e-9 else min(int(q * 10.0), NUM_PROB - 2)
+    if source != SIBLING:
+        if once:
+            pb = SINGLE
+        elif q >= 1.0 - 1e-9:
+            pb = SINGLE - 1
+        else:
+            pb = min(int(q * 10.0), SINGLE - 2)
     return ((source * NUM_MATCH + mb) * NUM_DEPTH + db) * NUM_PROB + pb
 
 
@@ -85,29 +107,36 @@ def coarse_of(cell):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def estimate(fine, coarse, cell):
+def coarse_mean(coarse, cc):
+    """Posterior mean of coarse cell ``cc``."""
+    return (coarse[cc, 0] + S0 * coarse[cc, 2]) / (coarse[cc, 1] + S0)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def estimate(fine, mid, coarse, cell):
     """Posterior mean acceptance of ``cell`` (module docstring). ``fine f64[C, 2]`` = (accepted,
-    trials) per fine cell; ``coarse f64[Cc, 3]`` = (accepted, trials, prior base)."""
-    cc = coarse_of(cell)
-    c = (coarse[cc, 0] + S0 * coarse[cc, 2]) / (coarse[cc, 1] + S0)
-    c *= MATCH_PRIOR[(cell // (NUM_DEPTH * NUM_PROB)) % NUM_MATCH]
+    trials) per fine cell; ``mid f64[Cm, 2]`` = (accepted, expected by coarse means) per middle
+    cell (``cell // NUM_PROB``); ``coarse f64[Cc, 3]`` = (accepted, trials, prior base)."""
+    m = cell // NUM_PROB
+    r = (mid[m, 0] + S2 * MATCH_PRIOR[(m // NUM_DEPTH) % NUM_MATCH]) / (mid[m, 1] + S2)
+    c = min(coarse_mean(coarse, coarse_of(cell)) * r, CAP)
     return (fine[cell, 0] + S1 * c) / (fine[cell, 1] + S1)
 
 
 @numba.njit(cache=True, nogil=True)
-def _refresh(fine, coarse, table):
+def _refresh(fine, mid, coarse, table):
     """``table[c]`` = the estimate of every cell; returns the largest."""
     top = 0.0
     for c in range(fine.shape[0]):
-        table[c] = estimate(fine, coarse, c)
+        table[c] = estimate(fine, mid, coarse, c)
         top = max(top, table[c])
     return top
 
 
 @numba.njit(cache=True, nogil=True)
-def _update(fine, coarse, issued, table, reqs, cells, ests, drafted, accepted):
+def _update(fine, mid, coarse, issued, table, reqs, cells, ests, drafted, accepted):
     """Count the verify outcome of each row b (request ``reqs[b]``, whose last draft had cells
-    ``cells[reqs[b]]`` and estimates ``ests[reqs[b]]``) into ``fine``/``coarse`` and the
+    ``cells[reqs[b]]`` and estimates ``ests[reqs[b]]``) into ``fine``/``mid``/``coarse`` and the
     issued-estimate sums ``issued f64[C]`` (module docstring), forget those drafts (cells -1),
     refresh ``table`` where it changed. Returns ``(code, largest entry of table)``; code 0, or,
     with nothing changed, 1 (a request out of range), 2 (a repeated request) or 3 (not
@@ -123,6 +152,7 @@ def _update(fine, coarse, issued, table, reqs, cells, ests, drafted, accepted):
         if accepted[b] < 0 or accepted[b] > drafted[b]:
             return 3, 0.0
     touched = np.zeros(coarse.shape[0], np.bool_)
+    touched_mid = np.zeros(mid.shape[0], np.bool_)
     for b in range(reqs.shape[0]):
         r = reqs[b]
         d = min(drafted[b], cells.shape[1])
@@ -140,6 +170,13 @@ def _update(fine, coarse, issued, table, reqs, cells, ests, drafted, accepted):
                 fine[c, 1] *= 0.5
                 issued[c] *= 0.5
             cc = coarse_of(c)
+            m = c // NUM_PROB
+            mid[m, 0] += hit
+            mid[m, 1] += coarse_mean(coarse, cc)
+            if mid[m, 1] > MEMORY:
+                mid[m, 0] *= 0.5
+                mid[m, 1] *= 0.5
+            touched_mid[m] = True
             coarse[cc, 0] += hit
             coarse[cc, 1] += 1.0
             if coarse[cc, 1] > MEMORY:
@@ -153,7 +190,11 @@ def _update(fine, coarse, issued, table, reqs, cells, ests, drafted, accepted):
             src, pb = cc // NUM_PROB, cc % NUM_PROB
             for k in range(NUM_MATCH * NUM_DEPTH):
                 c = (src * NUM_MATCH * NUM_DEPTH + k) * NUM_PROB + pb
-                table[c] = estimate(fine, coarse, c)
+                table[c] = estimate(fine, mid, coarse, c)
+    for m in range(mid.shape[0]):
+        if touched_mid[m]:
+            for pb in range(NUM_PROB):
+                table[m * NUM_PROB + pb] = estimate(fine, mid, coarse, m * NUM_PROB + pb)
     top = 0.0
     for c in range(table.shape[0]):
         top = max(top, table[c])
@@ -171,6 +212,8 @@ class Calibration:
 
     Attributes (numpy, read by the numba draft kernels; modify only through ``update``):
       fine: ``float64[NUM_CELLS, 2]`` accepted and tested draft tokens per cell.
+      mid: ``float64[NUM_MID, 2]`` accepted tokens and the sum of their coarse means per middle
+        cell (``fine cell // NUM_PROB``).
       coarse: ``float64[NUM_COARSE, 3]`` the same per (source, raw-probability bucket) and the
         prior base acceptance.
       table: ``float64[NUM_CELLS]`` the current estimate of every cell (what the kernels read).
@@ -179,13 +222,14 @@ class Calibration:
 
     def __init__(self):
         self.fine = np.zeros((NUM_CELLS, 2), np.float64)
+        self.mid = np.zeros((NUM_MID, 2), np.float64)
         self.coarse = np.zeros((NUM_COARSE, 3), np.float64)
-        centres = np.r_[(np.arange(NUM_PROB - 1) + 0.5) / 10.0, 1.0]
-        self.coarse[HISTORY * NUM_PROB:(HISTORY + 1) * NUM_PROB, 2] = HISTORY_SHRINK * centres
+        centres = np.r_[(np.arange(SINGLE - 1) + 0.5) / 10.0, 1.0]
+        self.coarse[HISTORY * NUM_PROB:(HISTORY + 1) * NUM_PROB, 2] = np.r_[HISTORY_SHRINK * centres, SINGLE_BASE]
         self.coarse[NUM_PROB:, 2] = LOOKUP_BASE
         self.issued = np.zeros(NUM_CELLS, np.float64)
         self.table = np.zeros(NUM_CELLS, np.float64)
-        self.top = float(_refresh(self.fine, self.coarse, self.table))
+        self.top = float(_refresh(self.fine, self.mid, self.coarse, self.table))
         self._lock = threading.Lock()
 
     def update(self, reqs: Int[np.ndarray, "B"], cells: Int[np.ndarray, "R D"], ests: Float[np.ndarray, "R D"],
@@ -210,7 +254,8 @@ class Calibration:
             raise ValueError(f"cells/ests/drafted/accepted: expected int32[R, D]/float32[R, D]/[B]/[B], got "
                              f"{cells.dtype}{cells.shape}/{ests.dtype}{ests.shape}/{drafted.shape}/{accepted.shape}")
         with self._lock:
-            code, top = _update(self.fine, self.coarse, self.issued, self.table, reqs, cells, ests, drafted, accepted)
+            code, top = _update(self.fine, self.mid, self.coarse, self.issued, self.table, reqs, cells, ests, drafted,
+                                accepted)
             if code == 0:
                 self.top = float(top)
         if code:
@@ -218,16 +263,16 @@ class Calibration:
                               "reqs: each request may appear once per observe()",
                               "accepted: expected 0 <= accepted <= drafted per row")[code])
 
-    def estimate(self, source: str, match_len: int, depth: int, q: float = 1.0) -> float:
-        """Current estimate of one token (``source`` in ``SOURCES``; ``q`` the raw branch share,
-        history only).
+    def estimate(self, source: str, match_len: int, depth: int, q: float = 1.0, once: bool = False) -> float:
+        """Current estimate of one token (``source`` in ``SOURCES``; ``q`` its raw probability and
+        ``once`` whether its match occurred once, both ignored for siblings; ``cell_of``).
 
         Raises:
           ValueError: unknown source (named).
         """
         if source not in SOURCES:
             raise ValueError(f"source: expected one of {SOURCES}, got {source!r}")
-        return float(self.table[cell_of(SOURCES.index(source), int(match_len), int(depth), float(q))])
+        return float(self.table[cell_of(SOURCES.index(source), int(match_len), int(depth), float(q), bool(once))])
 
     def rows(self) -> list[dict]:
         """Every cell with tested tokens: ``source``, ``match`` / ``depth`` / ``prob`` bucket labels
@@ -241,7 +286,8 @@ class Calibration:
             rest, pb = divmod(int(c), NUM_PROB)
             rest, db = divmod(rest, NUM_DEPTH)
             src, mb = divmod(rest, NUM_MATCH)
-            prob = "-" if src != HISTORY else ("1" if pb == NUM_PROB - 1 else f"{pb / 10:.1f}-{(pb + 1) / 10:.1f}")
+            prob = ("-" if src == SIBLING else "once" if pb == SINGLE else "1" if pb == SINGLE - 1
+                    else f"{pb / 10:.1f}-{(pb + 1) / 10:.1f}")
             t = float(fine[c, 1])
             out.append(dict(source=SOURCES[src], match=_label(MATCH_EDGES, mb, 64),
                             depth=_label(DEPTH_EDGES, db, MAX_DEPTH - 1), prob=prob,

@@ -11,7 +11,8 @@ among the non-terminator children (a separator or the
 prompt's end marker is never drafted, but its occurrences count in the denominator), with raw
 probability ``q = count(child) / count(parent)``; the running product of q still stops the walk
 below ``min_token_prob``. Each token's acceptance estimate is its calibration cell's
-(``calibration.py``: source history, match length, depth, q). A candidate's score is its expected
+(``calibration.py``: source history, match length, depth, q, whether the match
+occurred once). A candidate's score is its expected
 accepted length ``sum_j prod_{i <= j} est_i`` (SuffixDecoding, Oliaro et al. 2024, arXiv
 2411.04975); the row keeps the best (ties: the longer match).
 
@@ -199,7 +200,7 @@ def walk(states, s0, v, m, max_len, min_prob, table, ub, best, tok, est, cell):
         if prob * q < min_prob:
             break
         prob *= q
-        cl = C.cell_of(C.HISTORY, m, n, q)
+        cl = C.cell_of(C.HISTORY, m, n, q, states[s0 + v, COUNT] == 1)
         e = table[cl]
         cum *= e
         score += cum

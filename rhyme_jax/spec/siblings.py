@@ -21,10 +21,14 @@ Matching (per row, after all rows are extended): the longest suffix of the seque
 anywhere in a sibling's stored tokens. Occurrences are found through a hash of each position's
 ``pattern_min``-gram per group: the table maps (group, gram) to the newest occurrence, and each
 occurrence links to the previous one, so a query walks at most ``CHAIN_MAX`` occurrences, newest
-first, extends each backwards to ``pattern_max`` and keeps the longest (ties: the older, which has
-the longer continuation; the walk ends early once every enabled source has a ``pattern_max``
-match). The continuation after the match is the candidate; each token gets the
-calibrated estimate of (source, match length, depth) (``calibration.py``) and the candidate
+first, extends each backwards to ``pattern_max`` and keeps the longest (the walk ends early once
+every enabled source has a ``pattern_max`` match). For a sibling the longest match wins (ties:
+the older, which has the longer continuation). For self, among the occurrences with the longest
+match the one whose next token is the most common among them wins (prompt lookup's newest
+occurrence is a worse guess when a pattern recurs: SuffixDecoding drafts the most frequent
+continuation); that token's share is the candidate's raw probability. The continuation after
+the match is the candidate; each token gets the calibrated estimate of (source, match length,
+depth, raw probability) (``calibration.py``) and the candidate
 replaces the row's history candidate when its expected accepted length is larger
 (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, scores candidates the same way).
 Cost: O(1) expected per new token and O(CHAIN_MAX * pattern_max) per query.
@@ -180,21 +184,22 @@ def _back_match(seq, s, e, r, n, pmax):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _score_into(seq, s, e, stop, m, source, max_len, table, best, out, out_est, out_cell):
-    """Candidate ``seq[s, e:stop]`` (up to a separator / ``max_len``) at match length m: written
+def _score_into(seq, s, e, stop, m, q, once, source, max_len, table, best, out, out_est, out_cell):
+    """Candidate ``seq[s, e:stop]`` (up to a separator / ``max_len``) at match length m (raw
+    probability q, ``once``: the match occurred once; ``calibration.cell_of``): written
     into ``out*`` when its expected accepted length beats ``best``; returns ``(n, score)`` or
     ``(-1, best)`` when it does not."""
     cum = 1.0
     score = 0.0
     n = 0
     while n < max_len and e + n < stop and seq[s, e + n] >= 0 and cum >= MIN_CUM:
-        cum *= table[C.cell_of(source, m, n, 1.0)]
+        cum *= table[C.cell_of(source, m, n, q, once)]
         score += cum
         n += 1
     if score <= best:
         return -1, best
     for j in range(n):
-        cl = C.cell_of(source, m, j, 1.0)
+        cl = C.cell_of(source, m, j, q, once)
         out[j] = seq[s, e + j]
         out_est[j] = table[cl]
         out_cell[j] = cl
@@ -204,25 +209,36 @@ def _score_into(seq, s, e, stop, m, source, max_len, table, best, out, out_est, 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_sib):
     """Longest earlier match of request r's end in itself and in a sibling:
-    ``(self_m, self_e, sib_m, sib_s, sib_e)`` (m = 0: none)."""
+    ``(self_m, self_e, self_q, self_once, sib_m, sib_s, sib_e)`` (m = 0: none). Among the self
+    occurrences with the longest match (of the ``CHAIN_MAX`` examined), ``self_e`` is one whose
+    next token is the most common among them, ``self_q`` that token's share and ``self_once``
+    whether the match occurred once."""
     n = slen[r]
     sm, se, bm, bs, be = 0, 0, 0, 0, 0
+    sq = 1.0
+    once = True
     if n - seg[r] < pmin:
-        return sm, se, bm, bs, be
+        return sm, se, sq, once, bm, bs, be
     key = _gram_key(seq[r], n, pmin, group)
     if key < 0:
-        return sm, se, bm, bs, be
+        return sm, se, sq, once, bm, bs, be
     h = _slot(table, key)
     if table[h, 0] == -1:
-        return sm, se, bm, bs, be
+        return sm, se, sq, once, bm, bs, be
+    ms = np.zeros(CHAIN_MAX, np.int64)
+    es = np.zeros(CHAIN_MAX, np.int64)
+    k = 0
     s, e = table[h, 1] >> np.int64(32), table[h, 1] & np.int64(0xFFFFFFFF)
     for _ in range(CHAIN_MAX):
         if s < 0:
             break
         if s == r and e < n and use_self:
             m = _back_match(seq, s, e, r, n, pmax)
-            if m >= pmin and m >= sm:
-                sm, se = m, e
+            if m >= pmin:
+                ms[k], es[k] = m, e
+                k += 1
+                if m >= sm:
+                    sm, se = m, e
         elif s != r and use_sib and e < slen[s]:
             m = _back_match(seq, s, e, r, n, pmax)
             if m >= pmin and m >= bm:
@@ -230,7 +246,19 @@ def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_
         if (sm == pmax or not use_self) and (bm == pmax or not use_sib):
             break  # both at the longest match already
         s, e = np.int64(prev[s, e - 1, 0]), np.int64(prev[s, e - 1, 1])
-    return sm, se, bm, bs, be
+    if sm > 0:
+        tot, best = 0, 0
+        for i in range(k):
+            if ms[i] == sm:
+                tot += 1
+                agree = 0
+                for j in range(k):
+                    if ms[j] == sm and seq[r, es[j]] == seq[r, es[i]]:
+                        agree += 1
+                if agree > best:
+                    best, se = agree, es[i]
+        sq, once = best / tot, tot == 1
+    return sm, se, sq, once, bm, bs, be
 
 
 @numba.njit(cache=True, nogil=True)
@@ -247,13 +275,13 @@ def lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tai
         ml = min(max_lens[b], MAX_DRAFT)
         if ml <= 0:
             continue
-        sm, se, bm, bs, be = _query_row(seq, prev, slen, seg, grams, r, groups[r], pmin, pmax, use_self, use_sib)
+        sm, se, sq, so, bm, bs, be = _query_row(seq, prev, slen, seg, grams, r, groups[r], pmin, pmax, use_self, use_sib)
         if sm > 0:
-            n, s = _score_into(seq, r, se, slen[r], sm, C.SELF, ml, table, score[b], out[b], out_est[b], out_cell[b])
+            n, s = _score_into(seq, r, se, slen[r], sm, sq, so, C.SELF, ml, table, score[b], out[b], out_est[b], out_cell[b])
             if n >= 0:
                 lens[b], score[b] = n, s
         if bm > 0:
-            n, s = _score_into(seq, bs, be, slen[bs], bm, C.SIBLING, ml, table, score[b], out[b], out_est[b],
+            n, s = _score_into(seq, bs, be, slen[bs], bm, 1.0, False, C.SIBLING, ml, table, score[b], out[b], out_est[b],
                                out_cell[b])
             if n >= 0:
                 lens[b], score[b] = n, s
