@@ -241,19 +241,27 @@ def test_accepts_the_run_config_section():
         assert drafts[0, : lens[0]].tolist() == _reference(store, 0, tail[0], 2, spec)
 
 
-def test_bad_arguments_are_named():
+@pytest.mark.parametrize("window", ["aimd", "goodput"])
+def test_bad_arguments_are_named(window):
     with pytest.raises(ValueError, match="window"):
         Drafter(_cfg(window="linear"), HistoryStore())
     with pytest.raises(ValueError, match="fixed_window"):
         Drafter(_cfg(window="fixed", fixed_window=64), HistoryStore())
-    with Drafter(_cfg(), HistoryStore()) as d:
+    with Drafter(_cfg(window=window, self_lookup=window == "goodput"), HistoryStore()) as d:
         b = d.batch([0, 1])
-        with pytest.raises(ValueError, match="reqs"):
-            b.draft(np.array([2]), np.zeros((1, P), np.int32), np.array([4]))
+        w = b.context_width
+        for bad in ([2], [-1], [0, 2]):
+            with pytest.raises(ValueError, match="reqs"):
+                b.draft(np.array(bad), np.zeros((len(bad), w), np.int32), np.full(len(bad), 4))
         with pytest.raises(ValueError, match="budgets"):
-            b.draft(np.array([0, 1]), np.zeros((2, P), np.int32), np.array([4]))
+            b.draft(np.array([0, 1]), np.zeros((2, w), np.int32), np.array([4]))
         with pytest.raises(ValueError, match="reqs"):
             b.observe(np.array([0, 0]), np.array([1, 1]), np.array([1, 1]))
+        with pytest.raises(ValueError, match="reqs"):
+            b.observe(np.array([2]), np.array([1]), np.array([1]))
+        tails = np.tile(np.arange(w, dtype=np.int32), (2, 1))  # no history, nothing repeats: no draft
+        drafts, lens = b.draft([0, 1], tails, [4, 4])  # lists are fine; the batch is still usable
+        assert lens.tolist() == [0, 0] and drafts.shape == (2, 0)
 
 
 def test_self_lookup_drafts_match_brute_force():

@@ -253,6 +253,25 @@ def test_self_lookup_drafts_the_most_common_continuation_of_the_longest_match():
         assert batch._goodput.cells[0, 0] == C.cell_of(C.SELF, 1, 0, 1.0, True) != C.cell_of(C.SELF, 1, 0, 1.0, False)
 
 
+def test_sequence_store_grows_past_its_capacity_and_keeps_drafting():
+    prompt = list(range(1000, 1010))
+    period = list(range(100, 150))  # distinct tokens repeated: self-lookup always knows what comes next
+    full = prompt + period * 16  # 810 tokens: past the store's first 512 columns
+    with Drafter(_cfg(self_lookup=True, min_token_prob=0.0, pattern_min=1), HistoryStore()) as d:
+        batch = d.batch([4])
+        n, checked = len(prompt) + 1, 0
+        while n < len(full) - 8:
+            drafts, _ = _draft(batch, [0], [full[:n]], budget=4)
+            if n >= len(prompt) + len(period) + 1:
+                assert drafts == [full[n: n + len(drafts[0])]] and len(drafts[0]) >= 1, n
+                checked += 1
+            batch.observe(np.array([0]), np.array([len(drafts[0])]), np.array([len(drafts[0])]))
+            n += len(drafts[0]) + 1
+        store = batch._goodput.store
+        assert checked > 100 and store.seq.shape[1] > 512
+        assert store.sequence(0).tolist() == full[: store.slen[0]] and store.slen[0] > 700
+
+
 def test_middle_cells_carry_what_match_length_and_depth_do_across_branch_shares():
     cal = C.Calibration()
     cold = cal.estimate("history", 2, 1, 0.95)

@@ -11,8 +11,8 @@ example: weak evidence). The estimate of a token is the posterior mean of its ce
 acceptance (accepted given the earlier draft tokens were) under a two-level Beta model:
 
 * coarse cell (source, raw-probability bucket): ``Beta(S0 * base, S0 * (1 - base))`` with
-  ``base = HISTORY_SHRINK * bucket centre`` for history (``SINGLE_BASE`` for one occurrence) and
-  ``LOOKUP_BASE`` for self/sibling;
+  ``base = HISTORY_SHRINK * bucket centre`` for history (``AGREE_BASE`` for share 1 over several
+  occurrences, ``SINGLE_BASE`` for one occurrence) and ``LOOKUP_BASE`` for self/sibling;
   its posterior mean ``c = (succ_c + S0 * base) / (trials_c + S0)``;
 * middle cell (source, match-length bucket, depth bucket): how its tokens fare against their
   coarse means, a factor ``r = (succ_m + S2 * MATCH_PRIOR[match bucket]) / (expected_m + S2)``
@@ -61,7 +61,8 @@ S1 = 8.0  # pseudo-trials of a fine cell's prior (centred on its coarse cell)
 S2 = 4.0  # pseudo-accepted tokens of a middle cell's prior factor
 CAP = 0.99  # largest prior mean of a fine cell
 HISTORY_SHRINK = 0.85  # prior acceptance of a history token = 0.85 x its branch share
-SINGLE_BASE = 0.425  # ... and after a match that occurred once (0.85 x 0.5)
+AGREE_BASE = 0.9  # ... whose share is 1 over several occurrences (every one continued alike)
+SINGLE_BASE = 0.425  # ... after a match that occurred once (0.85 x 0.5)
 LOOKUP_BASE = 0.3  # prior acceptance of a self / sibling token (conservative)
 MEMORY = 5000.0  # a cell past this many trials has its counts halved (older outcomes fade)
 
@@ -224,8 +225,9 @@ class Calibration:
         self.fine = np.zeros((NUM_CELLS, 2), np.float64)
         self.mid = np.zeros((NUM_MID, 2), np.float64)
         self.coarse = np.zeros((NUM_COARSE, 3), np.float64)
-        centres = np.r_[(np.arange(SINGLE - 1) + 0.5) / 10.0, 1.0]
-        self.coarse[HISTORY * NUM_PROB:(HISTORY + 1) * NUM_PROB, 2] = np.r_[HISTORY_SHRINK * centres, SINGLE_BASE]
+        centres = (np.arange(SINGLE - 1) + 0.5) / 10.0  # buckets floor(10 q), q < 1
+        self.coarse[HISTORY * NUM_PROB:(HISTORY + 1) * NUM_PROB, 2] = np.r_[HISTORY_SHRINK * centres, AGREE_BASE,
+                                                                             SINGLE_BASE]
         self.coarse[NUM_PROB:, 2] = LOOKUP_BASE
         self.issued = np.zeros(NUM_CELLS, np.float64)
         self.table = np.zeros(NUM_CELLS, np.float64)
@@ -249,9 +251,10 @@ class Calibration:
         """
         reqs, drafted, accepted = (np.asarray(x, np.int64) for x in (reqs, drafted, accepted))
         b = (reqs.size,)
-        if (cells.dtype != np.int32 or ests.dtype != np.float32 or cells.ndim != 2 or ests.shape != cells.shape
+        if (reqs.ndim != 1 or cells.dtype != np.int32 or ests.dtype != np.float32 or cells.ndim != 2
+                or ests.shape != cells.shape
                 or not cells.flags.c_contiguous or drafted.shape != b or accepted.shape != b):
-            raise ValueError(f"cells/ests/drafted/accepted: expected int32[R, D]/float32[R, D]/[B]/[B], got "
+            raise ValueError(f"cells/ests/drafted/accepted: expected int32[R, D]/float32[R, D]/[B]/[B] (reqs [B]), got "
                              f"{cells.dtype}{cells.shape}/{ests.dtype}{ests.shape}/{drafted.shape}/{accepted.shape}")
         with self._lock:
             code, top = _update(self.fine, self.mid, self.coarse, self.issued, self.table, reqs, cells, ests, drafted,

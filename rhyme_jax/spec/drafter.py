@@ -169,6 +169,11 @@ class Drafter:
         self.close()
 
 
+def _int64(x) -> np.ndarray:
+    """``x`` as an int64 array (no copy when it is one)."""
+    return x if type(x) is np.ndarray and x.dtype == np.int64 else np.asarray(x, np.int64)
+
+
 class DraftBatch:
     """Drafting state of one rollout batch (``Drafter.batch``): which index each request uses
     and its draft window. The engine calls ``draft`` every decode step and ``observe`` after it.
@@ -238,21 +243,23 @@ class DraftBatch:
         """
         t0 = time.perf_counter()
         p = self.parent
-        r = self._reqs(reqs)
-        budgets = np.asarray(budgets, dtype=np.int64)
-        if budgets.shape != r.shape:
-            raise ValueError(f"budgets: expected shape {r.shape}, got {budgets.shape}")
+        goodput = self._goodput is not None
+        # the goodput kernel checks the request range itself (one call per step)
+        r = _int64(reqs) if goodput else self._reqs(reqs)
+        budgets = _int64(budgets)
         tails = np.asarray(tails)
+        if r.ndim != 1 or budgets.shape != r.shape:
+            raise ValueError(f"reqs, budgets: expected two 1-D arrays of one length, got {r.shape}, {budgets.shape}")
         if tails.ndim != 2 or tails.shape[0] != r.size:
             raise ValueError(f"tails: expected shape ({r.size}, P), got {tails.shape}")
-        max_lens = np.minimum(self._window[r], budgets)
         if tails.shape[1] < p.pattern_max:
             raise ValueError(f"tails: need at least pattern_max={p.pattern_max} columns, got {tails.shape[1]}")
-        if self._goodput is not None:
-            drafts, lens, self.estimates = self._goodput.draft(r, tails, max_lens)
-            self.priorities = np.maximum(self.predicted_lengths[r] - self._emitted[r], 0.0).astype(np.float32)
+        if goodput:  # no window: the kernel caps drafts at 32 tokens
+            drafts, lens, self.estimates, self.priorities = self._goodput.draft(r, tails, budgets,
+                                                                                self.predicted_lengths, self._emitted)
             self._spent(time.perf_counter() - t0)
             return drafts, lens
+        max_lens = np.minimum(self._window[r], budgets)
         out, lens = draft_batch(self._pack, self._slots[r], np.ascontiguousarray(tails[:, -p.pattern_max:]),
                                 max_lens, branch=p.branch, min_token_prob=p.min_token_prob,
                                 pattern_max=p.pattern_max, pattern_min=p.pattern_min)
@@ -287,11 +294,13 @@ class DraftBatch:
         Raises:
           ValueError: repeated or out-of-range requests, or bad drafted/accepted (named).
         """
-        r = self._reqs(reqs)
-        if self._goodput is not None:  # checks repeats and counts in one pass
-            self._goodput.observe(r, np.asarray(drafted, np.int64), np.asarray(accepted, np.int64))
-            self._emitted[r] += np.asarray(accepted, np.int64) + 1
+        if self._goodput is not None:  # the calibration checks range and repeats as it counts
+            r = _int64(reqs)
+            accepted = _int64(accepted)
+            self._goodput.observe(r, _int64(drafted), accepted)
+            self._emitted[r] += accepted + 1
             return
+        r = self._reqs(reqs)
         if np.unique(r).size != r.size:
             raise ValueError("reqs: each request may appear once per observe()")
         p = self.parent

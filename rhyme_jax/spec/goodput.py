@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 
 from rhyme_jax.spec.calibration import Calibration
 from rhyme_jax.spec.candidates import MAX_DRAFT, HistoryPack, history_candidates
-from rhyme_jax.spec.siblings import SequenceStore, lookup_candidates
+from rhyme_jax.spec.siblings import SequenceStore, lookup_candidates, room_needed
 
 if TYPE_CHECKING:
     from rhyme_jax.spec.drafter import Drafter
@@ -58,14 +58,38 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
 
 
 @numba.njit(cache=True, nogil=True)
+def _prologue(reqs, num_reqs, pred, emitted, prio, lookup, slen, grow, tails, seq_cap, grams_free):
+    """Checks of one draft step and each row's priority ``prio[b] = max(pred[r] - emitted[r], 0)``.
+    Returns 0, 1 (a request out of ``[0, num_reqs)``) or 2 (the sequence store needs room first:
+    ``SequenceStore.reserve``)."""
+    for b in range(reqs.shape[0]):
+        r = reqs[b]
+        if r < 0 or r >= num_reqs:
+            return 1
+    if lookup:
+        most, new = room_needed(slen, grow, reqs, tails)
+        if most > seq_cap or new * 2 > grams_free:
+            return 2
+    for b in range(reqs.shape[0]):
+        r = reqs[b]
+        prio[b] = max(pred[r] - emitted[r], 0.0)
+    return 0
+
+
+@numba.njit(cache=True, nogil=True)
 def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top,
                  lookup, use_self, use_sib, seq, prev, slen, seg, grams, used, groups, cells_state, ests_state, out,
-                 est, lens):
-    """One goodput draft step in one call: history candidates (``history_candidates``; the first
-    four arguments are a ``HistoryPack``, ``slots`` per request; ``grow`` tokens each request's
-    tail gained since its last draft, -1 unknown; ``memo`` its last history match), then, if
-    ``lookup``, the self / sibling candidates (``lookup_candidates`` over a ``SequenceStore``'s
-    arrays), then ``_finish``. Returns the longest draft."""
+                 est, lens, pred, emitted, prio):
+    """One goodput draft step in one call: ``_prologue`` (returns -1 / -2 for its codes 1 / 2,
+    nothing changed), history candidates (``history_candidates``; the first four arguments are
+    a ``HistoryPack``, ``slots`` per request; ``grow`` tokens each request's tail gained since
+    its last draft, -1 unknown; ``memo`` its last history match), then, if ``lookup``, the self /
+    sibling candidates (``lookup_candidates`` over a ``SequenceStore``'s arrays), then
+    ``_finish``. Returns the longest draft."""
+    code = _prologue(reqs, slots.shape[0], pred, emitted, prio, lookup, slen, grow, tails, seq.shape[1],
+                     grams.shape[0] - 2 * used[0])
+    if code:
+        return -code
     b = reqs.shape[0]
     cell = np.empty((b, MAX_DRAFT), np.int32)
     score = np.empty(b, np.float64)
@@ -104,32 +128,50 @@ class GoodputDrafts:
         # without lookup sources the kernel gets an empty store (one compiled signature)
         self.store = SequenceStore(groups if self.lookup else np.zeros(0, np.int64), parent.pattern_min,
                                    parent.pattern_max, cap=512 if self.lookup else 1)
+        self._zeros = (np.zeros(r, np.float64), np.zeros(r, np.int64))
 
-    def draft(self, reqs: Int[np.ndarray, "B"], tails: Int[np.ndarray, "B W"], budgets: Int[np.ndarray, "B"]
-              ) -> tuple[Int[np.ndarray, "B K"], Int[np.ndarray, "B"], Float[np.ndarray, "B K"]]:
+    def draft(self, reqs: Int[np.ndarray, "B"], tails: Int[np.ndarray, "B W"], budgets: Int[np.ndarray, "B"],
+              predicted: Float[np.ndarray, "R"] | None = None, emitted: Int[np.ndarray, "R"] | None = None
+              ) -> tuple[Int[np.ndarray, "B K"], Int[np.ndarray, "B"], Float[np.ndarray, "B K"],
+                         Float[np.ndarray, "B"]]:
         """Best candidate of each row (module docstring), at most ``min(budgets[b], 32)`` tokens.
 
         Args:
           reqs: ``int64[B]`` distinct request indices; tails: ``int[B, W]`` (W >= pattern_max)
             left-padded with -1; budgets: ``int64[B]``.
+          predicted / emitted: ``float64[R]`` / ``int64[R]`` tokens the history predicts each
+            request generates and those it emitted so far (default: zeros).
 
         Returns:
-          ``(tokens int32[B, K], lens int32[B], estimates float32[B, K])``; K = max(lens);
-          estimates in (0, 1) where ``j < lens[b]``, 0 after (padding tokens are 0 too).
+          ``(tokens int32[B, K], lens int32[B], estimates float32[B, K], priorities float32[B])``;
+          K = max(lens); estimates in (0, 1) where ``j < lens[b]``, 0 after (padding tokens are 0
+          too); priorities ``max(predicted - emitted, 0)`` per row.
+
+        Raises:
+          ValueError: a request out of range (named).
         """
         p, cal, st = self.parent, self.calibration, self.store
         b = reqs.size
-        tails = np.ascontiguousarray(tails, np.int32)
-        if self.lookup:
-            st.reserve(reqs, tails, self.grow)
+        if tails.dtype != np.int32 or not tails.flags.c_contiguous:
+            tails = np.ascontiguousarray(tails, np.int32)
+        if predicted is None:
+            predicted, emitted = self._zeros
         out = np.empty((b, MAX_DRAFT), np.int32)
         est = np.empty((b, MAX_DRAFT), np.float32)
         lens = np.empty(b, np.int32)
-        k = draft_kernel(*self.pack.args(), self.slots, reqs, self.grow, self.memo, tails, budgets, p.min_token_prob,
-                         p.pattern_max, p.pattern_min, cal.table, cal.top, self.lookup, p.self_lookup, p.siblings,
-                         st.seq, st.prev, st.slen, st.seg, st.grams, st.used, st.groups, self.cells, self.ests, out,
-                         est, lens)
-        return out[:, :k], lens, est[:, :k]
+        prio = np.empty(b, np.float32)
+        for attempt in range(2):
+            k = draft_kernel(*self.pack.args(), self.slots, reqs, self.grow, self.memo, tails, budgets,
+                             p.min_token_prob, p.pattern_max, p.pattern_min, cal.table, cal.top, self.lookup,
+                             p.self_lookup, p.siblings, st.seq, st.prev, st.slen, st.seg, st.grams, st.used,
+                             st.groups, self.cells, self.ests, out, est, lens, predicted, emitted, prio)
+            if k != -2:
+                break
+            st.reserve(reqs, tails, self.grow)  # room first, then the same step again
+        if k == -1:
+            raise ValueError(f"reqs: expected request indices in [0, {self.slots.size}) of the batch given to "
+                             f"Drafter.batch(), got {reqs.tolist()}")
+        return out[:, :k], lens, est[:, :k], prio
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"]
                 ) -> None:

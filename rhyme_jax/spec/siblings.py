@@ -288,7 +288,7 @@ def lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tai
 
 
 @numba.njit(cache=True, nogil=True)
-def _need(slen, grow, reqs, tails):
+def room_needed(slen, grow, reqs, tails):
     """``(most tokens a row can hold after the next extension, new grams expected)`` (a tail that
     does not line up may add more; the table then leaves grams out until the next call)."""
     most = 0
@@ -345,7 +345,7 @@ class SequenceStore:
         """Room for the next extension of rows ``reqs`` (``int64[B]``) by ``tails``
         (``int32[B, W]``; ``grow`` tokens each request's tail gained, -1 unknown): tokens per row
         and table slots for their grams (doubling; a full table leaves grams out, never fails)."""
-        need, new = _need(self.slen, grow, reqs, tails)
+        need, new = room_needed(self.slen, grow, reqs, tails)
         if need > self.seq.shape[1]:
             cap = max(need, 2 * self.seq.shape[1])
             extra = cap - self.seq.shape[1]
