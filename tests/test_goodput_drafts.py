@@ -351,7 +351,7 @@ def test_calibration_updates_are_thread_safe():
         t.join()
     (row,) = cal.rows()
     assert row["trials"] == 4 * 100 * 8 and row["observed"] == 0.5
-    assert row["source"] == "sibling" and row["match"] == "3" and row["depth"] == "0" and row["prob"] == "-"
+    assert row["source"] == "sibling" and row["match"] == "3" and row["depth"] == "0" and row["prob"] == "1"
     with pytest.raises(ValueError, match="once per observe"):
         cal.update(np.array([1, 1]), np.full((8, 32), -1, np.int32), np.zeros((8, 32), np.float32),
                    np.ones(2), np.ones(2))

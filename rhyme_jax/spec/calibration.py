@@ -2,12 +2,12 @@
 
 Each draft token gets a *cell*: (source, match-length bucket, depth bucket, raw-probability
 bucket). Sources: ``history`` (the prompt's suffix index; raw probability = the branch share
-``count(child) / count(parent)`` of the token), ``self`` (the sequence's own earlier tokens; raw
-probability = the share of the longest match's earlier occurrences that continue with the
-drafted occurrence's next token) and ``sibling`` (the same step's other responses to the prompt;
-no raw probability, bucket 0). Raw-probability buckets: ``floor(10 q)`` for ``q < 1``, 10 for
-``q = 1`` over several occurrences, 11 for a match that occurred once (``q = 1`` on one
-example: weak evidence). The estimate of a token is the posterior mean of its cell's conditional
+``count(child) / count(parent)`` of the token), ``self`` (the sequence's own earlier tokens) and
+``sibling`` (the same step's other responses to the prompt); for these two lookup sources the raw
+probability is the share of the longest match's occurrences that continue with the drafted
+occurrence's next token. Raw-probability buckets: ``floor(10 q)`` for ``q < 1``, 10 for ``q = 1``
+over several occurrences, 11 for a match that occurred once (``q = 1`` on one example: weak
+evidence). The estimate of a token is the posterior mean of its cell's conditional
 acceptance (accepted given the earlier draft tokens were) under a two-level Beta model:
 
 * coarse cell (source, raw-probability bucket): ``Beta(S0 * base, S0 * (1 - base))`` with
@@ -87,17 +87,15 @@ NUM_COARSE = len(SOURCES) * NUM_PROB
 def cell_of(source, match_len, depth, q, once):
     """Cell id of a draft token: ``source`` (0..2), match length (>= 1 tokens), draft position
     ``depth`` (0-based, < 32), raw probability ``q`` in (0, 1] and whether the match occurred
-    once (``once``; both ignored for siblings)."""
+    once (``once``)."""
     mb = MATCH_BUCKET[min(match_len, 64)]
     db = DEPTH_BUCKET[min(depth, MAX_DEPTH - 1)]
-    pb = 0
-    if source != SIBLING:
-        if once:
-            pb = SINGLE
-        elif q >= 1.0 - 1e-9:
-            pb = SINGLE - 1
-        else:
-            pb = min(int(q * 10.0), SINGLE - 2)
+    if once:
+        pb = SINGLE
+    elif q >= 1.0 - 1e-9:
+        pb = SINGLE - 1
+    else:
+        pb = min(int(q * 10.0), SINGLE - 2)
     return ((source * NUM_MATCH + mb) * NUM_DEPTH + db) * NUM_PROB + pb
 
 
@@ -268,7 +266,7 @@ class Calibration:
 
     def estimate(self, source: str, match_len: int, depth: int, q: float = 1.0, once: bool = False) -> float:
         """Current estimate of one token (``source`` in ``SOURCES``; ``q`` its raw probability and
-        ``once`` whether its match occurred once, both ignored for siblings; ``cell_of``).
+        ``once`` whether its match occurred once; ``cell_of``).
 
         Raises:
           ValueError: unknown source (named).
@@ -289,8 +287,7 @@ class Calibration:
             rest, pb = divmod(int(c), NUM_PROB)
             rest, db = divmod(rest, NUM_DEPTH)
             src, mb = divmod(rest, NUM_MATCH)
-            prob = ("-" if src == SIBLING else "once" if pb == SINGLE else "1" if pb == SINGLE - 1
-                    else f"{pb / 10:.1f}-{(pb + 1) / 10:.1f}")
+            prob = "once" if pb == SINGLE else "1" if pb == SINGLE - 1 else f"{pb / 10:.1f}-{(pb + 1) / 10:.1f}"
             t = float(fine[c, 1])
             out.append(dict(source=SOURCES[src], match=_label(MATCH_EDGES, mb, 64),
                             depth=_label(DEPTH_EDGES, db, MAX_DEPTH - 1), prob=prob,

@@ -21,17 +21,15 @@ Matching (per row, after all rows are extended): the longest suffix of the seque
 anywhere in a sibling's stored tokens. Occurrences are found through a hash of each position's
 ``pattern_min``-gram per group: the table maps (group, gram) to the newest occurrence, and each
 occurrence links to the previous one, so a query walks at most ``CHAIN_MAX`` occurrences, newest
-first, extends each backwards to ``pattern_max`` and keeps the longest (the walk ends early once
-every enabled source has a ``pattern_max`` match). For a sibling the longest match wins (ties:
-the older, which has the longer continuation). For self, among the occurrences with the longest
-match the one whose next token is the most common among them wins (prompt lookup's newest
-occurrence is a worse guess when a pattern recurs: SuffixDecoding drafts the most frequent
-continuation); that token's share is the candidate's raw probability. The continuation after
-the match is the candidate; each token gets the calibrated estimate of (source, match length,
-depth, raw probability) (``calibration.py``) and the candidate
-replaces the row's history candidate when its expected accepted length is larger
+first, and extends each backwards to ``pattern_max``. Per source (self, siblings), among the
+occurrences with the longest match the one whose next token is the most common among them wins
+(ties: the newest; prompt lookup's newest occurrence is a worse guess when a pattern recurs:
+SuffixDecoding drafts the most frequent continuation); that token's share is the candidate's
+raw probability. The continuation after the match is the candidate; each token gets the
+calibrated estimate of (source, match length, depth, raw probability) (``calibration.py``) and
+the candidate replaces the row's history candidate when its expected accepted length is larger
 (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, scores candidates the same way).
-Cost: O(1) expected per new token and O(CHAIN_MAX * pattern_max) per query.
+Cost: O(1) expected per new token and O(CHAIN_MAX * (pattern_max + CHAIN_MAX)) per query.
 """
 
 from __future__ import annotations
@@ -207,58 +205,55 @@ def _score_into(seq, s, e, stop, m, q, once, source, max_len, table, best, out, 
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_sib):
-    """Longest earlier match of request r's end in itself and in a sibling:
-    ``(self_m, self_e, self_q, self_once, sib_m, sib_s, sib_e)`` (m = 0: none). Among the self
-    occurrences with the longest match (of the ``CHAIN_MAX`` examined), ``self_e`` is one whose
-    next token is the most common among them, ``self_q`` that token's share and ``self_once``
-    whether the match occurred once."""
+def _mode(seq, rr, ee, mm, k, r, own):
+    """Among the occurrences ``rr[:k]``/``ee[:k]``/``mm[:k]`` (request, end, match length) of
+    request r itself (``own``) or of its siblings: the longest match m, one occurrence ``(s, e)``
+    whose next token is the most common among those matching m tokens (ties: the newest), that
+    token's share q and whether one occurrence matches. Returns ``(m, s, e, q, once)`` (m = 0:
+    none)."""
+    m = 0
+    for i in range(k):
+        if (rr[i] == r) == own:
+            m = max(m, mm[i])
+    tot, best, s, e = 0, 0, 0, 0
+    for i in range(k):
+        if (rr[i] == r) == own and mm[i] == m:
+            tot += 1
+            agree = 0
+            for j in range(k):
+                if (rr[j] == r) == own and mm[j] == m and seq[rr[j], ee[j]] == seq[rr[i], ee[i]]:
+                    agree += 1
+            if agree > best:
+                best, s, e = agree, rr[i], ee[i]
+    return m, s, e, best / max(tot, 1), tot == 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_sib, rr, ee, mm):
+    """Earlier matches (>= ``pmin`` tokens) of request r's end in itself and in its siblings: the
+    ``CHAIN_MAX`` newest occurrences of its last gram at most, into ``rr``/``ee``/``mm``
+    (request, end, match length). Returns how many."""
     n = slen[r]
-    sm, se, bm, bs, be = 0, 0, 0, 0, 0
-    sq = 1.0
-    once = True
+    k = 0
     if n - seg[r] < pmin:
-        return sm, se, sq, once, bm, bs, be
+        return k
     key = _gram_key(seq[r], n, pmin, group)
     if key < 0:
-        return sm, se, sq, once, bm, bs, be
+        return k
     h = _slot(table, key)
     if table[h, 0] == -1:
-        return sm, se, sq, once, bm, bs, be
-    ms = np.zeros(CHAIN_MAX, np.int64)
-    es = np.zeros(CHAIN_MAX, np.int64)
-    k = 0
+        return k
     s, e = table[h, 1] >> np.int64(32), table[h, 1] & np.int64(0xFFFFFFFF)
     for _ in range(CHAIN_MAX):
         if s < 0:
             break
-        if s == r and e < n and use_self:
+        if (s == r and e < n and use_self) or (s != r and use_sib and e < slen[s]):
             m = _back_match(seq, s, e, r, n, pmax)
             if m >= pmin:
-                ms[k], es[k] = m, e
+                rr[k], ee[k], mm[k] = s, e, m
                 k += 1
-                if m >= sm:
-                    sm, se = m, e
-        elif s != r and use_sib and e < slen[s]:
-            m = _back_match(seq, s, e, r, n, pmax)
-            if m >= pmin and m >= bm:
-                bm, bs, be = m, s, e
-        if (sm == pmax or not use_self) and (bm == pmax or not use_sib):
-            break  # both at the longest match already
         s, e = np.int64(prev[s, e - 1, 0]), np.int64(prev[s, e - 1, 1])
-    if sm > 0:
-        tot, best = 0, 0
-        for i in range(k):
-            if ms[i] == sm:
-                tot += 1
-                agree = 0
-                for j in range(k):
-                    if ms[j] == sm and seq[r, es[j]] == seq[r, es[i]]:
-                        agree += 1
-                if agree > best:
-                    best, se = agree, es[i]
-        sq, once = best / tot, tot == 1
-    return sm, se, sq, once, bm, bs, be
+    return k
 
 
 @numba.njit(cache=True, nogil=True)
@@ -270,21 +265,22 @@ def lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tai
     for b in range(reqs.shape[0]):
         r = reqs[b]
         _extend_row(seq, prev, slen, seg, grow, grams, used, r, tails[b], pmin, groups[r])
+    rr = np.zeros(CHAIN_MAX, np.int64)
+    ee = np.zeros(CHAIN_MAX, np.int64)
+    mm = np.zeros(CHAIN_MAX, np.int64)
     for b in range(reqs.shape[0]):
         r = reqs[b]
         ml = min(max_lens[b], MAX_DRAFT)
         if ml <= 0:
             continue
-        sm, se, sq, so, bm, bs, be = _query_row(seq, prev, slen, seg, grams, r, groups[r], pmin, pmax, use_self, use_sib)
-        if sm > 0:
-            n, s = _score_into(seq, r, se, slen[r], sm, sq, so, C.SELF, ml, table, score[b], out[b], out_est[b], out_cell[b])
-            if n >= 0:
-                lens[b], score[b] = n, s
-        if bm > 0:
-            n, s = _score_into(seq, bs, be, slen[bs], bm, 1.0, False, C.SIBLING, ml, table, score[b], out[b], out_est[b],
-                               out_cell[b])
-            if n >= 0:
-                lens[b], score[b] = n, s
+        k = _query_row(seq, prev, slen, seg, grams, r, groups[r], pmin, pmax, use_self, use_sib, rr, ee, mm)
+        for source in (C.SELF, C.SIBLING):
+            m, s, e, q, once = _mode(seq, rr, ee, mm, k, r, source == C.SELF)
+            if m > 0:
+                n, sc = _score_into(seq, s, e, slen[s], m, q, once, source, ml, table, score[b], out[b], out_est[b],
+                                    out_cell[b])
+                if n >= 0:
+                    lens[b], score[b] = n, sc
 
 
 @numba.njit(cache=True, nogil=True)
