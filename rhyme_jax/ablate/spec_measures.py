@@ -230,5 +230,6 @@ def o5(inp: Inputs) -> dict:
 
 def o6(inp: Inputs) -> dict:
     return _rhyme(inp, "rank_shift_share", "share of prompts moved > a decile in length rank",
-                  "; a prompt's rank is among the prompts of its step (8 per step in the quick demo runs, "
-                  "the session's 4 or 8 in all), so with few prompts one place is more than a decile")
+                  "; a prompt's rank is among the prompts of its step (the demo run's grpo.prompts_per_step: 16 "
+                  "in the full suite, 8 in the quick one; the session's 4 or 8 in all), so with few prompts "
+                  "one place is more than a decile")
