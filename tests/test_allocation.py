@@ -23,9 +23,11 @@ def test_accept_curve_is_the_running_product_cut_at_each_length():
 def _brute_force(plan, curve, cost):
     """Best expected tokens per second over every prefix length per row and every program."""
     n, k = curve.shape
-    rows = shapes.seq_bucket(n, plan.max_slots)
+    smallest = shapes.seq_bucket(n, plan.max_slots)
     best = 0.0
-    for t_total, q_len in shapes.verify_pairs(rows, plan.verify_budget):
+    pairs = [(r, t, q) for r in shapes.seq_buckets(plan.max_slots) if r >= smallest
+             for t, q in shapes.verify_pairs(r, plan.verify_budget)]
+    for rows, t_total, q_len in pairs:
         top = min(k, q_len - 1)
         for lens in itertools.product(range(top + 1), repeat=n):
             if n + sum(lens) > t_total:
@@ -62,6 +64,24 @@ def test_drafts_that_do_not_pay_are_not_sent():
     curve = allocation.accept_curve(np.full((16, 32), 0.98), np.full(16, 32))
     choice = allocation.goodput_choice(PLAN, curve, cost)
     assert choice.tokens == pairs[-1][0] and choice.draft_lens.sum() == pairs[-1][0] - 16
+
+
+def test_a_larger_row_bucket_runs_the_step_when_the_model_times_it_faster():
+    """SmolLM2 on CPU profiled its 1- and 4-row programs slower than its 16-row ones: a tail of
+    2 live rows then runs padded in the 16-row bucket; with ordinary costs it stays in its own."""
+    curve = allocation.accept_curve(np.full((2, 4), 0.5), np.full(2, 4))
+    pairs = {r: shapes.verify_pairs(r, PLAN.verify_budget) for r in shapes.seq_buckets(16)}
+    assert shapes.seq_bucket(2, 16) == 4
+
+    def cost_of(small):
+        return StepCost({(r, t, q): (small if r < 16 else 1.0) * (1.0 + 0.01 * t) for r in pairs for t, q in pairs[r]})
+
+    slow_small = allocation.goodput_choice(PLAN, curve, cost_of(3.0))
+    assert slow_small.rows == 16 and slow_small.draft_lens.sum() > 0
+    assert allocation.goodput_choice(PLAN, curve, cost_of(0.5)).rows == 4
+    with_rows = allocation.goodput_choice(PLAN, allocation.accept_curve(np.full((16, 4), 0.5), np.full(16, 4)),
+                                          cost_of(0.5))
+    assert with_rows.rows == 16  # a bucket smaller than the live rows is never taken
 
 
 def test_fixed_rule_sends_drafts_when_fewer_rows_are_live_than_the_bucket():
