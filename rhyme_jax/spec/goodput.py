@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 
 from rhyme_jax.spec.calibration import Calibration
 from rhyme_jax.spec.candidates import MAX_DRAFT, HistoryPack, history_candidates
-from rhyme_jax.spec.siblings import SequenceStore, lookup_candidates, room_needed
+from rhyme_jax.spec.siblings import SequenceStore, has_room, lookup_candidates
 
 if TYPE_CHECKING:
     from rhyme_jax.spec.drafter import Drafter
@@ -58,7 +58,7 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
 
 
 @numba.njit(cache=True, nogil=True)
-def _prologue(reqs, num_reqs, pred, emitted, prio, lookup, slen, grow, tails, seq_cap, grams_free):
+def _prologue(reqs, num_reqs, pred, emitted, prio, lookup, seq, grams, used, slen, grow, tails):
     """Checks of one draft step and each row's priority ``prio[b] = max(pred[r] - emitted[r], 0)``.
     Returns 0, 1 (a request out of ``[0, num_reqs)``) or 2 (the sequence store needs room first:
     ``SequenceStore.reserve``)."""
@@ -66,10 +66,8 @@ def _prologue(reqs, num_reqs, pred, emitted, prio, lookup, slen, grow, tails, se
         r = reqs[b]
         if r < 0 or r >= num_reqs:
             return 1
-    if lookup:
-        most, new = room_needed(slen, grow, reqs, tails)
-        if most > seq_cap or new * 2 > grams_free:
-            return 2
+    if lookup and not has_room(seq, grams, used, slen, grow, reqs, tails):
+        return 2
     for b in range(reqs.shape[0]):
         r = reqs[b]
         prio[b] = max(pred[r] - emitted[r], 0.0)
@@ -86,8 +84,7 @@ def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets,
     its last draft, -1 unknown; ``memo`` its last history match), then, if ``lookup``, the self /
     sibling candidates (``lookup_candidates`` over a ``SequenceStore``'s arrays), then
     ``_finish``. Returns the longest draft."""
-    code = _prologue(reqs, slots.shape[0], pred, emitted, prio, lookup, slen, grow, tails, seq.shape[1],
-                     grams.shape[0] - 2 * used[0])
+    code = _prologue(reqs, slots.shape[0], pred, emitted, prio, lookup, seq, grams, used, slen, grow, tails)
     if code:
         return -code
     b = reqs.shape[0]
@@ -160,7 +157,7 @@ class GoodputDrafts:
         est = np.empty((b, MAX_DRAFT), np.float32)
         lens = np.empty(b, np.int32)
         prio = np.empty(b, np.float32)
-        for attempt in range(2):
+        for _ in range(2):
             k = draft_kernel(*self.pack.args(), self.slots, reqs, self.grow, self.memo, tails, budgets,
                              p.min_token_prob, p.pattern_max, p.pattern_min, cal.table, cal.top, self.lookup,
                              p.self_lookup, p.siblings, st.seq, st.prev, st.slen, st.seg, st.grams, st.used,

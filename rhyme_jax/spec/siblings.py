@@ -300,6 +300,15 @@ def room_needed(slen, grow, reqs, tails):
 
 
 @numba.njit(cache=True, nogil=True)
+def has_room(seq, grams, used, slen, grow, reqs, tails):
+    """Whether the next extension of rows ``reqs`` by ``tails`` fits the store as it is (the rule
+    ``SequenceStore.reserve`` grows by: ``room_needed`` tokens per row, the gram table at most
+    half full)."""
+    most, new = room_needed(slen, grow, reqs, tails)
+    return most <= seq.shape[1] and (used[0] + new) * 2 <= grams.shape[0]
+
+
+@numba.njit(cache=True, nogil=True)
 def _rehash(grams, new):
     for h in range(grams.shape[0]):
         if grams[h, 0] != -1:
