@@ -29,7 +29,7 @@ def test_real_recipe_listing_without_compiling(capsys):
     assert main(["compile-report", "--config", str(REPO / "configs" / "gsm8k_qwen2.5_1.5b.yaml"),
                  "--model-config", str(REPO / "configs" / "models" / "qwen2.5-1.5b"), "--sample", "0"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rollout step programs: 32 (6 decode, 8 prefill, 18 verify); HistoSpec on")
+    assert out.startswith("rollout step programs: 30 (6 decode, 6 prefill, 18 verify); HistoSpec on")
     assert "28 layers" in out
 
 

@@ -157,6 +157,51 @@ def test_shared_prompt_prefix_keeps_greedy_outputs(num_pages):
     assert off.stats["prefill_tokens"] == sum(len(p) for p in prompts)
 
 
+def test_prefill_cuts_sequences_into_attention_rows():
+    """A prefill row of ``n`` new tokens after ``start`` cached ones becomes ``ceil(n / Q)``
+    attention rows ending at each chunk's last token; logits rows are each sequence's last token."""
+    table = np.arange(2 * 7, dtype=np.int32).reshape(2, 7)
+    a, b = np.arange(1, 21, dtype=np.int32), np.array([5, 6, 7], np.int32)
+    inp = batching.prefill_inputs([(0, a, 0), (1, b, 8)], table, PAGE, 2, 64, 6, 8)
+    m = inp.meta
+    np.testing.assert_array_equal(m.cu_q_lens, [0, 8, 16, 20, 23, 23, 23])
+    np.testing.assert_array_equal(m.kv_lens, [8, 16, 20, 11, 0, 0])
+    np.testing.assert_array_equal(m.page_indices[:4], table[[0, 0, 0, 1]])
+    assert int(m.num_seqs[0]) == 4 and inp.max_q_len == 8
+    np.testing.assert_array_equal(inp.logits_rows, [19, 22])
+    np.testing.assert_array_equal(inp.positions[20:23], [8, 9, 10])
+    np.testing.assert_array_equal(m.slot_mapping[20:23], [table[1, 2] * PAGE, table[1, 2] * PAGE + 1,
+                                                          table[1, 2] * PAGE + 2])
+    with pytest.raises(ValueError, match="does not fit"):  # 3 + 1 chunks > 3 rows
+        batching.prefill_inputs([(0, a, 0), (1, b, 8)], table, PAGE, 2, 64, 3, 8)
+
+
+def test_chunked_prefill_keeps_greedy_outputs(monkeypatch):
+    """With 8 slots and chunks of at least 4 tokens, a 64-token prefill cuts sequences into
+    chunks of 8: prompts of 11 and 14 tokens and the re-prefills of preempted sequences span
+    several attention rows and still decode exactly like dense greedy."""
+    from rhyme_jax.rollout import shapes
+
+    monkeypatch.setattr(shapes, "MIN_PREFILL_Q", 4)
+    prompts, eos, want, _ = _reference_with_eos()
+    eng = _engine(eos_ids=[eos], max_slots=8, num_pages=12, max_prefill_tokens=32)
+    assert eng.plan.prefill_layout(64) == (8 + 64 // 8, 8)
+    longest = []
+    orig = batching.prefill_inputs
+
+    def spy(batch, *args):
+        longest.append(max(len(b[1]) for b in batch))
+        return orig(batch, *args)
+
+    monkeypatch.setattr(batching, "prefill_inputs", spy)
+    res = eng.generate(_model()[1], prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),
+                       jax.random.key(0))
+    assert res.stats["preemptions"] > 0 and max(longest) > 8  # some sequence spanned two chunks
+    for got, exp in zip(res.tokens, want):
+        np.testing.assert_array_equal(got, exp)
+    eng.allocator.check()
+
+
 def test_allocator_shares_and_frees_by_reference_count():
     a = PageAllocator(num_pages=8, page_size=4, max_slots=3, pages_per_seq=4)
     a.ensure(0, 10)  # 3 pages
@@ -197,7 +242,7 @@ def _count_compiles(fn):
 def test_no_recompilation_on_second_generate():
     eng = _engine(max_prefill_tokens=32)  # one prefill bucket (64 tokens); decode width 7
     assert eng.prefill_buckets == (64,) and eng.decode_widths == (7,)
-    assert eng.plan.prefill_q_lens(64) == (16, 32)  # fresh prompts (<= 16 tokens) and re-prefills
+    assert eng.plan.prefill_layout(64) == (3 + 64 // 32, 32)  # 3 slots: chunks of pow2(64 / 3)
     state = _model()[1]
     sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)  # shares programs
     eng.generate(state, _prompts(1, (5, 9, 4, 12, 6)), sp, jax.random.key(1))
@@ -223,7 +268,7 @@ def test_warmup_compiles_every_bucket():
             n_shapes = eng.warmup(state, sp, compile_threads=threads)
         compiles[threads] = counter.count
     n_rows = len(batching.seq_buckets(eng.max_slots))
-    n_prefill = sum(len(eng.plan.prefill_q_lens(t)) for t in eng.prefill_buckets)
+    n_prefill = len(eng.prefill_buckets)
     assert n_shapes == n_prefill + n_rows * len(eng.decode_widths) == len(eng.programs(spec=False))
     assert compiles[3] == compiles[1] > n_shapes  # the shapes + the KV pool (+ key setup)
     prompts = _prompts(6, (16, 1, 2, 9))

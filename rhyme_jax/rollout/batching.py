@@ -3,9 +3,9 @@
 The buckets (which shapes exist) live in ``rhyme_jax.rollout.shapes``; this module packs one
 step into them:
 
-* prefill: ``T`` (packed tokens) and ``max_q_len`` from ``ShapePlan.prefill_shape``;
-  ``S = min(max_slots, T)`` sequence rows; full page-table rows. A sequence may start after a
-  shared prompt prefix.
+* prefill: ``(T, S, Q)`` from ``ShapePlan.prefill_shape``: every sequence cut into attention rows
+  of at most ``Q`` tokens, ``S`` rows; full page-table rows; logits of each sequence's last token.
+  A sequence may start after a shared prompt prefix.
 * decode / verify: the live slots are compacted into ``S`` sequence rows (``seq_buckets``); each
   feeds its pending token plus its draft, packed back to back into ``T`` tokens
   (``ShapePlan.step_pair``; decode is one token per row); the page table is cut to a width of
@@ -36,41 +36,55 @@ class StepInputs:
 
 
 def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndarray, page_size: int,
-                   max_slots: int, t_b: int, q_len: int) -> StepInputs:
-    """Pack ``[(slot, new tokens i32[L], start)]`` into one prefill step.
+                   max_slots: int, t_b: int, num_rows: int, q_len: int) -> StepInputs:
+    """Pack ``[(slot, new tokens i32[L], start)]`` into one prefill step, each sequence cut into
+    attention rows (chunks) of at most ``q_len`` tokens.
 
     Sequence ``slot`` already holds ``start`` tokens in its pages (a prompt prefix shared with
     another sample of the same prompt, 0 otherwise); its new tokens sit at positions
     ``start ... start + L - 1`` and their pages must be allocated in ``page_table[slot]``
-    (``np.int32[max_slots, pages_per_seq]``). Logits rows are each sequence's last token;
-    padding tokens write scratch page 0. ``(t_b, q_len)``: the bucket
-    (``ShapePlan.prefill_shape``): at least the total and the longest new context.
+    (``np.int32[max_slots, pages_per_seq]``). A chunk ending at position ``e`` is an attention
+    row with ``kv_len = e + 1`` over the sequence's page-table row: it sees its own earlier chunks,
+    written into the pages in the same pass before attention. Logits rows
+    (``i32[min(max_slots, t_b)]``) are each sequence's last token, in ``batch`` order; padding
+    tokens write scratch page 0. ``(t_b, num_rows, q_len)``: the bucket
+    (``ShapePlan.prefill_shape``).
+
+    Raises:
+      ValueError: the batch needs more than ``num_rows`` chunks or ``t_b`` tokens.
     """
     lens = np.array([len(c) for _, c, _ in batch], np.int64)
     total = int(lens.sum())
-    s_b = min(max_slots, t_b)
+    chunks = -(-lens // q_len)
+    if total > t_b or int(chunks.sum()) > num_rows or len(batch) > min(max_slots, t_b):
+        raise ValueError(f"prefill of {len(batch)} sequences, {total} tokens in {int(chunks.sum())} chunks "
+                         f"does not fit bucket T={t_b}, S={num_rows}, Q={q_len}")
     tokens = np.zeros(t_b, np.int32)
     positions = np.zeros(t_b, np.int32)
     slot_mapping = np.zeros(t_b, np.int32)
-    kv_lens = np.zeros(s_b, np.int32)
-    pages = np.zeros((s_b, page_table.shape[1]), np.int32)
-    cu = np.full(s_b + 1, total, np.int32)
+    kv_lens = np.zeros(num_rows, np.int32)
+    pages = np.zeros((num_rows, page_table.shape[1]), np.int32)
+    cu = np.full(num_rows + 1, total, np.int32)
     cu[0] = 0
-    cu[1: len(batch) + 1] = np.cumsum(lens)
-    off = 0
+    row_seq = np.repeat(np.arange(len(batch)), chunks)  # the sequence of every attention row
+    seq_off = np.concatenate([[0], np.cumsum(lens)])
+    first = np.concatenate([[0], np.cumsum(chunks)])[:-1]
+    ends = np.minimum((np.arange(row_seq.size) - first[row_seq] + 1) * q_len, lens[row_seq])  # chunk ends
+    cu[1: row_seq.size + 1] = seq_off[row_seq] + ends
+    slots = np.array([b[0] for b in batch], np.int64)
+    starts = np.array([b[2] for b in batch], np.int64)
+    kv_lens[: row_seq.size] = starts[row_seq] + ends
+    pages[: row_seq.size] = page_table[slots[row_seq]]
     for i, (slot, ctx, start) in enumerate(batch):
-        n = len(ctx)
-        p = start + np.arange(n)
-        tokens[off: off + n] = ctx
-        positions[off: off + n] = p
-        slot_mapping[off: off + n] = page_table[slot, p // page_size] * page_size + p % page_size
-        kv_lens[i] = start + n
-        pages[i] = page_table[slot]
-        off += n
-    rows = np.zeros(s_b, np.int32)
-    rows[: len(batch)] = cu[1: len(batch) + 1] - 1
+        p = start + np.arange(len(ctx))
+        o = seq_off[i]
+        tokens[o: o + len(ctx)] = ctx
+        positions[o: o + len(ctx)] = p
+        slot_mapping[o: o + len(ctx)] = page_table[slot, p // page_size] * page_size + p % page_size
+    rows = np.zeros(min(max_slots, t_b), np.int32)
+    rows[: len(batch)] = seq_off[1:] - 1
     meta = RaggedMeta(kv_lens=kv_lens, page_indices=pages, cu_q_lens=cu,
-                      num_seqs=np.array([len(batch)], np.int32), slot_mapping=slot_mapping)
+                      num_seqs=np.array([row_seq.size], np.int32), slot_mapping=slot_mapping)
     return StepInputs(tokens, positions, meta, rows, int(q_len))
 
 
@@ -170,13 +184,14 @@ def unpack_rows(values: np.ndarray, cu_q_lens: np.ndarray, n: int, width: int) -
     return np.asarray(values)[np.minimum(idx, len(values) - 1)]
 
 
-def dummy_prefill(t_b: int, q_len: int, max_slots: int, pages_per_seq: int) -> StepInputs:
-    """Prefill inputs of bucket ``(t_b, q_len)`` with no live sequence (warm-up; page 0 only)."""
-    s_b = min(max_slots, t_b)
+def dummy_prefill(t_b: int, num_rows: int, q_len: int, max_slots: int, pages_per_seq: int) -> StepInputs:
+    """Prefill inputs of bucket ``(t_b, num_rows, q_len)`` with no live sequence (warm-up; page 0
+    only)."""
     z = np.zeros(t_b, np.int32)
-    meta = RaggedMeta(kv_lens=np.zeros(s_b, np.int32), page_indices=np.zeros((s_b, pages_per_seq), np.int32),
-                      cu_q_lens=np.zeros(s_b + 1, np.int32), num_seqs=np.zeros(1, np.int32), slot_mapping=z)
-    return StepInputs(z, z, meta, np.zeros(s_b, np.int32), q_len)
+    meta = RaggedMeta(kv_lens=np.zeros(num_rows, np.int32),
+                      page_indices=np.zeros((num_rows, pages_per_seq), np.int32),
+                      cu_q_lens=np.zeros(num_rows + 1, np.int32), num_seqs=np.zeros(1, np.int32), slot_mapping=z)
+    return StepInputs(z, z, meta, np.zeros(min(max_slots, t_b), np.int32), q_len)
 
 
 def dummy_verify(num_rows: int, t_total: int, q_len: int, width: int, pages_per_seq: int) -> VerifyInputs:
@@ -212,7 +227,7 @@ def busy_verify(shape, max_slots: int, pages_per_seq: int, page_size: int, num_p
 def step_inputs(shape, max_slots: int, pages_per_seq: int) -> StepInputs:
     """Dummy inputs of one ``shapes.StepShape`` (warm-up, compile reports)."""
     if shape.kind == "prefill":
-        return dummy_prefill(shape.tokens, shape.q_len, max_slots, pages_per_seq)
+        return dummy_prefill(shape.tokens, shape.rows, shape.q_len, max_slots, pages_per_seq)
     return dummy_verify(shape.rows, shape.tokens, shape.q_len, shape.width, pages_per_seq)
 
 

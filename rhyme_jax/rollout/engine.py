@@ -130,7 +130,7 @@ class RolloutEngine:
         self.plan = shapes.plan(max_slots=self.max_slots, page_size=self.page_size,
                                 max_prompt_len=self.max_prompt_len, max_new_tokens=self.max_new_tokens,
                                 max_prefill_tokens=max_prefill_tokens, max_verify_tokens=max_verify_tokens)
-        self.prefill_budget, self.q_cap = self.plan.prefill_budget, self.plan.q_cap
+        self.prefill_budget = self.plan.prefill_budget
         self.prefill_buckets = self.plan.prefill_buckets
         self.verify_budget = self.plan.verify_budget
         self.decode_widths = self.plan.widths
@@ -358,7 +358,7 @@ class RolloutEngine:
         """One packed prefill pass over the rows ``admit`` chose; records each row's first token."""
         total = sum(len(new) for _, new, _ in batch)
         inp = batching.prefill_inputs(batch, self.allocator.page_table, self.page_size, self.max_slots,
-                                      *self.plan.prefill_shape(total, max(len(b[1]) for b in batch)))
+                                      *self.plan.prefill_shape(total))
         toks, lps = run(inp)
         table.stats["prefill_steps"] += 1
         table.stats["sequence_steps"] += len(batch)

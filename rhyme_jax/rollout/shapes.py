@@ -4,9 +4,14 @@ Pure functions (no JAX): the engine picks each step's bucket here, its warm-up c
 ``ShapePlan.programs()``, and ``rhyme-jax compile-report`` lists and times the same list, so a
 run never compiles a shape outside it (tests check both).
 
-* prefill: ``T`` packed tokens, a power of two in ``[64, prefill budget]``; ``S = min(max_slots, T)``
-  sequence rows; full page-table rows; ``max_q_len`` (``Q``) either ``min(T, q_cap)`` or, for
-  batches of fresh prompts, ``q_pack = pow2(max_prompt_len)`` (two programs per large ``T``).
+* prefill: ``T`` packed tokens, a power of two in ``[64, prefill budget]``, one program per ``T``
+  (``ShapePlan.prefill_layout``): up to ``N = min(max_slots, T)`` sequences, each cut into
+  attention rows (chunks) of at most ``Q = pow2(T / N)`` tokens (at least 16, at most
+  ``q_cap``), ``S = N + T / Q`` rows in all, full page-table rows. A chunk attends to its
+  sequence's pages up to its own last token (every chunk's K/V is written before any attention of
+  the layer), so the padded query work is at most ``S * Q <= 2 T`` for any mix of prompt lengths
+  (one query tile of the longest prompt per sequence was ``N * pow2(max_prompt_len)``: 8 T on the
+  demo, where most group members prefill a few tokens after the shared prompt pages).
 * decode / verify (one program family): the live slots are compacted into ``S`` rows
   (``seq_buckets``); each feeds its pending token plus a draft of up to ``MAX_DRAFT`` tokens,
   packed back to back (no draft dimension in the shape). Per ``S`` a short ladder of
@@ -17,7 +22,7 @@ run never compiles a shape outside it (tests check both).
   ``rollout/allocation.py``'s choice. Page-table width ``W``: ``pages_per_seq`` and its quarters (``>= 8``), so the
   reference attention does not gather every column of short sequences.
 
-With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 32 programs (8 prefill +
+With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 30 programs (6 prefill +
 3 row buckets x 2 widths x (1 decode + 3 verify pairs)).
 """
 
@@ -111,7 +116,6 @@ class ShapePlan:
     pages_per_seq: int
     prefill_budget: int
     q_cap: int
-    q_pack: int
     verify_budget: int
 
     @property
@@ -119,18 +123,22 @@ class ShapePlan:
         """Prefill token buckets ``T``: powers of two from 16 to the prefill budget."""
         return tuple(1 << i for i in range(MIN_PREFILL_BUCKET.bit_length() - 1, self.prefill_budget.bit_length()))
 
-    def prefill_q_lens(self, t_b: int) -> tuple[int, ...]:
-        """``max_q_len`` choices of prefill bucket ``t_b``, ascending."""
-        return tuple(sorted({min(t_b, self.q_cap), min(t_b, self.q_cap, self.q_pack)}))
+    def prefill_layout(self, t_b: int) -> tuple[int, int]:
+        """``(S, Q)`` of prefill bucket ``t_b``: attention rows and their ``max_q_len`` (chunk
+        length). ``N = min(max_slots, t_b)`` sequences of ``n_i`` tokens (``sum n_i <= t_b``) need
+        ``sum ceil(n_i / Q) < t_b / Q + N`` chunks, so ``S = N + t_b // Q`` always holds them."""
+        n = min(self.max_slots, t_b)
+        q = min(self.q_cap, t_b, max(MIN_PREFILL_Q, pow2(-(-t_b // n))))
+        return n + t_b // q, q
 
     @property
     def widths(self) -> tuple[int, ...]:
         return decode_widths(self.pages_per_seq)
 
-    def prefill_shape(self, total: int, longest: int) -> tuple[int, int]:
-        """``(T, Q)`` of a prefill packing ``total`` tokens whose longest context has ``longest``."""
+    def prefill_shape(self, total: int) -> tuple[int, int, int]:
+        """``(T, S, Q)`` of a prefill packing ``total`` tokens (``prefill_layout`` of its bucket)."""
         t_b = max(MIN_PREFILL_BUCKET, pow2(total))
-        return t_b, next(q for q in self.prefill_q_lens(t_b) if q >= min(longest, self.q_cap))
+        return (t_b, *self.prefill_layout(t_b))
 
     def width(self, max_pages_held: int) -> int:
         """Smallest width holding ``max_pages_held`` page-table columns."""
@@ -150,8 +158,7 @@ class ShapePlan:
 
     def programs(self, spec: bool = True) -> list[StepShape]:
         """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""
-        out = [StepShape("prefill", t, min(self.max_slots, t), q, self.pages_per_seq)
-               for t in self.prefill_buckets for q in self.prefill_q_lens(t)]
+        out = [StepShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
         for s in seq_buckets(self.max_slots):
             for t, q in verify_pairs(s, self.verify_budget, spec):
                 out += [StepShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
@@ -167,7 +174,7 @@ def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens:
     return ShapePlan(
         max_slots=int(max_slots), pages_per_seq=-(-max_seq_len // int(page_size)),
         prefill_budget=max(pow2(max_prefill_tokens), pow2(max_prefill_len), MIN_PREFILL_BUCKET),
-        q_cap=q_cap, q_pack=min(q_cap, max(MIN_PREFILL_Q, pow2(max_prompt_len))),
+        q_cap=q_cap,
         verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)))
 
 
