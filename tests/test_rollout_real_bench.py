@@ -22,7 +22,7 @@ def _total_length(run_dir, step: int) -> int:
 def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, benchmark_module, smollm2_dir):
     bench = benchmark_module("rollout_real")
     assert bench.main(["--quick", "--no-warmup", "--max-new-tokens", str(NEW_TOKENS), "--compile-cache", "",
-                       "--out", str(tmp_path)]) == 0
+                       "--repeats", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "rollout_real.json").read_text())
     q = bench.QUICK
     rows = q["prompts"] * q["samples"]
@@ -46,6 +46,9 @@ def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, benchma
         assert kind["bulk"]["tokens"] + kind["tail"]["tokens"] == kind["generated_tokens"]
         assert kind["sequence_steps"] * kind["tokens_per_seq_forward"] == pytest.approx(kind["generated_tokens"])
         assert kind["lengths"]["max"] <= NEW_TOKENS and 0 <= kind["reward_mean"] <= 1
+    for kind in (plain, spec):  # two interleaved rounds: tokens/s from their median seconds
+        assert len(kind["seconds_rounds"]) == 2 and kind["seconds"] == pytest.approx(np.median(kind["seconds_rounds"]))
+        assert kind["tokens_per_s"] == pytest.approx(kind["generated_tokens"] / kind["seconds"])
     assert plain["drafted_tokens"] == plain["accepted_tokens"] == 0 and plain["tokens_per_seq_forward"] == 1.0
     assert spec["drafted_tokens"] >= spec["accepted_tokens"] >= 0
     # a plain sequence pass emits one token; a verify pass one plus its accepted drafts (those after
