@@ -120,7 +120,7 @@ class ShapePlan:
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
-        """Prefill token buckets ``T``: powers of two from 16 to the prefill budget."""
+        """Prefill token buckets ``T``: powers of two from ``MIN_PREFILL_BUCKET`` (64) to the prefill budget."""
         return tuple(1 << i for i in range(MIN_PREFILL_BUCKET.bit_length() - 1, self.prefill_budget.bit_length()))
 
     def prefill_layout(self, t_b: int) -> tuple[int, int]:
