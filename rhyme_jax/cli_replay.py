@@ -12,6 +12,11 @@ draft from) with their rewards, and the response to replay. Every prompt's histo
   (``--step-cost FILE``, else the config's ``spec.step_cost``, else the analytical prior), else
   longest first to the step's packed-token budget and the first step shape holding them;
   targets of the same prompt text share a prompt id (a GRPO group: ``spec.siblings``);
+  with ``--accept-floor F`` instead, no step shape: each row sends the draft tokens whose
+  estimated probability of acceptance (the product of the estimates up to that token) is at
+  least F, as the suffix-tree peer's replay drafts (``benchmarks/replay_peer.py``: no batching,
+  a path-probability floor), which traces share against drafts per forward without the filler
+  drafts a padded step shape takes for free;
 * a draft token is accepted iff it equals the target's next token (the verification of a
   drafted pass emits the accepted prefix plus one token), and the drafter observes the pass.
 
@@ -69,6 +74,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--draft-price", type=float, default=None, metavar="P",
                     help="instead of a step-cost model: a step of S rows packing T tokens costs S + P (T - S) "
                     "(one draft token = P row decodes; 0 = drafts are free); traces share against drafts per forward")
+    sp.add_argument("--accept-floor", type=float, default=None, metavar="F",
+                    help="no step shapes: each row sends the draft tokens whose estimated probability of "
+                    "acceptance is >= F (needs spec.window=goodput); traces share against drafts per forward")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -124,9 +132,33 @@ def _tails(cases, live, done, width: int) -> np.ndarray:
     return out
 
 
-def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost, totals: dict) -> None:
+def floor_step(lens: np.ndarray, estimates: np.ndarray | None, floor: float, rows: int):
+    """The unshaped step of ``--accept-floor``: row i sends its first ``d_i`` draft tokens, those
+    whose cumulative acceptance estimate ``prod_{k <= j} estimates[i, k]`` is at least ``floor``
+    (a prefix: the product only falls). ``lens int64[n]``: the drafts' lengths; ``estimates
+    float32[n, K]``: the goodput drafter's; ``rows``: the step's row bucket (what the step
+    costs). Returns ``(StepChoice, curve)`` as ``allocation.choose_step`` (tokens = rows + sum d,
+    the n rows' exact packed tokens plus the bucket's padding rows; q_len = 1 + max d).
+
+    Raises:
+      ValueError: no estimates (the drafter is not ``spec.window=goodput``).
+    """
+    from rhyme_jax.rollout import allocation
+
+    if estimates is None:
+        raise ValueError("--accept-floor needs the goodput drafter's estimates (spec.window=goodput)")
+    curve = allocation.accept_curve(np.asarray(estimates)[:, : int(np.max(lens, initial=0))], lens)
+    take = (curve >= floor) & (curve > 0)  # the curve is 0 past each draft's length
+    sent = take.sum(axis=1).astype(np.int64)
+    return allocation.StepChoice(rows, rows + int(sent.sum()), 1 + int(sent.max(initial=0)), sent,
+                                 lens.size + float(curve[take].sum())), curve
+
+
+def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost, totals: dict,
+                  floor: float | None = None) -> None:
     """Replay the targets ``group`` (live together; prompt ids ``pids``) to the end; adds to
-    ``totals`` (passes, drafts, acceptances and the modelled seconds of the steps)."""
+    ``totals`` (passes, drafts, acceptances and the modelled seconds of the steps); ``floor``:
+    ``floor_step`` instead of the engine's step choice."""
     from rhyme_jax.rollout import allocation, shapes
 
     batch = drafter.batch(pids)
@@ -140,8 +172,12 @@ def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost,
         budgets = np.maximum(left - 1, 0)
         drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), budgets)
         lens = np.minimum(np.minimum(np.asarray(lens, np.int64), budgets), shapes.MAX_DRAFT)
-        choice, curve = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost,
-                                               getattr(batch, "priorities", None))
+        if floor is None:
+            choice, curve = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost,
+                                                   getattr(batch, "priorities", None))
+        else:
+            choice, curve = floor_step(lens, getattr(batch, "estimates", None), floor,
+                                       shapes.seq_bucket(lens.size, plan.max_slots))
         lens = choice.draft_lens
         totals["predicted"] += allocation.expected_accepted(curve, lens)
         accepted = np.zeros(len(live), np.int64)
@@ -196,11 +232,13 @@ def _fill_store(cases: list[ReplayCase]) -> tuple[object, list[int], list[int]]:
     return store, pids, with_history
 
 
-def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_drafter=None) -> dict[str, float]:
+def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_drafter=None,
+           accept_floor: float | None = None) -> dict[str, float]:
     """Draft along every case's target, ``rows`` at a time (see the module docstring), with the
-    engine's step choice under ``cost`` (``StepCost``; default the prior). ``make_drafter(spec,
-    store)``: the drafter (default ``rhyme_jax.spec.drafter.Drafter``; benchmarks/replay_bound.py
-    passes one that knows the targets, for upper bounds).
+    engine's step choice under ``cost`` (``StepCost``; default the prior) or, with
+    ``accept_floor``, ``floor_step`` (no step shapes; steps still cost ``cost``).
+    ``make_drafter(spec, store)``: the drafter (default ``rhyme_jax.spec.drafter.Drafter``;
+    benchmarks/replay_bound.py passes one that knows the targets, for upper bounds).
 
     Returns:
       ``predicted_share``, ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance``,
@@ -219,7 +257,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_draft
         drafter.rebuild(with_history)
         for start in range(0, len(cases), rows):
             group = list(range(start, min(start + rows, len(cases))))
-            _replay_group(cases, group, [pids[c] for c in group], drafter, plan, cost, totals)
+            _replay_group(cases, group, [pids[c] for c in group], drafter, plan, cost, totals, accept_floor)
             plain += _plain_seconds([cases[c].target.size for c in group], plan, cost)
     tokens = sum(c.target.size for c in cases)
     return {"predicted_share": totals["accepted"] / tokens,
@@ -258,6 +296,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = args.step_cost or cfg.spec.step_cost
         cost = StepCost.load(path) if path not in ("", "prior") else None
+        if args.accept_floor is not None and not 0 <= args.accept_floor <= 1:
+            raise StepCostError(f"--accept-floor: expected a probability in [0, 1], got {args.accept_floor}")
+        if args.accept_floor is not None and cfg.spec.window != "goodput":
+            raise StepCostError(f"--accept-floor needs spec.window=goodput (the drafter's estimates), "
+                                f"got spec.window={cfg.spec.window}")
         if args.draft_price is not None:
             if not args.draft_price >= 0:
                 raise StepCostError(f"--draft-price: expected >= 0, got {args.draft_price}")
@@ -265,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     except StepCostError as exc:
         print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
         return 2
-    out = replay(cases, cfg.spec, plan, args.rows, cost)
+    out = replay(cases, cfg.spec, plan, args.rows, cost, accept_floor=args.accept_floor)
     if args.json:
         print(json.dumps(out))
     else:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.cli import main
-from rhyme_jax.cli_replay import ReplayInputError, read_cases, replay
+from rhyme_jax.cli_replay import ReplayInputError, floor_step, read_cases, replay
 from rhyme_jax.config import load_config
 from rhyme_jax.model.tokenizer import train_demo_tokenizer
 from rhyme_jax.rollout import shapes
@@ -79,6 +79,38 @@ def test_drafts_are_cut_to_the_step_budget_of_the_rows(tokenizer, tmp_path):
     assert np.isclose(one_row["acceptance"], 1.0) and np.isclose(wide["acceptance"], 1.0)
 
 
+def test_floor_step_sends_the_prefix_whose_cumulative_estimate_clears_the_floor():
+    est = np.array([[0.9, 0.5, 0.5], [0.2, 0.9, 0.0], [0.8, 0.8, 0.8]], np.float32)
+    choice, curve = floor_step(np.array([3, 2, 1]), est, 0.25, rows=4)
+    # cumulative 0.9, 0.45, 0.225 | 0.2, 0.18 | 0.8 (its length is 1)
+    assert choice.draft_lens.tolist() == [2, 0, 1]
+    assert (choice.rows, choice.tokens, choice.q_len) == (4, 4 + 3, 3)
+    assert choice.expected == pytest.approx(3 + 0.9 + 0.45 + 0.8)
+    assert curve[0, 2] == pytest.approx(0.225)
+    with pytest.raises(ValueError, match="goodput"):
+        floor_step(np.array([1]), None, 0.1, rows=1)
+
+
+def test_accept_floor_trades_drafts_for_acceptance(tokenizer, tmp_path):
+    tok, _ = tokenizer
+    changed = [a.replace("72", "73").replace("10", "11").replace("5 more", "6 more") for a in ANSWERS]
+    path = _write(tmp_path, [{"prompt": q, "history": [a], "history_rewards": [1.0], "target": b}
+                             for q, a, b in zip(QUESTIONS, ANSWERS, changed)])
+    cases = read_cases(path, tok.encode)
+    spec = _spec(window="goodput", pattern_min=1, self_lookup=True, min_token_prob=0.0)
+    every = replay(cases, spec, _plan(8), 8, accept_floor=0.0)
+    shaped = replay(cases, spec, _plan(8), 8)
+    sure = replay(cases, spec, _plan(8), 8, accept_floor=0.5)
+    # floor 0 sends every drafted token: none is cut to a step shape, so at least the shaped drafts
+    assert every["drafted_tokens"] >= shaped["drafted_tokens"] > 0
+    assert 0 < sure["drafted_tokens"] < every["drafted_tokens"]
+    # every token sent has a cumulative estimate >= the floor, so the mean estimate is too
+    assert sure["predicted_acceptance"] >= 0.5 > every["predicted_acceptance"]
+    tokens = sum(c.target.size for c in cases)
+    for out in (every, sure):
+        assert out["sequence_passes"] + out["accepted_tokens"] == tokens
+
+
 def test_cli_json_and_errors_name_the_line(tokenizer, tmp_path, capsys):
     _, tok_path = tokenizer
     good = _write(tmp_path, [{"prompt": QUESTIONS[2], "history": [ANSWERS[2]], "target": ANSWERS[2]}])
@@ -92,6 +124,11 @@ def test_cli_json_and_errors_name_the_line(tokenizer, tmp_path, capsys):
     bad.write_text(json.dumps({"prompt": "He", "history": [], "target": "~"}) + "\n")  # '~' not in vocab
     assert main(["replay-drafts", str(bad), "--tokenizer", str(tok_path), "--config", CONFIG]) == 2
     assert f"{bad}:1" in capsys.readouterr().err
+    args = ["replay-drafts", str(good), "--tokenizer", str(tok_path), "--config", CONFIG]
+    assert main([*args, "--accept-floor", "1.5"]) == 2
+    assert "--accept-floor" in capsys.readouterr().err
+    assert main([*args, "--accept-floor", "0.1", "--set", "spec.window=aimd"]) == 2
+    assert "spec.window=goodput" in capsys.readouterr().err
     with pytest.raises(ReplayInputError, match="history_rewards"):
         read_cases(_write(tmp_path, [{"prompt": "x", "history": ["a"], "history_rewards": [1, 2],
                                       "target": "a"}]), lambda s: [1, 2])
