@@ -137,8 +137,9 @@ def _update(fine, mid, coarse, issued, table, reqs, cells, ests, drafted, accept
     """Count the verify outcome of each row b (request ``reqs[b]``, whose last draft had cells
     ``cells[reqs[b]]`` and estimates ``ests[reqs[b]]``) into ``fine``/``mid``/``coarse`` and the
     issued-estimate sums ``issued f64[C]`` (module docstring), forget those drafts (cells -1),
-    refresh ``table`` where it changed. Returns ``(code, largest entry of table)``; code 0, or,
-    with nothing changed, 1 (a request out of range), 2 (a repeated request) or 3 (not
+    refresh ``table`` where it changed. Returns ``(code, largest entry of table)``; code 0 (the
+    largest entry -1 when no token was tested: the table did not change), or, with nothing
+    changed, 1 (a request out of range), 2 (a repeated request) or 3 (not
     ``0 <= accepted <= drafted``)."""
     seen = np.zeros(cells.shape[0], np.bool_)
     for b in range(reqs.shape[0]):
@@ -190,14 +191,23 @@ def _update(fine, mid, coarse, issued, table, reqs, cells, ests, drafted, accept
             for k in range(NUM_MATCH * NUM_DEPTH):
                 c = (src * NUM_MATCH * NUM_DEPTH + k) * NUM_PROB + pb
                 table[c] = estimate(fine, mid, coarse, c)
+    any_mid = False
     for m in range(mid.shape[0]):
         if touched_mid[m]:
+            any_mid = True
             for pb in range(NUM_PROB):
                 table[m * NUM_PROB + pb] = estimate(fine, mid, coarse, m * NUM_PROB + pb)
+    if not any_mid:  # every tested token touches a middle cell: none was tested
+        return 0, -1.0
     top = 0.0
     for c in range(table.shape[0]):
         top = max(top, table[c])
     return 0, top
+
+
+def _i64(x) -> np.ndarray:
+    """``x`` as an int64 array (no copy when it is one: ``update`` runs once per verify step)."""
+    return x if type(x) is np.ndarray and x.dtype == np.int64 else np.asarray(x, np.int64)
 
 
 def _label(edges: tuple[int, ...], k: int, last: int) -> str:
@@ -247,7 +257,7 @@ class Calibration:
           ValueError: wrong dtypes or shapes, requests out of range or repeated, or not
             ``0 <= accepted <= drafted`` (named).
         """
-        reqs, drafted, accepted = (np.asarray(x, np.int64) for x in (reqs, drafted, accepted))
+        reqs, drafted, accepted = _i64(reqs), _i64(drafted), _i64(accepted)
         b = (reqs.size,)
         if (reqs.ndim != 1 or cells.dtype != np.int32 or ests.dtype != np.float32 or cells.ndim != 2
                 or ests.shape != cells.shape
@@ -257,7 +267,7 @@ class Calibration:
         with self._lock:
             code, top = _update(self.fine, self.mid, self.coarse, self.issued, self.table, reqs, cells, ests, drafted,
                                 accepted)
-            if code == 0:
+            if code == 0 and top >= 0:
                 self.top = float(top)
         if code:
             raise ValueError(("", f"reqs: expected requests in [0, {cells.shape[0]})",

@@ -295,10 +295,7 @@ class DraftBatch:
           ValueError: repeated or out-of-range requests, or bad drafted/accepted (named).
         """
         if self._goodput is not None:  # the calibration checks range and repeats as it counts
-            r = _int64(reqs)
-            accepted = _int64(accepted)
-            self._goodput.observe(r, _int64(drafted), accepted)
-            self._emitted[r] += accepted + 1
+            self._goodput.observe(_int64(reqs), _int64(drafted), _int64(accepted), self._emitted)
             return
         r = self._reqs(reqs)
         if np.unique(r).size != r.size:

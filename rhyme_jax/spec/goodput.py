@@ -58,6 +58,16 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
 
 
 @numba.njit(cache=True, nogil=True)
+def _note(reqs, accepted, grow, emitted):
+    """After a verify step: request ``reqs[b]`` emitted ``accepted[b] + 1`` tokens, which its next
+    tail adds (``grow``) and which count towards its emitted total (``emitted``)."""
+    for b in range(reqs.shape[0]):
+        r = reqs[b]
+        grow[r] = accepted[b] + 1
+        emitted[r] += accepted[b] + 1
+
+
+@numba.njit(cache=True, nogil=True)
 def _prologue(reqs, num_reqs, pred, emitted, prio, lookup, seq, grams, used, slen, grow, tails):
     """Checks of one draft step and each row's priority ``prio[b] = max(pred[r] - emitted[r], 0)``.
     Returns 0, 1 (a request out of ``[0, num_reqs)``) or 2 (the sequence store needs room first:
@@ -170,15 +180,17 @@ class GoodputDrafts:
                              f"Drafter.batch(), got {reqs.tolist()}")
         return out[:, :k], lens, est[:, :k], prio
 
-    def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"]
-                ) -> None:
+    def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"],
+                emitted: Int[np.ndarray, "R"]) -> None:
         """Feed the calibration with each row's verify outcome (``drafted`` tokens sent after the
-        engine's cuts, the first ``accepted`` accepted) and note how many tokens the next tails
-        add (the history match and the sequence store advance by those). The drafts observed are
-        forgotten (a request observed twice without a draft in between counts once).
+        engine's cuts, the first ``accepted`` accepted), note how many tokens the next tails
+        add (the history match and the sequence store advance by those) and add them to
+        ``emitted`` (``int64[R]``, per request). The drafts observed are forgotten (a request
+        observed twice without a draft in between counts once). All ``int64``.
 
         Raises:
-          ValueError: repeated requests or not ``0 <= accepted <= drafted`` (named).
+          ValueError: repeated requests or not ``0 <= accepted <= drafted`` (named; nothing
+            noted then).
         """
         self.calibration.update(reqs, self.cells, self.ests, drafted, accepted)
-        self.grow[reqs] = accepted + 1
+        _note(reqs, accepted, self.grow, emitted)
