@@ -39,11 +39,11 @@ def time_program(engine, flat_state, shape, sampling, repeats: int) -> float:
     mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
     key = jax.random.key(0)
     for _ in range(2):
-        engine._run(flat_state, inp, key, 0, sampling, mode)
+        engine._run(flat_state, inp, key, sampling, mode)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        engine._run(flat_state, inp, key, 0, sampling, mode)
+        engine._run(flat_state, inp, key, sampling, mode)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 

@@ -108,14 +108,14 @@ def main(argv=None) -> int:
     for k in ks:
         inp, t = pass_inputs(eng, args.rows, args.context, k, rng)
         t0 = time.perf_counter()
-        eng._run(flat, inp, key, 0, sp, mode)  # compile
+        eng._run(flat, inp, key, sp, mode)  # compile
         compile_s = time.perf_counter() - t0
         for _ in range(3):
-            eng._run(flat, inp, key, 0, sp, mode)
+            eng._run(flat, inp, key, sp, mode)
         times = []
         for i in range(args.iters):
             t0 = time.perf_counter()
-            eng._run(flat, inp, key, i, sp, mode)  # ends with the tokens on the host
+            eng._run(flat, inp, key, sp, mode)  # ends with the tokens on the host
             times.append(time.perf_counter() - t0)
         results.append(dict(k=k, tokens=t, ms=1e3 * statistics.median(times), compile_s=compile_s))
         print(f"K={k:2d}: {t} tokens/pass, {results[-1]['ms']:.3f} ms/pass (compile {compile_s:.1f} s)", flush=True)

@@ -91,7 +91,7 @@ def compile_seconds(engine, state, program, sampling) -> float:
     mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
     inp = batching.step_inputs(program, engine.max_slots, engine.pages_per_seq)
     t0 = time.perf_counter()
-    fn, args, kw = engine._call(engine._flat_state(state), inp, jax.random.key(0), 0, sampling, mode)
+    fn, args, kw = engine._call(engine._flat_state(state), inp, jax.random.key(0), sampling, mode)
     fn.lower(*args, **kw).compile()
     return time.perf_counter() - t0
 

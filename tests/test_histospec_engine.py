@@ -130,6 +130,25 @@ def test_sampled_distribution_with_drafts_equals_plain():
     assert stats.chi2_contingency(table).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("corrupt", [0.0, 0.5])
+def test_sampled_rollout_with_drafts_draws_plain_tokens_with_the_same_key(corrupt):
+    """Every token's draw is keyed by (request, position), so with the same key a rollout with
+    drafts emits exactly plain decode's sampled tokens and logprobs, in fewer passes (the
+    drafts only change how many passes run). Fails with per-pass keys (fold_in(key, pass))."""
+    prompts = _prompts(7, (4, 10, 6, 8))
+    eng = _engine()
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=MAX_NEW)
+    key = jax.random.key(11)
+    plain = eng.generate(_model()[1], prompts, sp, key)
+    history = [np.concatenate([p, t]).astype(np.int32) for p, t in zip(prompts, plain.tokens)]
+    spec = eng.generate(_model()[1], prompts, sp, key, drafter=HistoryDrafter(history, 4, corrupt=corrupt))
+    assert spec.stats["accepted_tokens"] > 0
+    assert spec.stats["forward_passes"] < plain.stats["forward_passes"]
+    for a, b, la, lb in zip(plain.tokens, spec.tokens, plain.logprobs, spec.logprobs):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
+
+
 def _contingency(a, b, min_count=10):
     """2 x C counts over the categories of a and b; rare categories pooled into one column."""
     cats = np.union1d(a, b)

@@ -189,9 +189,9 @@ def test_chunked_prefill_keeps_greedy_outputs(monkeypatch):
     longest = []
     orig = batching.prefill_inputs
 
-    def spy(batch, *args):
+    def spy(batch, *args, **kw):
         longest.append(max(len(b[1]) for b in batch))
-        return orig(batch, *args)
+        return orig(batch, *args, **kw)
 
     monkeypatch.setattr(batching, "prefill_inputs", spy)
     res = eng.generate(_model()[1], prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),

@@ -26,17 +26,30 @@ from rhyme_jax.rollout.shapes import (  # noqa: F401 (re-exported)
 @dataclass
 class StepInputs:
     """Arguments of one jitted step: ``tokens/positions i32[T]``, ``meta``, ``logits_rows i32[S]``,
-    and the static ``max_q_len``."""
+    the static ``max_q_len`` and ``streams i32[T]``, the sequence (request) of each packed token,
+    which keys its sampling draw (``sampling.position_uniforms``; 0 for padding)."""
 
     tokens: np.ndarray
     positions: np.ndarray
     meta: RaggedMeta
     logits_rows: np.ndarray
     max_q_len: int
+    streams: np.ndarray = None
+
+    def __post_init__(self):
+        if self.streams is None:
+            self.streams = np.zeros(len(self.tokens), np.int32)
+
+
+def _streams_of(slot_streams: np.ndarray | None, slots: np.ndarray) -> np.ndarray:
+    """The stream of each of ``slots``: ``slot_streams[slot]`` (``None``: the slot id)."""
+    slots = np.asarray(slots, np.int64)
+    return (slots if slot_streams is None else np.asarray(slot_streams)[slots]).astype(np.int32)
 
 
 def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndarray, page_size: int,
-                   max_slots: int, t_b: int, num_rows: int, q_len: int) -> StepInputs:
+                   max_slots: int, t_b: int, num_rows: int, q_len: int,
+                   slot_streams: np.ndarray | None = None) -> StepInputs:
     """Pack ``[(slot, new tokens i32[L], start)]`` into one prefill step, each sequence cut into
     attention rows (chunks) of at most ``q_len`` tokens.
 
@@ -75,17 +88,20 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     starts = np.array([b[2] for b in batch], np.int64)
     kv_lens[: row_seq.size] = starts[row_seq] + ends
     pages[: row_seq.size] = page_table[slots[row_seq]]
+    streams = np.zeros(t_b, np.int32)
+    seq_streams = _streams_of(slot_streams, slots)
     for i, (slot, ctx, start) in enumerate(batch):
         p = start + np.arange(len(ctx))
         o = seq_off[i]
         tokens[o: o + len(ctx)] = ctx
+        streams[o: o + len(ctx)] = seq_streams[i]
         positions[o: o + len(ctx)] = p
         slot_mapping[o: o + len(ctx)] = page_table[slot, p // page_size] * page_size + p % page_size
     rows = np.zeros(min(max_slots, t_b), np.int32)
     rows[: len(batch)] = seq_off[1:] - 1
     meta = RaggedMeta(kv_lens=kv_lens, page_indices=pages, cu_q_lens=cu,
                       num_seqs=np.array([row_seq.size], np.int32), slot_mapping=slot_mapping)
-    return StepInputs(tokens, positions, meta, rows, int(q_len))
+    return StepInputs(tokens, positions, meta, rows, int(q_len), streams)
 
 
 def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
@@ -120,7 +136,7 @@ class VerifyInputs(StepInputs):
 
 def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray, drafts: np.ndarray,
                   draft_lens: np.ndarray, page_table: np.ndarray, page_size: int, num_rows: int,
-                  t_total: int, q_len: int, width: int) -> VerifyInputs:
+                  t_total: int, q_len: int, width: int, slot_streams: np.ndarray | None = None) -> VerifyInputs:
     """One decode/verify step over the live slots ``slots``, compacted into ``num_rows`` rows.
 
     Row ``i < len(slots)`` is slot ``slots[i]``: it feeds ``slot_last[slot]`` then
@@ -134,7 +150,8 @@ def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray
         slot_last: ``int[max_slots]`` pending token; drafts: ``int[n, K]`` (any ``K``);
         draft_lens: ``int[n]`` in ``[0, min(K, q_len - 1)]``; page_table: the allocator's
         ``int32[max_slots, pages_per_seq]``; num_rows, t_total, q_len, width: the bucket
-        (``ShapePlan.step_pair``, ``ShapePlan.width``).
+        (``ShapePlan.step_pair``, ``ShapePlan.width``); slot_streams: ``int[max_slots]`` the
+        request of each slot, which keys its tokens' sampling draws (default: the slot id).
 
     Raises:
       ValueError: the tokens do not fit in ``t_total``, a row in ``q_len`` or the slots in
@@ -173,7 +190,9 @@ def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray
     pages[:n] = table[:, :width]
     meta = RaggedMeta(kv_lens=kv_lens, page_indices=pages, cu_q_lens=cu.astype(np.int32),
                       num_seqs=np.array([n], np.int32), slot_mapping=slot_mapping)
-    return VerifyInputs(tokens, positions, meta, np.zeros(0, np.int32), int(q_len),
+    streams = np.zeros(t_total, np.int32)
+    streams[:used] = _streams_of(slot_streams, slots)[owner]
+    return VerifyInputs(tokens, positions, meta, np.zeros(0, np.int32), int(q_len), streams,
                         draft_lens=lens.astype(np.int32), slots=np.asarray(slots, np.int64))
 
 

@@ -186,12 +186,12 @@ class RolloutEngine:
         inputs = [batching.step_inputs(p, self.max_slots, self.pages_per_seq) for p in self.programs(spec)]
         if compile_threads > 1:
             def compile_one(inp):
-                fn, args, kw = self._call(flat_state, inp, key, 0, sampling, mode)
+                fn, args, kw = self._call(flat_state, inp, key, sampling, mode)
                 fn.lower(*args, **kw).compile()
             with ThreadPoolExecutor(compile_threads, thread_name_prefix="rollout-compile") as pool:
                 list(pool.map(compile_one, inputs))
         for inp in inputs:
-            self._run(flat_state, inp, key, 0, sampling, mode)
+            self._run(flat_state, inp, key, sampling, mode)
         return len(inputs)
 
     def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
@@ -207,7 +207,7 @@ class RolloutEngine:
 
         def run_program(shape):
             inp = batching.busy_verify(shape, self.max_slots, self.pages_per_seq, self.page_size, own_pages)
-            self._run(flat_state, inp, key, 0, sampling, mode)
+            self._run(flat_state, inp, key, sampling, mode)
 
         secs = profile(run_program, self.programs(spec=True), repeats)
         dev = jax.devices()[0]
@@ -288,20 +288,21 @@ class RolloutEngine:
             out.append(arr.astype(np.int32))
         return out
 
-    def _call(self, flat_state, inp: StepInputs, key, step, sp, mode):
+    def _call(self, flat_state, inp: StepInputs, key, sp, mode):
         """``(jitted step function, positional args, keyword args)`` of one step."""
         leaves, static = flat_state
-        scalars = (np.int32(step), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
+        scalars = (np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
-            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, key, *scalars), kw
+            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
+                                    *scalars), kw
         return step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
-                         key, *scalars), kw
+                         inp.streams, key, *scalars), kw
 
-    def _run(self, flat_state, inp: StepInputs, key, step, sp, mode):
+    def _run(self, flat_state, inp: StepInputs, key, sp, mode):
         """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
         (``VerifyInputs``) -> ``(tokens [T], logprobs [T], num_emitted [S])``, packed."""
-        fn, args, kw = self._call(flat_state, inp, key, step, sp, mode)
+        fn, args, kw = self._call(flat_state, inp, key, sp, mode)
         self.programs_run.add(batching.shape_of(inp))
         *out, self.kv = fn(*args, **kw)
         out = jax.device_get(tuple(out))
@@ -352,13 +353,13 @@ class RolloutEngine:
         width = self.plan.width(int(self.allocator.num_held[ids].max()))
         return batching.verify_inputs(ids, table.length, table.pending, drafts, choice.draft_lens,
                                       self.allocator.page_table, self.page_size, choice.rows, choice.tokens,
-                                      choice.q_len, width)
+                                      choice.q_len, width, slot_streams=table.req)
 
     def _prefill(self, table: SlotTable, batch: list, run: "_Passes") -> None:
         """One packed prefill pass over the rows ``admit`` chose; records each row's first token."""
         total = sum(len(new) for _, new, _ in batch)
         inp = batching.prefill_inputs(batch, self.allocator.page_table, self.page_size, self.max_slots,
-                                      *self.plan.prefill_shape(total))
+                                      *self.plan.prefill_shape(total), slot_streams=table.req)
         toks, lps = run(inp)
         table.stats["prefill_steps"] += 1
         table.stats["sequence_steps"] += len(batch)
@@ -398,7 +399,9 @@ class RolloutEngine:
           state: ``nnx.split(model)[1]`` matching the engine's graphdef.
           prompts: token id lists (1 <= len <= max_prompt_len unless skipping overlong ones).
           sampling: sampling settings; ``max_new_tokens`` <= the engine's.
-          key: PRNG key; forward pass ``i`` samples with ``jax.random.fold_in(key, i)``.
+          key: PRNG key; the token after position ``p`` of request ``r`` (its index in ``prompts``)
+            is drawn with ``fold_in(fold_in(key, r), p)`` (``sampling.position_uniforms``),
+            whichever pass samples it, so drafts change how many passes run, never the tokens.
           drafter: optional ``types.Drafter`` (HistoSpec: ``rhyme_jax.spec.drafter.Drafter.batch``
             of these prompts): each decode step asks it for drafts of the active requests
             (``draft(reqs, tails, budgets)``, tails of ``context_width`` tokens) and reports
@@ -449,7 +452,7 @@ class RolloutEngine:
 
 class _Passes:
     """The forward passes of one ``generate`` call: runs a step's inputs with the call's model
-    leaves, key and sampling program; pass ``i`` samples with ``fold_in(key, i)``."""
+    leaves, key and sampling program (every token's draw keyed by its request and position)."""
 
     def __init__(self, engine: RolloutEngine, flat_state, key: jax.Array, sampling: SamplingParams):
         self.engine, self.flat_state, self.key, self.sampling = engine, flat_state, key, sampling
@@ -458,6 +461,6 @@ class _Passes:
 
     def __call__(self, inp: StepInputs):
         """``RolloutEngine._run`` of ``inp`` as the next pass."""
-        out = self.engine._run(self.flat_state, inp, self.key, self.count, self.sampling, self.mode)
+        out = self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode)
         self.count += 1
         return out

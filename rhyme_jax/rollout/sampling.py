@@ -99,6 +99,60 @@ def processed_logprobs(
     return _processed(logits, temperature, top_k, top_p, mode)
 
 
+def position_uniforms(key: PRNGKeyArray, streams: Int[Array, "N"], positions: Int[Array, "N"]) -> Float[Array, "N"]:
+    """One ``U[0, 1)`` draw per sampled token, keyed by ``fold_in(fold_in(key, stream), position)``:
+    the draw of a sequence's token depends only on the rollout key, the sequence (its request)
+    and the position of the token it follows, never on which pass, program, row or slot samples
+    it. Plain decode and speculative verification therefore draw the same tokens given the same
+    prefix (``verification.verify_packed``), and a rollout's tokens do not depend on the drafts.
+    ``streams``/``positions``: ``i32[N]``."""
+    def one(s, p):
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, s), p), (), jnp.float32)
+
+    return jax.vmap(one)(streams.astype(jnp.uint32), positions.astype(jnp.uint32))
+
+
+def inverse_cdf(lp: Float[Array, "N V"], u: Float[Array, "N"]) -> Int[Array, "N"]:
+    """``i32[N]``: per row the first token whose cumulative probability (token-id order) exceeds
+    ``u`` times the row's total, a draw from ``softmax(lp)`` for ``u ~ U[0, 1)`` (inverse-CDF
+    sampling; filtered tokens, probability 0, are never drawn). Counting the prefix sums at or
+    below the threshold keeps the index in range whatever the rounding of the sums."""
+    c = jnp.cumsum(jnp.exp(lp), axis=-1)
+    below = jnp.sum((c <= (u * c[:, -1])[:, None]).astype(jnp.int32), axis=-1)
+    return jnp.minimum(below, lp.shape[-1] - 1).astype(jnp.int32)
+
+
+def sample_tokens(lp: Float[Array, "N V"], logits: Float[Array, "N V"], u: Float[Array, "N"], temperature, *,
+                  mode: str) -> Int[Array, "N"]:
+    """``i32[N]`` tokens: ``inverse_cdf(lp, u)`` under the sampling modes, the argmax of the raw
+    ``logits`` under ``greedy`` (and under ``dynamic`` where ``temperature == 0``)."""
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy_tok
+    tok = inverse_cdf(lp, u)
+    if mode == "dynamic":
+        tok = jnp.where(jnp.asarray(temperature) > 0, tok, greedy_tok)
+    return tok
+
+
+def sample_at(
+    logits: Float[Array, "S V"], key: PRNGKeyArray, streams: Int[Array, "S"], positions: Int[Array, "S"],
+    temperature, top_k=0, top_p=1.0, *, mode: str,
+) -> tuple[Int[Array, "S"], Float[Array, "S"]]:
+    """``sample`` with the draws of ``position_uniforms(key, streams, positions)``: row ``i`` is
+    the distribution of the token after position ``positions[i]`` of sequence ``streams[i]``.
+    Returns ``(tokens i32[S], behaviour logprobs f32[S])``.
+
+    Raises:
+      SamplingError: unknown ``mode``.
+    """
+    if mode not in MODES:
+        raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
+    lp = _processed(logits, temperature, top_k, top_p, mode)
+    tok = sample_tokens(lp, logits, position_uniforms(key, streams, positions), temperature, mode=mode)
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
 def sample(
     logits: Float[Array, "S V"], key: PRNGKeyArray, temperature, top_k=0, top_p=1.0, *,
     mode: str | None = None,

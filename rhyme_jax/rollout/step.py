@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from rhyme_jax.rollout.forward import paged_forward
-from rhyme_jax.rollout.sampling import sample
+from rhyme_jax.rollout.sampling import sample_at
 from rhyme_jax.rollout.verification import verify_packed
 
 
@@ -43,10 +43,12 @@ class StaticModel:
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
 def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
-            logits_rows: Int[Array, "S"], key, step: Int[Array, ""], temperature: Float[Array, ""],
+            logits_rows: Int[Array, "S"], streams: Int[Array, "T"], key, temperature: Float[Array, ""],
             top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_q_len: int, mode: str,
             attention_impl: str, mesh=None):
-    """One forward pass + sampling with key ``fold_in(key, step)``.
+    """One forward pass + sampling of each sequence's next token (``sampling.sample_at``: the
+    draw of the token after position ``positions[r]`` of sequence ``streams[r]`` at every logits
+    row ``r``, from the rollout ``key``).
 
     Returns:
       ``(tokens i32[S], behaviour logprobs f32[S], updated kv)``.
@@ -55,20 +57,22 @@ def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions:
     state = jax.tree.unflatten(treedef, leaves)
     logits, kv = paged_forward(graphdef, state, kv, tokens, positions, meta, max_q_len=max_q_len,
                                logits_rows=logits_rows, attention_impl=attention_impl, mesh=mesh)
-    toks, lps = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p, mode=mode)
+    toks, lps = sample_at(logits, key, streams[logits_rows], positions[logits_rows], temperature, top_k, top_p,
+                          mode=mode)
     return toks, lps, kv
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
 def verify_step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
-                   key, step: Int[Array, ""], temperature: Float[Array, ""], top_k: Int[Array, ""],
+                   streams: Int[Array, "T"], key, temperature: Float[Array, ""], top_k: Int[Array, ""],
                    top_p: Float[Array, ""], *, max_q_len: int, mode: str, attention_impl: str, mesh=None):
     """One forward pass over the packed ``[pending token + draft]`` of every row, then lossless
-    verification over the packed rows (``rhyme_jax.rollout.verification.verify_packed``) with key
-    ``fold_in(key, step)``. Plain decode is the same program with one token per row
-    (``max_q_len = 1``); a row's draft length is its query length minus one
-    (``meta.cu_q_lens``), so drafts add no dimension to the shape.
+    verification over the packed rows (``rhyme_jax.rollout.verification.verify_packed``), coupled
+    to plain sampling through the per-position draws of the rollout ``key`` (``streams``: the
+    sequence of each packed token), so it emits what plain decode would. Plain decode is the same
+    program with one token per row (``max_q_len = 1``); a row's draft length is its query length
+    minus one (``meta.cu_q_lens``), so drafts add no dimension to the shape.
 
     Returns:
       ``(tokens i32[T], behaviour logprobs f32[T], num_emitted i32[S], updated kv)``: row ``s``
@@ -79,6 +83,6 @@ def verify_step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], pos
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     logits, kv = paged_forward(graphdef, state, kv, tokens, positions, meta, max_q_len=max_q_len,
                                logits_rows=rows, attention_impl=attention_impl, mesh=mesh)
-    toks, lps, n = verify_packed(logits, tokens, meta.cu_q_lens, jax.random.fold_in(key, step), temperature,
-                                 top_k, top_p, mode=mode)
+    toks, lps, n = verify_packed(logits, tokens, meta.cu_q_lens, key, temperature, top_k, top_p, mode=mode,
+                                 streams=streams, positions=positions)
     return toks, lps, n, kv

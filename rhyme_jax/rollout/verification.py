@@ -21,6 +21,13 @@ with probability ``(1 - p_i(x_i)) * p_i(y) / (1 - p_i(x_i)) = p_i(y)``.
 
 Emitted tokens carry the behaviour logprob plain sampling reports: ``log p_i(token)`` under the
 processed distribution (not the residual), and ``log_softmax(raw logits)`` when greedy.
+
+``verify`` (dense drafts) draws that way. ``verify_packed`` (what the engine runs) couples the
+same rule to plain sampling: it computes at every position the token plain decode would draw
+there (the position's own draw, ``sampling.position_uniforms``), accepts a draft token iff it is
+that token and emits that token at the first mismatch. A one-hot draft is accepted with
+probability ``p_i(x_i)`` either way and the emitted tokens are exactly plain sampling's, so a
+rollout with drafts emits the tokens plain decode emits with the same key.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from rhyme_jax.rollout.sampling import MODES, SamplingError, _processed
+from rhyme_jax.rollout.sampling import MODES, SamplingError, _processed, position_uniforms, sample_tokens
 
 
 def _by_mode(mode: str, temperature, sampled, greedy):
@@ -53,17 +60,6 @@ def _residual(lp_last: Float[Array, "S V"], rejected, x_rej) -> Float[Array, "S 
 def _correction(key, lp_last: Float[Array, "S V"], rejected, x_rej) -> Int[Array, "S"]:
     """A draw from ``_residual`` with ``jax.random.categorical``."""
     return jax.random.categorical(key, _residual(lp_last, rejected, x_rej), axis=-1).astype(jnp.int32)
-
-
-def _uniforms(key, t_total: int, rows: int, vocab: int):
-    """``(u f32[T], gumbel f32[rows, V])`` from ONE threefry draw (one random-bits loop in the
-    program rather than three: split, uniform and the categorical's uniform; compile time).
-    ``u`` lies in ``[tiny, 1)``; ``gumbel = -log(-log(u'))`` are standard Gumbel variates, so
-    ``argmax(logw + gumbel)`` is a draw from ``softmax(logw)`` (the Gumbel-max trick, the same
-    rule as ``jax.random.categorical``)."""
-    tiny = jnp.finfo(jnp.float32).tiny
-    flat = jax.random.uniform(key, (t_total + rows * vocab,), jnp.float32, minval=tiny, maxval=1.0)
-    return flat[:t_total], -jnp.log(-jnp.log(flat[t_total:].reshape(rows, vocab)))
 
 
 def _row_of(cu: Int[Array, "S1"], t_total: int) -> Int[Array, "T"]:
@@ -159,21 +155,33 @@ def verify_packed(
     top_p=1.0,
     *,
     mode: str,
+    streams: Int[Array, "T"] | None = None,
+    positions: Int[Array, "T"] | None = None,
 ) -> tuple[Int[Array, "T"], Float[Array, "T"], Int[Array, "S"]]:
-    """``verify`` over packed rows: drafts are query tokens, not a ``K`` dimension.
+    """Verification over packed rows (drafts are query tokens, not a ``K`` dimension), coupled
+    to plain sampling.
 
     Row ``s`` owns packed positions ``cu_q_lens[s] : cu_q_lens[s + 1]`` (``q_len = 1 + d`` with
     ``d`` draft tokens; ``q_len = 0`` for padding rows): it fed its pending token then its draft
     ``fed[cu + 1 : cu + 1 + d]``, and ``logits[cu + j]`` is the target distribution of the token
-    after fed token ``j``. The acceptance rule, the residual and the bonus token are exactly those
-    of ``verify`` (see the module docstring), so the emitted tokens have the distribution of plain
-    sampling; only the random stream is laid out per packed position.
+    after fed token ``j``. At every packed position ``t`` the token plain sampling would draw is
+    ``y_t = sampling.sample_tokens`` of the processed distribution with the draw
+    ``sampling.position_uniforms(key, streams[t], positions[t])``; draft token ``j`` is accepted
+    iff it equals ``y`` at the position before it, and the row emits ``y`` at its first
+    ``num_acc + 1`` positions (the accepted drafts, then the correction or bonus token). Each
+    ``y_t`` is an exact draw from ``p_t`` with a draw that depends on nothing but the sequence and
+    position, and a draft is a function of the tokens before it, so the emitted tokens are exactly
+    those plain decode emits with the same key (speculative sampling with one-hot drafts, coupled
+    through the draw; acceptance probability ``p_t(x)`` as in ``verify``). Greedy: ``y`` is the
+    argmax of the raw logits.
 
     Args:
       logits: ``f32[T, V]`` raw target logits of every packed position (padding rows ignored).
       fed: ``i32[T]`` tokens fed to the forward pass.
       cu_q_lens: ``i32[S+1]`` cumulative query lengths (``cu[0] = 0``, nondecreasing).
       key, temperature, top_k, top_p, mode: as in ``verify``.
+      streams: ``i32[T]`` sequence (request) of each packed token; default: its row.
+      positions: ``i32[T]`` sequence position of each fed token; default: ``arange(T)``.
 
     Returns:
       ``(tokens i32[T], logprobs f32[T], num_emitted i32[S])``: row ``s`` emits
@@ -192,37 +200,24 @@ def verify_packed(
                             f"{fed.shape} and {cu_q_lens.shape}")
     logits = logits.astype(jnp.float32)
     lp = _processed(logits, temperature, top_k, top_p, mode)  # [T, V]
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [T]
-    u, gumbel = _uniforms(key, t_total, num_s, logits.shape[-1])
     cu = cu_q_lens.astype(jnp.int32)
     q_lens = cu[1:] - cu[:-1]  # [S]
     lens = jnp.maximum(q_lens - 1, 0)  # draft tokens per row
     pos = jnp.arange(t_total, dtype=jnp.int32)
     row = _row_of(cu, t_total)  # [T]
+    streams = row if streams is None else streams
+    positions = pos if positions is None else positions
+    y = sample_tokens(lp, logits, position_uniforms(key, streams, positions), temperature, mode=mode)  # [T]
     live = pos < cu[-1]
     j = pos - cu[row]  # index of the position within its row
     nxt = jnp.concatenate([fed[1:], jnp.zeros((1,), fed.dtype)]).astype(jnp.int32)  # draft checked at t
     in_draft = live & (j < lens[row])
-    x = jnp.where(in_draft, nxt, 0)
-    lp_x = jnp.take_along_axis(lp, x[:, None], axis=-1)[:, 0]  # [T]
-    accept_sampled = u < jnp.exp(lp_x)
-    accept_greedy = x == argmax
-    accept = _by_mode(mode, temperature, accept_sampled, accept_greedy)
-    # Accepted prefix length per row: index of the first rejected draft position (else lens).
-    first_bad = jnp.where(in_draft & ~accept, j, jnp.iinfo(jnp.int32).max)
+    # Accepted prefix length per row: index of the first draft token that is not y there (else lens).
+    first_bad = jnp.where(in_draft & (nxt != y), j, jnp.iinfo(jnp.int32).max)
     num_acc = jnp.minimum(jax.ops.segment_min(first_bad, row, num_segments=num_s), lens).astype(jnp.int32)
-    rejected = num_acc < lens
-    last_pos = jnp.minimum(cu[:-1] + num_acc, t_total - 1)  # [S] position emitting the last token
-    lp_last = lp[last_pos]  # [S, V]
-    x_rej = nxt[last_pos]
-    sampled = jnp.argmax(_residual(lp_last, rejected, x_rej) + gumbel, axis=-1).astype(jnp.int32)
-    greedy_last = argmax[last_pos]
-    last = _by_mode(mode, temperature, sampled, greedy_last)
-    acc_row = num_acc[row]
-    tokens = jnp.where(live & (j < acc_row), nxt, 0)
-    tokens = jnp.where(live & (j == acc_row), last[row], tokens).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-    logprobs = jnp.where(live & (j <= acc_row), logprobs, 0.0)
+    emitted = live & (j <= num_acc[row])
+    tokens = jnp.where(emitted, y, 0).astype(jnp.int32)
+    logprobs = jnp.where(emitted, jnp.take_along_axis(lp, y[:, None], axis=-1)[:, 0], 0.0)
     num_emitted = jnp.where(q_lens > 0, num_acc + 1, 0).astype(jnp.int32)
     return tokens, logprobs, num_emitted
 
