@@ -43,6 +43,15 @@ def _write(tmp_path, rows):
     return path
 
 
+def _changed_cases(tok, tmp_path):
+    """Each answer as the history of its question, a copy with one number changed as the target,
+    and the goodput drafter with every source."""
+    changed = [a.replace("72", "73").replace("10", "11").replace("5 more", "6 more") for a in ANSWERS]
+    path = _write(tmp_path, [{"prompt": q, "history": [a], "history_rewards": [1.0], "target": b}
+                             for q, a, b in zip(QUESTIONS, ANSWERS, changed)])
+    return read_cases(path, tok.encode), _spec(window="goodput", pattern_min=1, self_lookup=True, min_token_prob=0.0)
+
+
 def test_a_target_equal_to_its_history_is_drafted_and_fully_accepted(tokenizer, tmp_path):
     tok, _ = tokenizer
     path = _write(tmp_path, [{"prompt": q, "history": [a], "history_rewards": [1.0], "target": a}
@@ -93,11 +102,7 @@ def test_floor_step_sends_the_prefix_whose_cumulative_estimate_clears_the_floor(
 
 def test_accept_floor_trades_drafts_for_acceptance(tokenizer, tmp_path):
     tok, _ = tokenizer
-    changed = [a.replace("72", "73").replace("10", "11").replace("5 more", "6 more") for a in ANSWERS]
-    path = _write(tmp_path, [{"prompt": q, "history": [a], "history_rewards": [1.0], "target": b}
-                             for q, a, b in zip(QUESTIONS, ANSWERS, changed)])
-    cases = read_cases(path, tok.encode)
-    spec = _spec(window="goodput", pattern_min=1, self_lookup=True, min_token_prob=0.0)
+    cases, spec = _changed_cases(tok, tmp_path)
     every = replay(cases, spec, _plan(8), 8, accept_floor=0.0)
     shaped = replay(cases, spec, _plan(8), 8)
     sure = replay(cases, spec, _plan(8), 8, accept_floor=0.5)
@@ -140,11 +145,7 @@ def test_replay_bounds_always_right_above_best_source_above_the_drafter(tokenize
     least what the real drafter predicts (same steps, the analytical prior as step cost)."""
     bound = benchmark_module("replay_bound")
     tok, _ = tokenizer
-    changed = [a.replace("72", "73").replace("10", "11").replace("5 more", "6 more") for a in ANSWERS]
-    path = _write(tmp_path, [{"prompt": q, "history": [a], "history_rewards": [1.0], "target": b}
-                             for q, a, b in zip(QUESTIONS, ANSWERS, changed)])
-    cases = read_cases(path, tok.encode)
-    spec = _spec(window="goodput", pattern_min=1, self_lookup=True, min_token_prob=0.0)
+    cases, spec = _changed_cases(tok, tmp_path)
     tokens = sum(c.target.size for c in cases)
     perfect = replay(cases, spec, _plan(8), 8, make_drafter=bound.PerfectDrafter([c.target for c in cases]))
     oracle = replay(cases, spec, _plan(8), 8, make_drafter=bound.PerfectDrafter([c.target for c in cases], cases))
