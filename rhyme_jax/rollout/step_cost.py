@@ -34,7 +34,8 @@ from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.model.hub import cache_dir
 
 FORMAT_VERSION = 1
-PROFILE_VERSION = 3  # how programs are timed (part of the cache key): 3 = rows live on their own pages, median of rounds
+PROFILE_VERSION = 4  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
+# pages, median of rounds; 4 = the same after the per-position sampling draws (cheaper decode sampling)
 PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
 CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
 
