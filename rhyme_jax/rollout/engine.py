@@ -457,10 +457,7 @@ class _Passes:
     def __init__(self, engine: RolloutEngine, flat_state, key: jax.Array, sampling: SamplingParams):
         self.engine, self.flat_state, self.key, self.sampling = engine, flat_state, key, sampling
         self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
-        self.count = 0
 
     def __call__(self, inp: StepInputs):
         """``RolloutEngine._run`` of ``inp`` as the next pass."""
-        out = self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode)
-        self.count += 1
-        return out
+        return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode)
