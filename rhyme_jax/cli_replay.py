@@ -270,6 +270,18 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_draft
             "drafted_tokens": totals["drafted"], "accepted_tokens": totals["accepted"]}
 
 
+def _floor_error(floor: float | None, window: str) -> str:
+    """Why ``--accept-floor`` cannot run ('' when it can): a probability, with the goodput
+    drafter's estimates."""
+    if floor is None:
+        return ""
+    if not 0 <= floor <= 1:
+        return f"--accept-floor: expected a probability in [0, 1], got {floor}"
+    if window != "goodput":
+        return f"--accept-floor needs spec.window=goodput (the drafter's estimates), got spec.window={window}"
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``rhyme-jax replay-drafts``; returns the exit status."""
     from rhyme_jax.config import ConfigError, load_config
@@ -290,17 +302,16 @@ def run(args: argparse.Namespace) -> int:
     except (TokenizerError, ReplayInputError) as exc:
         print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
         return 2
+    bad = _floor_error(args.accept_floor, cfg.spec.window)
+    if bad:
+        print(f"rhyme-jax replay-drafts: {bad}", file=sys.stderr)
+        return 2
     r = cfg.rollout
     plan = shapes.plan(max_slots=args.rows, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
                        max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
     try:
         path = args.step_cost or cfg.spec.step_cost
         cost = StepCost.load(path) if path not in ("", "prior") else None
-        if args.accept_floor is not None and not 0 <= args.accept_floor <= 1:
-            raise StepCostError(f"--accept-floor: expected a probability in [0, 1], got {args.accept_floor}")
-        if args.accept_floor is not None and cfg.spec.window != "goodput":
-            raise StepCostError(f"--accept-floor needs spec.window=goodput (the drafter's estimates), "
-                                f"got spec.window={cfg.spec.window}")
         if args.draft_price is not None:
             if not args.draft_price >= 0:
                 raise StepCostError(f"--draft-price: expected >= 0, got {args.draft_price}")

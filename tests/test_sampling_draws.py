@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rhyme_jax.rollout.sampling import inverse_cdf, position_uniforms, processed_logprobs, sample_at
+from rhyme_jax.rollout.sampling import inverse_cdf, position_uniforms, processed_logprobs, sample, sample_at
 from test_verification import LOGITS, _chi2_pvalue
 
 
@@ -33,3 +33,11 @@ def test_a_draw_depends_on_its_sequence_and_position_only():
     alone = np.asarray(position_uniforms(key, jnp.array([4]), jnp.array([10])))
     assert alone[0] == u[2]  # whatever else the batch holds
     assert np.all((u >= 0) & (u < 1))
+
+
+def test_sample_with_one_key_draws_from_the_processed_distribution():
+    logits = jnp.tile(jnp.asarray(LOGITS[0][1])[None], (4000, 1))  # 4000 rows of one distribution
+    p = np.exp(np.asarray(processed_logprobs(logits[:1], 0.7, 5, 1.0), np.float64))[0]
+    toks, lps = sample(logits, jax.random.key(9), 0.7, 5, 1.0)
+    assert _chi2_pvalue(np.bincount(np.asarray(toks), minlength=p.size), p) > 1e-3
+    np.testing.assert_allclose(np.asarray(lps), np.log(p[np.asarray(toks)]), rtol=1e-5)

@@ -161,7 +161,7 @@ def sample(
 
     Args:
       logits: ``[S, V]`` raw logits (any float dtype; computed in f32).
-      key: PRNG key (rows are sampled independently from it).
+      key: PRNG key (one uniform per row from it; ``sample_at`` keys each row's draw itself).
       temperature: ``>= 0``; 0 = greedy argmax.
       top_k: ``0`` = off.
       top_p: ``1.0`` = off.
@@ -178,11 +178,5 @@ def sample(
     if mode not in MODES:
         raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
     lp = _processed(logits, temperature, top_k, top_p, mode)
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if mode == "greedy":
-        tok = greedy_tok
-    else:
-        tok = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
-        if mode == "dynamic":
-            tok = jnp.where(jnp.asarray(temperature) > 0, tok, greedy_tok)
+    tok = sample_tokens(lp, logits, jax.random.uniform(key, (logits.shape[0],), jnp.float32), temperature, mode=mode)
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
