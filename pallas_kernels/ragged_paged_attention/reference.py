@@ -179,10 +179,12 @@ def write_kv(
         raise RaggedAttentionInputError(
             "pallas_kernels/ragged_paged_attention/reference.py: write_kv slot_mapping must be "
             f"[T]={k_new.shape[0]}, got {slot_mapping.shape}")
-    flat = (kvh, num_pages * page_size, hd)
-    k = k_pages.reshape(flat).at[:, slot_mapping].set(k_new.transpose(1, 0, 2).astype(k_pages.dtype))
-    v = v_pages.reshape(flat).at[:, slot_mapping].set(v_new.transpose(1, 0, 2).astype(v_pages.dtype))
-    return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
+    # (page, offset) on the pool's own shape: a flat reshape around a 1-token write made XLA copy
+    # the pool (rhyme_jax/rollout/forward.py _write_layer)
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    k = k_pages.at[:, page, offset].set(k_new.transpose(1, 0, 2).astype(k_pages.dtype))
+    v = v_pages.at[:, page, offset].set(v_new.transpose(1, 0, 2).astype(v_pages.dtype))
+    return k, v
 
 
 __all__ = ["RaggedAttentionInputError", "ragged_paged_attention", "write_kv"]

@@ -51,11 +51,16 @@ class RaggedMeta:
 
 def _write_layer(pool: jax.Array, layer, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Scatter ``new [T, KVH, hd]`` into ``pool [L, KVH, P, ps, hd]`` at layer ``layer`` (an int
-    or an int32 scalar: the scan's layer index)."""
-    n_layers, kvh, n_pages, ps, hd = pool.shape
-    flat = pool.reshape(n_layers, kvh, n_pages * ps, hd)
-    flat = flat.at[layer, :, slots].set(new.astype(pool.dtype))  # advanced idx dims lead: [T, KVH, hd]
-    return flat.reshape(pool.shape)
+    or an int32 scalar: the scan's layer index) at flat slots ``page * page_size + offset``.
+
+    Indexed by (page, offset) on the pool's own shape, never through a flat reshape: a 1-token
+    write becomes a dynamic-update-slice, and with a reshape around it XLA fused it into two
+    consumers of different shapes and copied the whole donated pool six times per layer (the
+    1-row decode of SmolLM2 took 5 s a pass on CPU instead of 0.08 s;
+    ``tests/test_rollout_engine.py::test_decode_programs_update_the_kv_pool_in_place``)."""
+    ps = pool.shape[3]
+    # advanced index dims lead: [T, KVH, hd]
+    return pool.at[layer, :, slots // ps, slots % ps].set(new.astype(pool.dtype))
 
 
 def paged_forward(

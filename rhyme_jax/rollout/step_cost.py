@@ -34,8 +34,9 @@ from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.model.hub import cache_dir
 
 FORMAT_VERSION = 1
-PROFILE_VERSION = 4  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
-# pages, median of rounds; 4 = the same after the per-position sampling draws (cheaper decode sampling)
+PROFILE_VERSION = 5  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
+# pages, median of rounds; 4 = the same after the per-position sampling draws (cheaper decode sampling);
+# 5 = KV writes in place in the 1-token decode program (it copied the pool before)
 PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
 CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
 
