@@ -128,6 +128,29 @@ def test_step_cost_lookup_scaling_save_load(tmp_path):
         StepCost.load(tmp_path / "missing.json")
 
 
+def test_live_step_times_replace_the_profiled_ones(tmp_path):
+    """``StepCost.observe``: from ``LIVE_MIN`` live times on, a program costs the median of its
+    last ``LIVE_WINDOW``; other programs keep their profiled figure; the prior ignores live times
+    (other units) and a saved profile holds only what was profiled."""
+    from rhyme_jax.rollout.step_cost import LIVE_MIN, LIVE_WINDOW
+
+    cost = StepCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0})
+    for i in range(LIVE_MIN - 1):
+        cost.observe(4, 4, 1, 1.0 + i)
+        assert cost(4, 4, 1) == 2.0  # too few live times yet
+    cost.observe(4, 4, 1, 0.5)
+    assert cost(4, 4, 1) == 1.0  # median of 1.0, 2.0, 0.5
+    for _ in range(LIVE_WINDOW):
+        cost.observe(4, 4, 1, 7.0)
+    assert cost(4, 4, 1) == 7.0  # only the last LIVE_WINDOW count
+    assert cost(4, 8, 3) == 3.0
+    assert StepCost.load(cost.save(tmp_path / "c.json")).seconds == {(4, 4, 1): 2.0, (4, 8, 3): 3.0}
+    prior = StepCost.prior()
+    for _ in range(LIVE_MIN):
+        prior.observe(4, 8, 3, 1e-3)
+    assert prior(4, 8, 3) == 16.0
+
+
 def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tmp_path):
     calls = []
     progs = [shapes.StepShape("prefill", 64, 16, 16, 4), shapes.StepShape("decode", 4, 4, 1, 2),

@@ -52,20 +52,28 @@ def _batch(rng, q_lens, ctx_lens, num_live, h, kvh, hd=8, ps=4, pps=12, dtype=np
     return q, kp, vp, kv_lens, perm, cu, np.array([num_live], np.int32)
 
 
+LAYOUTS = {  # q_lens, max_q_len: per packed token (a verify step's padding) / per sequence
+    "token": ([1, 3, 9, 33, 2, 1], 33),
+    "sequence": ([9, 7, 9, 8, 9, 1], 9),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("h,kvh", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("soft_cap,window", [(None, None), (5.0, None), (None, 6)])
-def test_matches_naive(h, kvh, soft_cap, window):
+def test_matches_naive(h, kvh, soft_cap, window, layout):
     rng = np.random.default_rng(h * 10 + kvh)
-    q_lens = [1, 3, 9, 33, 2, 1]
-    ctx_lens = [0, 5, 4, 3, 11, 7]  # kv lens 1, 8, 13, 36, 13, 8 cross page boundaries (ps=4)
+    q_lens, max_q = LAYOUTS[layout]
+    ctx_lens = [0, 5, 4, 3, 11, 7]  # kv lens cross page boundaries (ps=4)
     num_live = 5  # last sequence is padding
     q, kp, vp, kv_lens, pidx, cu, ns = _batch(rng, q_lens, ctx_lens, num_live, h, kvh)
+    assert reference.token_layout(q.shape[0], len(q_lens), max_q) == (layout == "token")
     # Padding sequence: cu_q_lens after num_seqs stays flat in real use; here it is not, to
     # check that dead sequences still yield zeros.
     scale = 8 ** -0.5
     got = api.ragged_paged_attention(
         jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(kv_lens), jnp.asarray(pidx),
-        jnp.asarray(cu), jnp.asarray(ns), sm_scale=scale, max_q_len=33, soft_cap=soft_cap,
+        jnp.asarray(cu), jnp.asarray(ns), sm_scale=scale, max_q_len=max_q, soft_cap=soft_cap,
         sliding_window=window)
     want = _naive(q, kp, vp, kv_lens, pidx, cu, ns, scale, soft_cap, window)
     assert got.shape == q.shape and got.dtype == q.dtype

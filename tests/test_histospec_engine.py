@@ -210,13 +210,20 @@ def test_goodput_allocation_keeps_greedy_outputs_and_drops_drafts_that_do_not_pa
 def test_step_cost_profile_times_every_program_and_leaves_outputs_unchanged():
     """``profile_step_cost`` runs every decode/verify program with each row on its own pages of the
     idle pool; a rollout afterwards still gives the greedy reference (the profile's writes do not
-    leak into it), and the model covers every program of the plan."""
+    leak into it), and the model covers every program of the plan. The rollout's own passes then
+    feed the model live times (``StepCost.observe``): only decode/verify programs it ran, each as
+    often as it ran them."""
     prompts, eos, want, _ = _reference_with_eos()
     eng = _engine(eos_ids=[eos])
     sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
     cost = eng.profile_step_cost(_model()[1], sp, repeats=1)
     progs = {(s.rows, s.tokens, s.q_len) for s in eng.programs(spec=True) if s.kind != "prefill"}
     assert set(cost.seconds) == progs and all(v > 0 for v in cost.seconds.values())
+    assert cost.live == {}  # the profile's own runs are not live times
+    eng.programs_run.clear()
     res = eng.generate(_model()[1], prompts, sp, jax.random.key(0))
     for got, exp in zip(res.tokens, want):
         np.testing.assert_array_equal(got, exp)
+    ran = {(s.rows, s.tokens, s.q_len) for s in eng.programs_run if s.kind != "prefill"}
+    assert set(cost.live) == ran and ran
+    assert sum(len(times) for times, _ in cost.live.values()) == min(res.stats["decode_steps"], 15 * len(ran))

@@ -459,5 +459,11 @@ class _Passes:
         self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
 
     def __call__(self, inp: StepInputs):
-        """``RolloutEngine._run`` of ``inp`` as the next pass."""
-        return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode)
+        """``RolloutEngine._run`` of ``inp`` as the next pass; a decode/verify pass's time goes to
+        the engine's step-cost model (``StepCost.observe``: live times replace profiled ones)."""
+        t0 = time.perf_counter()
+        out = self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode)
+        if isinstance(inp, batching.VerifyInputs):
+            s = batching.shape_of(inp)
+            self.engine.step_cost.observe(s.rows, s.tokens, s.q_len, time.perf_counter() - t0)
+        return out

@@ -34,11 +34,14 @@ from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.model.hub import cache_dir
 
 FORMAT_VERSION = 1
-PROFILE_VERSION = 5  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
+PROFILE_VERSION = 6  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
 # pages, median of rounds; 4 = the same after the per-position sampling draws (cheaper decode sampling);
-# 5 = KV writes in place in the 1-token decode program (it copied the pool before)
+# 5 = KV writes in place in the 1-token decode program (it copied the pool before); 6 = verify steps'
+# attention laid out per packed token on the reference path (cheaper verify programs on CPU)
 PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
 CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
+LIVE_WINDOW = 15  # live step times kept per program; their median replaces the profiled figure
+LIVE_MIN = 3  # ... once a program has run this many times in rollouts
 
 
 class StepCostError(ValueError):
@@ -56,6 +59,7 @@ class StepCost:
 
     seconds: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    live: dict = field(default_factory=dict, compare=False, repr=False)  # key -> (recent times, median)
 
     @classmethod
     def prior(cls) -> "StepCost":
@@ -69,6 +73,9 @@ class StepCost:
         all (another engine's plan, e.g. a replay with other ``--rows``) uses the least-squares
         fit ``a + b * rows + c * tokens`` (``a, b, c >= 0``) of the profile; no profile: the prior."""
         key = (int(rows), int(tokens), int(q_len))
+        live = self.live.get(key)
+        if live is not None and live[1] is not None:
+            return live[1]
         hit = self.seconds.get(key)
         if hit is not None:
             return hit
@@ -81,6 +88,22 @@ class StepCost:
             return prior
         a, b, c = self._linear()
         return a + b * rows + c * tokens
+
+    def observe(self, rows: int, tokens: int, q_len: int, seconds: float) -> None:
+        """Record one live step time (seconds, the engine's pass on the host clock) of the
+        ``(rows, tokens, q_len)`` program in a rollout. Once a program has ``LIVE_MIN`` live
+        times, ``__call__`` returns the median of its last ``LIVE_WINDOW`` instead of the profiled
+        figure: the profile times programs in rounds on dummy rows, and a rollout runs them in
+        its own order (on CPU, 32 rows of the demo: plain decode steps back to back ran at 0.80x
+        their profiled time while verify steps matched theirs, so verify looked cheaper than it
+        was and HistoSpec ran at 0.88x plain). Ignored without a profile (the prior's units are
+        not seconds). Not saved: a profile file holds what ``profile`` measured."""
+        if not self.seconds:
+            return
+        key = (int(rows), int(tokens), int(q_len))
+        times, _ = self.live.get(key, ((), None))
+        times = (*times[1 - LIVE_WINDOW:], float(seconds))
+        self.live[key] = (times, sorted(times)[len(times) // 2] if len(times) >= LIVE_MIN else None)
 
     def _linear(self) -> tuple[float, float, float]:
         """Non-negative least-squares ``(a, b, c)`` of ``seconds ~ a + b * rows + c * tokens``."""
