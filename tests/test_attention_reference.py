@@ -52,9 +52,9 @@ def _batch(rng, q_lens, ctx_lens, num_live, h, kvh, hd=8, ps=4, pps=12, dtype=np
     return q, kp, vp, kv_lens, perm, cu, np.array([num_live], np.int32)
 
 
-LAYOUTS = {  # q_lens, max_q_len: per packed token (a verify step's padding) / per sequence
-    "token": ([1, 3, 9, 33, 2, 1], 33),
-    "sequence": ([9, 7, 9, 8, 9, 1], 9),
+LAYOUTS = {  # q_lens, max_q_len: per packed token (<= 2 tokens per sequence) / per sequence
+    "token": ([1, 2, 1, 2, 1, 2], 3),
+    "sequence": ([1, 3, 9, 33, 2, 1], 33),
 }
 
 

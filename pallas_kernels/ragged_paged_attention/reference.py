@@ -17,9 +17,9 @@ tpu-inference and Levanter converged on (ARCHITECTURE.md section 4):
 The implementation is vectorised (no Python loop over sequences): each sequence's query rows
 are gathered into ``[S, max_q_len, H, hd]``, its pages into ``[S, pages_per_seq * page_size,
 KVH, hd]``, a masked softmax runs in float32, and the result is scattered back to packed rows.
-When those ``[S, max_q_len]`` query slots are at least half padding (a verify step: a few drafts
-per row, ``max_q_len`` set by the longest), the same computation is laid out per packed token
-instead (``token_layout``, ``_attend_by_token``): each token gathers its sequence's pages.
+With at most two packed tokens per sequence (decode; a verify step with a few drafts per row,
+whose ``[S, max_q_len]`` slots are mostly padding) the same computation is laid out per packed
+token instead (``token_layout``, ``_attend_by_token``): each token gathers its sequence's pages.
 """
 
 from __future__ import annotations
@@ -99,10 +99,16 @@ def ragged_paged_attention(
       RaggedAttentionInputError: inconsistent ranks/shapes.
     """
     _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
+    attend = _attend_by_token if token_layout(q.shape[0], page_indices.shape[0], max_q_len) else _attend_by_sequence
+    return attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                  max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window)
+
+
+def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, max_q_len,
+                        soft_cap, sliding_window):
+    """``ragged_paged_attention`` laid out per sequence: each sequence's query rows gathered into
+    ``[S, max_q_len]`` slots and its pages into ``[KVH, S, L, hd]``."""
     t_total, num_heads, head_dim = q.shape
-    if token_layout(t_total, page_indices.shape[0], max_q_len):
-        return _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_s, pages_per_seq = page_indices.shape
     group = num_heads // num_kv_heads
@@ -154,20 +160,23 @@ def ragged_paged_attention(
 
 
 def token_layout(t_total: int, num_seqs: int, max_q_len: int) -> bool:
-    """Whether ``ragged_paged_attention`` lays its work out per packed token (``_attend_by_token``):
-    when the per-sequence layout's ``num_seqs x max_q_len`` query slots are at least half padding
-    (a verify step; decode has ``T = S``, ``max_q_len = 1``, and a packed prefill fills its rows)."""
-    return 2 * t_total <= num_seqs * max_q_len
+    """Whether ``ragged_paged_attention`` lays its work out per packed token (``_attend_by_token``,
+    which gathers every token's pages) rather than per sequence (which gathers each sequence's
+    pages once and scores ``num_seqs x max_q_len`` padded query slots): when there are at most
+    two packed tokens per sequence (decode, and verify steps with a few drafts per row). On the
+    2-core CPU, one layer of the demo model's shapes
+    (``benchmarks/attention_layout.py``): per token 2.6 vs 4.9 ms at (S 128, T 128, Q 1), 4.0 vs
+    4.2 ms at (128, 192, 7); per sequence 7.0 vs 14.9 ms at (128, 512, 17), 10.4 vs 134 ms at
+    (128, 4224, 33) and 10.9 vs 63 ms for a (256, 2048, 16) prefill."""
+    return t_total <= 2 * num_seqs
 
 
-def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, soft_cap,
-                     sliding_window):
+def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, max_q_len,
+                     soft_cap, sliding_window):
     """``ragged_paged_attention`` with the work laid out per packed token instead of per sequence:
     each row gathers its sequence's pages (``[KVH, T, L, hd]``) and scores ``T x L`` keys, where
-    the per-sequence layout scores ``S x max_q_len x L`` (padded). Same result; used when the
-    queries are at least half padding in that layout (a verify step: ``S`` rows, a few drafts
-    each, ``max_q_len`` set by the longest), where it computes up to ``S * max_q_len / T`` times
-    fewer scores (on CPU, 32 rows of the demo model: the ``(48 tokens, q 7)`` verify step)."""
+    the per-sequence layout scores ``S x max_q_len x L`` (padded) but gathers only ``S x L``
+    positions. Same result; ``token_layout`` says which layout a call takes."""
     t_total, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_s, pages_per_seq = page_indices.shape
