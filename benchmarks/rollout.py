@@ -15,6 +15,11 @@ Usage (CPU demo settings; start from the demo's SFT weights)::
 
     rhyme-jax sft                                  # once, if runs/demo/sft/params is missing
     python benchmarks/rollout.py --init-from runs/demo/sft --steps 50
+    python benchmarks/rollout.py --init-from runs/demo/sft --steps 24 --oracle   # the bound of any drafter
+
+``--oracle``: the HistoSpec side drafts the plain rollout's own tokens (``AlwaysRightDrafter``:
+every draft accepted, sized by the engine's goodput allocation), so its tokens/s bound what any
+drafter reaches through this engine on this machine, prefill included.
 
 Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` and prints the table.
 """
@@ -102,6 +107,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-threads", type=int, default=os.cpu_count() or 1,
                     help="host threads compiling the warm-up's step shapes ahead of time")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--oracle", action="store_true",
+                    help="the HistoSpec side drafts the plain rollout's own tokens (always right: the bound "
+                         "of any drafter through the engine on this machine, live)")
     args = ap.parse_args(argv)
     if not Path(args.init_from).exists():
         print(f"benchmarks/rollout.py: no SFT params at {args.init_from}; run `rhyme-jax sft` first",
@@ -121,7 +129,7 @@ def main(argv=None) -> int:
                                     f"run.name={args.name}", f"run.init_from={args.init_from}",
                                     "run.progress=false", f"run.checkpoint_every={args.steps}"])
     rows = []
-    trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(rows))
+    trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(rows, oracle=args.oracle))
     r = cfg.rollout
     sp = SamplingParams.from_section(r)
     t0 = time.perf_counter()

@@ -149,6 +149,26 @@ def test_sampled_rollout_with_drafts_draws_plain_tokens_with_the_same_key(corrup
         np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
 
 
+def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
+    """``ablate.paired.AlwaysRightDrafter`` (the ``--oracle`` bound of benchmarks/rollout.py):
+    drafting the plain rollout's own tokens, every draft token is accepted, the tokens are plain
+    decode's and the rollout needs at most half the passes."""
+    from rhyme_jax.ablate.paired import AlwaysRightDrafter
+
+    prompts = _prompts(5, (4, 10, 6, 8))
+    eng = _engine()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    key = jax.random.key(3)
+    plain = eng.generate(_model()[1], prompts, sp, key)
+    spec = eng.generate(_model()[1], prompts, sp, key,
+                        drafter=AlwaysRightDrafter(prompts, plain.tokens, MAX_NEW))
+    s = spec.stats
+    assert s["drafted_tokens"] > 0 and s["accepted_tokens"] == s["drafted_tokens"]
+    assert 2 * s["decode_steps"] <= plain.stats["decode_steps"]
+    for a, b in zip(plain.tokens, spec.tokens):
+        np.testing.assert_array_equal(a, b)
+
+
 def _contingency(a, b, min_count=10):
     """2 x C counts over the categories of a and b; rare categories pooled into one column."""
     cats = np.union1d(a, b)
