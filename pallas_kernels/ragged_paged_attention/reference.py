@@ -108,11 +108,8 @@ def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
                         soft_cap, sliding_window):
     """``ragged_paged_attention`` laid out per sequence: each sequence's query rows gathered into
     ``[S, max_q_len]`` slots and its pages into ``[KVH, S, L, hd]``."""
-    t_total, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    num_s, pages_per_seq = page_indices.shape
-    group = num_heads // num_kv_heads
-    kv_cap = pages_per_seq * page_size
+    t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, group, kv_cap = _layout_sizes(
+        q, k_pages, page_indices)
 
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
@@ -144,12 +141,7 @@ def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
     mask = mask & row_ok[:, :, None]  # [S, Q, L]
     mask = mask[:, None, None]  # [S, 1, 1, Q, L]
 
-    scores = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
+    p = _masked_softmax(scores, mask)
     out = jnp.einsum("skgql,ksld->sqkgd", p, v_seq.astype(jnp.float32))
     out = out.reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
 
@@ -157,6 +149,26 @@ def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
     dest = jnp.where(row_ok, rows, t_total)
     packed = jnp.zeros_like(q)
     return packed.at[dest.reshape(-1)].set(out.reshape(-1, num_heads, head_dim), mode="drop")
+
+
+def _layout_sizes(q, k_pages, page_indices):
+    """``(t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, group, kv_cap)``."""
+    t_total, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_s, pages_per_seq = page_indices.shape
+    return (t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, num_heads // num_kv_heads,
+            pages_per_seq * page_size)
+
+
+def _masked_softmax(scores, mask):
+    """Softmax over the last axis of ``scores`` where ``mask`` (broadcast) holds; 0 elsewhere and
+    on fully masked rows."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom > 0, denom, 1.0)
 
 
 def token_layout(t_total: int, num_seqs: int, max_q_len: int) -> bool:
@@ -177,11 +189,8 @@ def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_
     each row gathers its sequence's pages (``[KVH, T, L, hd]``) and scores ``T x L`` keys, where
     the per-sequence layout scores ``S x max_q_len x L`` (padded) but gathers only ``S x L``
     positions. Same result; ``token_layout`` says which layout a call takes."""
-    t_total, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    num_s, pages_per_seq = page_indices.shape
-    group = num_heads // num_kv_heads
-    kv_cap = pages_per_seq * page_size
+    t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, group, kv_cap = _layout_sizes(
+        q, k_pages, page_indices)
     kv_lens = kv_lens.astype(jnp.int32)
     cu = cu_q_lens.astype(jnp.int32)
 
@@ -202,12 +211,7 @@ def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_
     if sliding_window is not None:
         mask = mask & (q_pos[:, None] - k_pos[None, :] < sliding_window)
     mask = mask[:, None, None]  # [T, 1, 1, L]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
+    p = _masked_softmax(scores, mask)
     out = jnp.einsum("tkgl,ktld->tkgd", p, v_tok.astype(jnp.float32))
     return out.reshape(t_total, num_heads, head_dim).astype(q.dtype)
 
