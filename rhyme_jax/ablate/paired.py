@@ -19,7 +19,8 @@ from rhyme_jax.rollout.shapes import MAX_DRAFT
 class AlwaysRightDrafter:
     """A ``rollout.types.Drafter`` that drafts the tokens a rollout will emit, known beforehand
     (``responses``: the plain rollout of the same prompts, weights and key; with the per-position
-    draws the drafted rollout emits exactly those). Every draft token is accepted and its estimate
+    draws the drafted rollout emits those, unless a near tie rounds the other way in another step
+    program). Every draft token is accepted and its estimate
     is 1, so the engine's goodput allocation sizes each step under its step-cost model alone: the
     rollout's speed bounds any drafter's through this engine on this machine (live, prefill
     included). ``context_width`` covers a whole sequence, so a row's tail tells how many tokens it

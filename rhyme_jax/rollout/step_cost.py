@@ -56,6 +56,8 @@ class StepCost:
     Attributes:
       seconds: ``{(rows, tokens, max_q_len): seconds}`` measured per program (empty = prior).
       meta: what the profile was measured on (backend, device, model; informational).
+      live: ``{(rows, tokens, max_q_len): (recent seconds, median or None)}`` from ``observe``
+        (rollout passes; not saved, not compared).
     """
 
     seconds: dict = field(default_factory=dict)
@@ -68,7 +70,8 @@ class StepCost:
         return cls({}, {"source": "prior"})
 
     def __call__(self, rows: int, tokens: int, q_len: int) -> float:
-        """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program. A shape that was not
+        """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program: its live median once
+        ``observe`` has ``LIVE_MIN`` times of it, else its profiled time. A shape that was not
         profiled is scaled from the profiled program of the same rows with the nearest token
         count (cost proportional to ``2 * rows + tokens``); a row bucket that was not profiled at
         all (another engine's plan, e.g. a replay with other ``--rows``) uses the least-squares
