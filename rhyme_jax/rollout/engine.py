@@ -299,13 +299,19 @@ class RolloutEngine:
         return step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
                          inp.streams, key, *scalars), kw
 
-    def _run(self, flat_state, inp: StepInputs, key, sp, mode):
+    def _run(self, flat_state, inp: StepInputs, key, sp, mode, live: bool = False):
         """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
-        (``VerifyInputs``) -> ``(tokens [T], logprobs [T], num_emitted [S])``, packed."""
+        (``VerifyInputs``) -> ``(tokens [T], logprobs [T], num_emitted [S])``, packed. With
+        ``live`` (a rollout's pass) a decode/verify pass's time goes to the step-cost model
+        (``StepCost.observe``: live times replace profiled ones)."""
         fn, args, kw = self._call(flat_state, inp, key, sp, mode)
-        self.programs_run.add(batching.shape_of(inp))
+        shape = batching.shape_of(inp)
+        self.programs_run.add(shape)
+        t0 = time.perf_counter()
         *out, self.kv = fn(*args, **kw)
         out = jax.device_get(tuple(out))
+        if live and shape.kind != "prefill":
+            self.step_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
         if self.check_invariants:
             self.allocator.check()
         return out
@@ -459,11 +465,5 @@ class _Passes:
         self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
 
     def __call__(self, inp: StepInputs):
-        """``RolloutEngine._run`` of ``inp`` as the next pass; a decode/verify pass's time goes to
-        the engine's step-cost model (``StepCost.observe``: live times replace profiled ones)."""
-        t0 = time.perf_counter()
-        out = self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode)
-        if isinstance(inp, batching.VerifyInputs):
-            s = batching.shape_of(inp)
-            self.engine.step_cost.observe(s.rows, s.tokens, s.q_len, time.perf_counter() - t0)
-        return out
+        """``RolloutEngine._run`` of ``inp`` as the next live pass."""
+        return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live=True)
