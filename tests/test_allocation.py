@@ -225,3 +225,34 @@ def test_busy_verify_fills_every_program_with_live_rows():
         own = busy_verify(s, PLAN.max_slots, PLAN.pages_per_seq, 16, PLAN.max_slots * PLAN.pages_per_seq + 1)
         pages = own.meta.page_indices
         assert pages.min() >= 1 and np.unique(pages).size == pages.size
+
+
+def test_draft_backoff_doubles_to_its_limit_and_resets():
+    """``DraftBackoff``: each choice that sends nothing although drafts were proposed skips the
+    next 1, 2, 4, ... ``limit`` steps; a choice that sends drafts, or a new row bucket, ends it."""
+    b = allocation.DraftBackoff(limit=4)
+    pattern = []
+    for _ in range(12):
+        if b.skip(8):
+            pattern.append("s")
+            continue
+        b.chose(proposed=True, sent=False)
+        pattern.append("c")
+    assert "".join(pattern) == "cscsscsssscs"  # skips of 1, 2, 4, then 4 (the limit)
+    b = allocation.DraftBackoff(limit=4)
+    for _ in range(2):
+        b.skip(8)
+        b.chose(proposed=True, sent=False)
+    assert b.span == 2
+    b.chose(proposed=True, sent=True)  # drafts pay again: the next backoff starts at 1
+    b.chose(proposed=True, sent=False)
+    assert (b.span, b.wait) == (1, 1)
+    b = allocation.DraftBackoff(limit=4)
+    assert not b.skip(8)
+    b.chose(proposed=True, sent=False)
+    assert b.skip(8) is True
+    b.chose(proposed=True, sent=False)  # span 2
+    assert not b.skip(16)  # another row bucket: asked again at once
+    assert not b.skip(16)
+    b.chose(proposed=False, sent=False)  # nothing proposed: no backoff
+    assert not b.skip(16)

@@ -169,6 +169,40 @@ def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
         np.testing.assert_array_equal(a, b)
 
 
+def test_backoff_skips_the_drafter_while_drafts_do_not_pay():
+    """``allocation.DraftBackoff`` in the engine: under a step-cost model where every verify
+    program costs 100 decode steps no draft is sent, and after the first choices the drafter is
+    asked on at most every other step (1, 2, 4, ... 8 skipped); the tokens stay plain decode's.
+    Where drafts pay (the prior) it is asked on every step."""
+    from rhyme_jax.ablate.paired import AlwaysRightDrafter
+    from rhyme_jax.rollout.step_cost import StepCost
+
+    class Counting(AlwaysRightDrafter):
+        calls = 0
+
+        def draft(self, reqs, tails, budgets):
+            self.calls += 1
+            return super().draft(reqs, tails, budgets)
+
+    prompts = _prompts(5, (4, 10, 6, 8))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    key = jax.random.key(3)
+    eng = _engine()
+    plain = eng.generate(_model()[1], prompts, sp, key)
+    eng.step_cost = StepCost({(s.rows, s.tokens, s.q_len): 1.0 if s.q_len == 1 else 100.0
+                              for s in eng.programs(spec=True) if s.kind != "prefill"})
+    dear = Counting(prompts, plain.tokens, MAX_NEW)
+    res = eng.generate(_model()[1], prompts, sp, key, drafter=dear)
+    assert res.stats["drafted_tokens"] == 0
+    assert 0 < dear.calls <= res.stats["decode_steps"] // 2
+    for a, b in zip(plain.tokens, res.tokens):
+        np.testing.assert_array_equal(a, b)
+    eng = _engine()  # the prior: drafts pay
+    cheap = Counting(prompts, plain.tokens, MAX_NEW)
+    res = eng.generate(_model()[1], prompts, sp, key, drafter=cheap)
+    assert res.stats["drafted_tokens"] > 0 and cheap.calls == res.stats["decode_steps"]
+
+
 def _contingency(a, b, min_count=10):
     """2 x C counts over the categories of a and b; rare categories pooled into one column."""
     cats = np.union1d(a, b)

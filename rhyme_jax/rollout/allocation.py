@@ -15,8 +15,14 @@ expected tokens per second (goodput). Drafting that does not pay is not sent: pl
 whenever no draft adds enough expected tokens to pay for the bigger step. Rows the history predicts
 long weigh up to twice as much (``makespan_weights``): the rollout waits for its longest row.
 The search covers every row bucket that holds the live rows, not only the smallest: where the
-step-cost model times a small bucket's programs above a larger one's (SmolLM2 on CPU profiled its
-1-row programs at 11x its 16-row decode), a tail of few rows runs padded in the larger bucket.
+step-cost model times a small bucket's programs above a larger one's, a tail of few rows runs
+padded in the larger bucket.
+
+``DraftBackoff``: while the choice keeps sending no draft although the drafter proposed some
+(drafting does not pay in this row bucket: many rows on CPU), the engine skips the drafter and
+the choice for 1, 2, 4, ... up to 8 steps, then asks again; a step that sends drafts or a change
+of row bucket ends the backoff. Skipped steps are plain decode steps, which is what the choice
+made; they save the host time of a draft call and a choice per step.
 
 ``fixed_rule`` is the paper policies' step (no estimates): the first program whose ``T`` holds
 the rows plus their drafts, a verify program (``Q > 1``) whenever a row drafts, drafts cut to its
@@ -163,3 +169,36 @@ def expected_accepted(curve: np.ndarray | None, lens: Int[np.ndarray, "n"]) -> f
 
 __all__ = ["StepChoice", "accept_curve", "choose_step", "expected_accepted", "fixed_rule", "goodput_choice",
            "makespan_weights"]
+
+
+@dataclass
+class DraftBackoff:
+    """Exponential backoff of drafting while the goodput choice sends nothing (module docstring).
+
+    Attributes:
+      limit: most steps skipped in a row.
+      wait: steps still to skip; span: the current skip length; rows: row bucket of the last step.
+    """
+
+    limit: int = 8
+    wait: int = 0
+    span: int = 0
+    rows: int = 0
+
+    def skip(self, rows: int) -> bool:
+        """Whether the step of a ``rows``-row bucket runs plain decode without drafting."""
+        if rows != self.rows:
+            self.rows, self.wait, self.span = rows, 0, 0
+            return False
+        if self.wait > 0:
+            self.wait -= 1
+            return True
+        return False
+
+    def chose(self, proposed: bool, sent: bool) -> None:
+        """After a choice: the drafter ``proposed`` drafts, the choice ``sent`` some."""
+        if sent:
+            self.span = 0
+        elif proposed:
+            self.span = min(max(1, 2 * self.span), self.limit)
+            self.wait = self.span

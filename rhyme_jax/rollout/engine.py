@@ -316,15 +316,19 @@ class RolloutEngine:
             self.allocator.check()
         return out
 
-    def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray) -> tuple[np.ndarray, StepChoice]:
+    def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
+               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, StepChoice]:
         """Drafts ``i32[n, K]`` of the live slots ``ids`` and the step that carries them
         (``allocation.StepChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
         The engine alone sizes drafts: they never pass the request's ``max_new_tokens`` (room for
         the bonus token) nor ``shapes.MAX_DRAFT``; with the drafter's acceptance estimates the
         goodput allocation keeps what pays under ``self.step_cost``, else they are cut
         longest-first to the step's token budget; they only use pages the pool can give without
-        preempting anyone (a draft is cut to the pages its slot holds otherwise)."""
-        if drafter is None or ids.size == 0:
+        preempting anyone (a draft is cut to the pages its slot holds otherwise). With ``backoff``
+        (goodput) the drafter is skipped while the choice keeps sending nothing
+        (``allocation.DraftBackoff``)."""
+        if (drafter is None or ids.size == 0
+                or backoff is not None and backoff.skip(shapes.seq_bucket(ids.size, self.max_slots))):
             return np.zeros((ids.size, 0), np.int32), allocation.fixed_rule(self.plan, np.zeros(ids.size, np.int64))
         t0 = time.perf_counter()
         reqs = table.req[ids]
@@ -336,6 +340,8 @@ class RolloutEngine:
         d_tok = np.asarray(d_tok, np.int32)
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
         choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
+        if backoff is not None and est is not None:
+            backoff.chose(bool(got.any()), bool(choice.draft_lens.any()))
         lens = self._page_cut(table, ids, choice.draft_lens)
         table.stats["predicted_accepted"] += allocation.expected_accepted(curve, lens)
         return d_tok, dataclasses.replace(choice, draft_lens=lens)
@@ -373,11 +379,12 @@ class RolloutEngine:
         filled = np.array([b[0] for b in batch], np.int64)
         table.record(filled, toks[: len(batch), None], lps[: len(batch), None], np.ones(len(batch), np.int64))
 
-    def _decode(self, table: SlotTable, run: "_Passes", drafter: Drafter | None) -> None:
+    def _decode(self, table: SlotTable, run: "_Passes", drafter: Drafter | None,
+                backoff: allocation.DraftBackoff | None = None) -> None:
         """One decode/verify pass over the live slots: each feeds its pending token plus its draft;
         the emitted tokens (accepted drafts + one sampled) are recorded and the drafter told."""
         ids = table.live()
-        drafts, choice = self._draft(drafter, table, ids)
+        drafts, choice = self._draft(drafter, table, ids, backoff)
         inp = self._step_inputs(ids, drafts, choice, table)
         d_lens = inp.draft_lens[: ids.size]
         toks, lps, n_emit = run(inp)
@@ -436,6 +443,7 @@ class RolloutEngine:
         reqs = self._validate(prompts, sampling)
         self._ensure_pool(state)
         run = _Passes(self, self._flat_state(state), key, sampling)
+        backoff = allocation.DraftBackoff()
         table = SlotTable(reqs, self.allocator, limit=sampling.max_new_tokens, eos_ids=self.eos_ids,
                           vocab_size=self.model_cfg.vocab_size, share_prompt_prefix=self.share_prompt_prefix,
                           context_width=0 if drafter is None else int(drafter.context_width), prefixes=prefixes)
@@ -450,7 +458,7 @@ class RolloutEngine:
             table.grow_pages()  # may preempt the newest sequences
             if not table.any_live():
                 continue
-            self._decode(table, run, drafter)
+            self._decode(table, run, drafter, backoff)
             if monitor is not None:
                 table.stop(monitor(table.progress()), on_stop)
         return table.result(time.perf_counter() - t0)

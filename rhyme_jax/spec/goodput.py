@@ -60,10 +60,12 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
 @numba.njit(cache=True, nogil=True)
 def _note(reqs, accepted, grow, emitted):
     """After a verify step: request ``reqs[b]`` emitted ``accepted[b] + 1`` tokens, which its next
-    tail adds (``grow``) and which count towards its emitted total (``emitted``)."""
+    tail adds (``grow``: added to what earlier steps without a draft in between noted, e.g. the
+    engine's backoff; a draft resets it to -1) and which count towards its emitted total
+    (``emitted``)."""
     for b in range(reqs.shape[0]):
         r = reqs[b]
-        grow[r] = accepted[b] + 1
+        grow[r] = accepted[b] + 1 + max(grow[r], 0)
         emitted[r] += accepted[b] + 1
 
 
