@@ -333,7 +333,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         reqs = table.req[ids]
         budgets = np.maximum(table.limit - table.n_generated[reqs] - 1, 0)
-        d_tok, got = drafter.draft(reqs, table.tail[ids], budgets)
+        d_tok, got = drafter.draft(reqs, table.tails.get(ids), budgets)
         est = getattr(drafter, "estimates", None)
         prio = getattr(drafter, "priorities", None)
         table.stats["drafting_seconds"] += time.perf_counter() - t0

@@ -18,6 +18,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from rhyme_jax.rollout.page_allocator import PageAllocator
+from rhyme_jax.rollout.tails import ContextTails
 from rhyme_jax.rollout.types import EngineConfigError, Progress, RolloutResult, derive_rates
 
 _WHERE = "rhyme_jax/rollout/slots.py"
@@ -33,7 +34,7 @@ class SlotTable:
       allocator: the engine's page allocator (its slots are this table's slots).
       limit: ``max_new_tokens`` of the call (response tokens per request, prefix included).
       eos_ids: tokens that end a sequence; vocab_size: their range.
-      context_width: tokens of each running sequence kept in ``tail`` (the drafter's
+      context_width: tokens of each running sequence kept in ``tails`` (the drafter's
         ``context_width``; 0 = no drafter).
       share_prompt_prefix: fresh samples of a prompt share the pages its other live samples'
         prompt fills completely.
@@ -43,8 +44,9 @@ class SlotTable:
     Per slot (``max_slots`` rows; a free slot has ``req == -1``):
       req ``int64``: request in the slot; length ``int64``: tokens in its KV pages; pending
       ``int32``: the last sampled token, fed at position ``length`` next; order ``int64``:
-      admission counter (the newest is preempted first); tail ``int32[max_slots, max(W, 1)]``:
-      last ``W = context_width`` tokens of prompt + response, left-padded with -1.
+      admission counter (the newest is preempted first).
+      tails: ``tails.ContextTails`` of ``W = context_width`` tokens (``None`` when ``W = 0``):
+      ``tails.get(ids)`` = the last ``W`` tokens of prompt + response, left-padded with -1.
 
     Per request (``n`` rows):
       tokens ``int32[n, limit]``, logprobs ``float32[n, limit]``, n_generated ``int64[n]`` (valid
@@ -82,7 +84,7 @@ class SlotTable:
         self.pending = np.zeros(slots, np.int32)
         self.order = np.zeros(slots, np.int64)
         self.width = int(context_width)
-        self.tail = np.full((slots, max(self.width, 1)), -1, np.int32)
+        self.tails = ContextTails(slots, self.width) if self.width else None
         self.admitted = 0
         self.holders: dict[bytes, set[int]] = {}  # prompt bytes -> live slots holding its full pages
         self.holding: dict[int, bytes] = {}  # slot -> the prompt whose full pages it holds
@@ -160,8 +162,8 @@ class SlotTable:
             if full:
                 self.holders.setdefault(pkey, set()).add(s)
                 self.holding[s] = pkey
-            if self.width:
-                self.tail[s] = np.concatenate([np.full(self.width, -1, np.int32), ctx])[-self.width:]
+            if self.tails is not None:
+                self.tails.reset(s, ctx)
         if not batch and not self.any_live():  # pragma: no cover - excluded by the engine's checks
             raise EngineConfigError(f"{_WHERE}: KV pool cannot admit request {self.waiting[0]}")
         return batch
@@ -206,8 +208,8 @@ class SlotTable:
                counts: Int[np.ndarray, "b"]) -> Int[np.ndarray, "b"]:
         """Append the emitted tokens of slots ``ids`` (row i: ``toks[i, :counts[i]]`` with their
         logprobs) to their requests, cut after an EOS or at ``limit``; the last kept token
-        becomes the slot's pending token and enters its tail. Finished requests get their
-        finish reason (``"eos"`` / ``"length"``) and their slots are released.
+        becomes the slot's pending token; the kept tokens enter the slot's tail. Finished
+        requests get their finish reason (``"eos"`` / ``"length"``) and their slots are released.
 
         Returns:
           ``int64[b]`` tokens kept per slot (>= 1).
@@ -224,9 +226,8 @@ class SlotTable:
         self.logprobs[r[rows], j[rows] + at] = lps[rows, at]
         self.n_generated[r] = j + m
         self.pending[ids] = toks[np.arange(ids.size), m - 1]
-        if self.width:  # the last `width` tokens of old tail + kept tokens
-            both = np.concatenate([self.tail[ids], toks], axis=1)
-            self.tail[ids] = np.take_along_axis(both, m[:, None] + np.arange(self.width), axis=1)
+        if self.tails is not None:
+            self.tails.append(ids, toks, m)
         self.stats["generated_tokens"] += int(m.sum())
         for i in np.flatnonzero(ended | (j + m >= self.limit)):
             self.finish[r[i]] = "eos" if ended[i] else "length"
