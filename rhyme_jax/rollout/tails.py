@@ -36,6 +36,7 @@ class ContextTails:
         self.width = int(width)
         self.buf = np.full((slots, 2 * self.width + SLACK), -1, np.int32)
         self.end = np.full(slots, self.width, np.int64)
+        self._windows = sliding_window_view(self.buf, self.width, axis=1)  # a view of buf, made once
 
     def reset(self, s: int, ctx: Int[np.ndarray, "c"]) -> None:
         """Slot ``s`` now holds a sequence whose tokens so far are ``ctx`` (prompt + response)."""
@@ -64,4 +65,4 @@ class ContextTails:
 
     def get(self, ids: Int[np.ndarray, "b"]) -> Int[np.ndarray, "b w"]:
         """``int32[b, W]`` tails of slots ``ids`` (a copy)."""
-        return sliding_window_view(self.buf, self.width, axis=1)[ids, self.end[ids] - self.width]
+        return self._windows[ids, self.end[ids] - self.width]
