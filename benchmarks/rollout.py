@@ -16,10 +16,16 @@ Usage (CPU demo settings; start from the demo's SFT weights)::
     rhyme-jax sft                                  # once, if runs/demo/sft/params is missing
     python benchmarks/rollout.py --init-from runs/demo/sft --steps 50
     python benchmarks/rollout.py --init-from runs/demo/sft --steps 24 --oracle   # the bound of any drafter
+    python benchmarks/rollout.py --init-from runs/demo/sft --steps 24 --oracle sources
 
 ``--oracle``: the HistoSpec side drafts the plain rollout's own tokens (``AlwaysRightDrafter``:
 every draft accepted, sized by the engine's goodput allocation), so its tokens/s bound what any
-drafter reaches through this engine on this machine, prefill included.
+drafter reaches through this engine on this machine, prefill included. ``--oracle sources`` cuts
+each draft to the longest run of those tokens that the prompt's earlier rollouts, its siblings so
+far or the row's own context hold after an occurrence of the row's last token
+(``SourceBoundDrafter``): the bound of any drafter over those sources. The oracle's own host time
+is reported beside it (``spec_tokens_per_s_without_drafting``: generated tokens over rollout
+seconds minus host drafting seconds), since a bound should not pay for its hindsight.
 
 Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` and prints the table.
 """
@@ -38,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rhyme_jax.ablate.paired import paired_rollouts  # noqa: E402  (moved into the package; re-exported)
+from rhyme_jax.ablate.paired import ORACLES, paired_rollouts  # noqa: E402  (moved into the package; re-exported)
 
 
 def write_report(rows, out: Path, final: bool, meta: dict) -> None:
@@ -56,6 +62,9 @@ def write_report(rows, out: Path, final: bool, meta: dict) -> None:
             entry[f"{kind}_passes_per_token"] = tot(kind, "forward_passes") / tot(kind, "generated_tokens")
             entry[f"{kind}_tokens_per_seq_forward"] = tot(kind, "generated_tokens") / tot(kind, "sequence_steps")
         entry["speedup"] = entry["spec_tokens_per_s"] / entry["plain_tokens_per_s"]
+        entry["spec_tokens_per_s_without_drafting"] = tot("spec", "generated_tokens") / (
+            tot("spec", "seconds") - tot("spec", "drafting_seconds"))
+        entry["speedup_without_drafting"] = entry["spec_tokens_per_s_without_drafting"] / entry["plain_tokens_per_s"]
         entry["passes_ratio"] = entry["plain_passes_per_token"] / entry["spec_passes_per_token"]
         entry["acceptance"] = tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0)
         entry["drafting_share"] = tot("spec", "drafting_seconds") / tot("spec", "seconds")
@@ -72,21 +81,25 @@ def write_report(rows, out: Path, final: bool, meta: dict) -> None:
             "passes_ratio": (tot("plain", "forward_passes") / tot("plain", "generated_tokens"))
             / (tot("spec", "forward_passes") / tot("spec", "generated_tokens")),
             "drafting_share": tot("spec", "drafting_seconds") / tot("spec", "seconds"),
+            "speedup_without_drafting": (tot("spec", "generated_tokens")
+                                         / (tot("spec", "seconds") - tot("spec", "drafting_seconds")))
+            / (tot("plain", "generated_tokens") / tot("plain", "seconds")),
             "acceptance": tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0),
         }
     lines = ["| epoch | steps | plain tok/s | HistoSpec tok/s | speedup | passes/token plain | "
              "passes/token spec | fewer passes | tokens/seq-forward | acceptance | drafting share | "
-             "compiles in timed rollouts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup without drafting | compiles in timed rollouts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         lines.append(f"| {e['epoch']} | {e['steps']} | {e['plain_tokens_per_s']:.0f} | {e['spec_tokens_per_s']:.0f} "
                      f"| {e['speedup']:.2f}x | {e['plain_passes_per_token']:.4f} | {e['spec_passes_per_token']:.4f} "
                      f"| {e['passes_ratio']:.2f}x | {e['spec_tokens_per_seq_forward']:.2f} | {e['acceptance']:.2f} "
-                     f"| {100 * e['drafting_share']:.1f}% | {e['compiles']:.0f} |")
+                     f"| {100 * e['drafting_share']:.1f}% | {e['speedup_without_drafting']:.2f}x | {e['compiles']:.0f} |")
     if summary:
         lines.append(f"\nEpoch 3 on: {summary['speedup']:.2f}x rollout tokens/s, {summary['passes_ratio']:.2f}x "
                      f"fewer forward passes per generated token, acceptance {summary['acceptance']:.2f}, "
-                     f"host drafting {100 * summary['drafting_share']:.1f}% of rollout time.")
+                     f"host drafting {100 * summary['drafting_share']:.1f}% of rollout time "
+                     f"({summary['speedup_without_drafting']:.2f}x without it).")
     lines.insert(0, f"{meta}\n")
     text = "\n".join(lines)
     if final:
@@ -107,9 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-threads", type=int, default=os.cpu_count() or 1,
                     help="host threads compiling the warm-up's step shapes ahead of time")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--oracle", action="store_true",
-                    help="the HistoSpec side drafts the plain rollout's own tokens (always right: the bound "
-                         "of any drafter through the engine on this machine, live)")
+    ap.add_argument("--oracle", nargs="?", const="always-right", default="", choices=ORACLES,
+                    help="the HistoSpec side drafts the plain rollout's own tokens: always-right (the bound "
+                         "of any drafter through the engine on this machine, live) or cut to what the history, "
+                         "sibling and self sources hold (sources: the bound of any drafter over them)")
     args = ap.parse_args(argv)
     if not Path(args.init_from).exists():
         print(f"benchmarks/rollout.py: no SFT params at {args.init_from}; run `rhyme-jax sft` first",

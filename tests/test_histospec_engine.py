@@ -169,6 +169,43 @@ def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
         np.testing.assert_array_equal(a, b)
 
 
+def test_held_run_is_the_longest_continuation_after_the_last_token():
+    """``ablate.paired.held_run``: sources, siblings and self-lookup; a source's end stops a run."""
+    from rhyme_jax.ablate.paired import held_run
+
+    a = lambda *x: np.array(x)  # noqa: E731
+    assert held_run([a(5, 1, 2, 3, 9)], a(7, 5), a(1, 2, 3, 4)) == 3
+    assert held_run([a(5, 1, 2)], a(7, 5), a(1, 2, 3, 4)) == 2
+    assert held_run([a(0, 5, 1), a(5, 1, 2, 3, 3)], a(7, 5), a(1, 2, 3, 4)) == 3
+    assert held_run([], a(5, 1, 2, 5), a(1, 2, 9)) == 2  # the row's own context
+    assert held_run([a(1, 1)], a(7, 5), a(1)) == 0
+
+
+def test_source_bound_drafts_only_what_the_sources_hold():
+    """``ablate.paired.SourceBound`` (``--oracle sources``): on the first rollout of distinct
+    prompts only self-lookup can draft, so it drafts less than always-right; on a repeat with
+    that rollout as history every draft is accepted and the rollout needs at most half the
+    passes. The tokens stay plain decode's."""
+    from rhyme_jax.ablate.paired import AlwaysRightDrafter, SourceBound
+
+    prompts = _prompts(5, (4, 10, 6, 8))
+    eng = _engine()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    key = jax.random.key(3)
+    plain = eng.generate(_model()[1], prompts, sp, key)
+    right = eng.generate(_model()[1], prompts, sp, key, drafter=AlwaysRightDrafter(prompts, plain.tokens, MAX_NEW))
+    bound = SourceBound()
+    first = eng.generate(_model()[1], prompts, sp, key, drafter=bound(prompts, plain.tokens, MAX_NEW))
+    again = eng.generate(_model()[1], prompts, sp, key, drafter=bound(prompts, plain.tokens, MAX_NEW))
+    assert first.stats["drafted_tokens"] < right.stats["drafted_tokens"]
+    for res in (first, again):
+        assert res.stats["accepted_tokens"] == res.stats["drafted_tokens"]
+        for a, b in zip(plain.tokens, res.tokens):
+            np.testing.assert_array_equal(a, b)
+    assert again.stats["drafted_tokens"] > first.stats["drafted_tokens"]
+    assert 2 * again.stats["decode_steps"] <= plain.stats["decode_steps"]
+
+
 def test_backoff_skips_the_drafter_while_drafts_do_not_pay():
     """``allocation.DraftBackoff`` in the engine: under a step-cost model where every verify
     program costs 100 decode steps no draft is sent, and after the first choices the drafter is
