@@ -282,15 +282,16 @@ def test_warmup_compiles_every_bucket():
 def test_step_pairs():
     """A decode/verify step packs the first ``(T, Q)`` pair of its row bucket holding its tokens;
     plain decode is ``(S, 1)``; three packed sizes from 1.5 S to the cap (every row's 33 tokens
-    limited by the budget), geometrically; ``Q <= min(33, T - S + 1, 4 T / S + 1)``."""
+    limited by the budget), geometrically; ``Q <= min(33, T - S + 1, 2 T / S + 1)``."""
     from rhyme_jax.rollout import shapes
-    assert shapes.verify_pairs(128, 512) == ((128, 1), (192, 7), (320, 11), (512, 17))
-    assert shapes.verify_pairs(32, 512) == ((32, 1), (48, 7), (160, 21), (512, 33))
+    assert shapes.verify_pairs(128, 512) == ((128, 1), (192, 4), (320, 6), (512, 9))
+    assert shapes.verify_pairs(32, 512) == ((32, 1), (48, 4), (160, 11), (512, 33))
+    assert shapes.verify_pairs(128, 4224) == ((128, 1), (192, 4), (904, 15), (4224, 33))
     assert shapes.verify_pairs(1, 64) == ((1, 1), (2, 2), (8, 8), (33, 33))
     assert shapes.verify_pairs(128, 512, spec=False) == ((128, 1),)
     plan = shapes.plan(max_slots=32, page_size=16, max_prompt_len=64, max_new_tokens=64)
     assert [plan.step_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
-        [(32, 1), (32, 1), (48, 7), (80, 11), (80, 11), (128, 17)]
+        [(32, 1), (32, 1), (48, 4), (80, 6), (80, 6), (128, 9)]
     with pytest.raises(ValueError, match="more than the cap 128"):
         plan.step_pair(32, 129)
 
