@@ -47,45 +47,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rhyme_jax.ablate.paired import ORACLES, paired_rollouts  # noqa: E402  (moved into the package; re-exported)
 
 
+def _ratios(rs) -> dict:
+    """Plain vs HistoSpec figures over the steps ``rs`` (each ``{"plain": stats, "spec": stats}``)."""
+    def tot(kind, key):
+        return float(sum(r[kind][key] for r in rs))
+    entry = {}
+    for kind in ("plain", "spec"):
+        entry[f"{kind}_tokens_per_s"] = tot(kind, "generated_tokens") / tot(kind, "seconds")
+        entry[f"{kind}_passes_per_token"] = tot(kind, "forward_passes") / tot(kind, "generated_tokens")
+        entry[f"{kind}_tokens_per_seq_forward"] = tot(kind, "generated_tokens") / tot(kind, "sequence_steps")
+    entry["speedup"] = entry["spec_tokens_per_s"] / entry["plain_tokens_per_s"]
+    entry["spec_tokens_per_s_without_drafting"] = tot("spec", "generated_tokens") / (
+        tot("spec", "seconds") - tot("spec", "drafting_seconds"))
+    entry["speedup_without_drafting"] = entry["spec_tokens_per_s_without_drafting"] / entry["plain_tokens_per_s"]
+    entry["passes_ratio"] = entry["plain_passes_per_token"] / entry["spec_passes_per_token"]
+    entry["acceptance"] = tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0)
+    entry["drafting_share"] = tot("spec", "drafting_seconds") / tot("spec", "seconds")
+    entry["compiles"] = tot("plain", "compiles") + tot("spec", "compiles")
+    return entry
+
+
 def write_report(rows, out: Path, final: bool, meta: dict) -> None:
     """Per-epoch table of ``rows`` (plain vs HistoSpec stats per step) into ``out``/rollout_benchmark.{md,json}."""
     by_epoch = defaultdict(list)
     for row in rows:
         by_epoch[row["epoch"]].append(row)
-    table = []
-    for epoch, rs in sorted(by_epoch.items()):
-        def tot(kind, key):
-            return float(sum(r[kind][key] for r in rs))
-        entry = {"epoch": epoch, "steps": len(rs)}
-        for kind in ("plain", "spec"):
-            entry[f"{kind}_tokens_per_s"] = tot(kind, "generated_tokens") / tot(kind, "seconds")
-            entry[f"{kind}_passes_per_token"] = tot(kind, "forward_passes") / tot(kind, "generated_tokens")
-            entry[f"{kind}_tokens_per_seq_forward"] = tot(kind, "generated_tokens") / tot(kind, "sequence_steps")
-        entry["speedup"] = entry["spec_tokens_per_s"] / entry["plain_tokens_per_s"]
-        entry["spec_tokens_per_s_without_drafting"] = tot("spec", "generated_tokens") / (
-            tot("spec", "seconds") - tot("spec", "drafting_seconds"))
-        entry["speedup_without_drafting"] = entry["spec_tokens_per_s_without_drafting"] / entry["plain_tokens_per_s"]
-        entry["passes_ratio"] = entry["plain_passes_per_token"] / entry["spec_passes_per_token"]
-        entry["acceptance"] = tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0)
-        entry["drafting_share"] = tot("spec", "drafting_seconds") / tot("spec", "seconds")
-        entry["compiles"] = tot("plain", "compiles") + tot("spec", "compiles")
-        table.append(entry)
+    table = [{"epoch": epoch, "steps": len(rs), **_ratios(rs)} for epoch, rs in sorted(by_epoch.items())]
     late = [r for r in rows if r["epoch"] >= 3]
     summary = {}
     if late:
-        def tot(kind, key):
-            return float(sum(r[kind][key] for r in late))
-        summary = {
-            "speedup": (tot("spec", "generated_tokens") / tot("spec", "seconds"))
-            / (tot("plain", "generated_tokens") / tot("plain", "seconds")),
-            "passes_ratio": (tot("plain", "forward_passes") / tot("plain", "generated_tokens"))
-            / (tot("spec", "forward_passes") / tot("spec", "generated_tokens")),
-            "drafting_share": tot("spec", "drafting_seconds") / tot("spec", "seconds"),
-            "speedup_without_drafting": (tot("spec", "generated_tokens")
-                                         / (tot("spec", "seconds") - tot("spec", "drafting_seconds")))
-            / (tot("plain", "generated_tokens") / tot("plain", "seconds")),
-            "acceptance": tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0),
-        }
+        both = _ratios(late)
+        summary = {k: both[k] for k in ("speedup", "passes_ratio", "drafting_share", "speedup_without_drafting",
+                                        "acceptance")}
     lines = ["| epoch | steps | plain tok/s | HistoSpec tok/s | speedup | passes/token plain | "
              "passes/token spec | fewer passes | tokens/seq-forward | acceptance | drafting share | "
              "speedup without drafting | compiles in timed rollouts |",
