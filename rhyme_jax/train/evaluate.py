@@ -44,6 +44,14 @@ class EvalResult:
     samples: int = 0
     sampled_per_problem: Optional[np.ndarray] = None  # f64[n]: share of the k samples correct
 
+    @property
+    def pass_at_k(self) -> Optional[float]:
+        """pass@k with k = ``samples``: share of problems with at least one correct sample of k
+        (None when not measured). GRPO moves pass@1 towards it (Chen et al. 2021, arXiv 2107.03374)."""
+        if self.sampled_per_problem is None:
+            return None
+        return float(np.mean(self.sampled_per_problem > 0))
+
     def save(self, path: Path) -> None:
         """Per-problem results as ``.npz`` (``correct``, ``sampled``), written atomically."""
         with atomic_write(path, "wb") as fh:
@@ -57,7 +65,8 @@ class EvalResult:
         if self.sampled_accuracy is not None:
             out.update({f"{prefix}/sampled_accuracy": self.sampled_accuracy,
                         f"{prefix}/sampled_stderr": self.sampled_stderr,
-                        f"{prefix}/samples": float(self.samples)})
+                        f"{prefix}/samples": float(self.samples),
+                        f"{prefix}/pass_at_k": self.pass_at_k})
         return out
 
 
