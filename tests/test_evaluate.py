@@ -68,6 +68,7 @@ def test_evaluate_scores_greedy_and_sampled_responses(tiny_policy, tmp_path):
     assert res.sampled_stderr == pytest.approx(per.std(ddof=1) / math.sqrt(6))
     m = res.as_metrics()
     assert m["eval/samples"] == k and m["eval/n"] == 6
+    assert m["eval/pass_at_k"] == pytest.approx(np.mean(per > 0))  # any of the k samples correct
 
     path = tmp_path / "eval" / "step_000000.npz"
     res.save(path)
@@ -81,3 +82,15 @@ def test_evaluate_rejects_an_empty_problem_list(tiny_policy):
     cfg, tok, _, engine, state = tiny_policy
     with pytest.raises(ValueError, match="num_eval"):
         evaluate(engine, state, tok, [], template=cfg.model.prompt_template, max_new_tokens=4)
+
+
+def test_summary_reward_windows_and_z():
+    from rhyme_jax.train.summary import _reward_windows, _z
+
+    w = _reward_windows([0.1] * 10 + [0.5] * 5 + [0.3] * 10)
+    assert w == {"reward_window": 10, "reward_first": pytest.approx(0.1), "reward_last": pytest.approx(0.3),
+                 "reward_rise": pytest.approx(0.2)}
+    assert _reward_windows([0.2, 0.6, 0.4])["reward_window"] == 1  # short runs: halves at most
+    assert _reward_windows([]) == {}
+    assert _z({"gain_paired": 0.1, "gain_paired_stderr": 0.02}) == "5.0"
+    assert _z({"gain_paired": 0.0, "gain_paired_stderr": 0.0}) == "inf"

@@ -42,6 +42,7 @@ def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles:
         **_sampled(before, after),
         **_paired(run_dir, result["steps"]),
         "reward_per_step": [round(float(r.get("reward/mean", float("nan"))), 4) for r in rows],
+        **_reward_windows([float(r.get("reward/mean", float("nan"))) for r in rows]),
         "rollout_seconds": t_roll, "train_seconds": t_train,
         "rollout_share": t_roll / max(t_roll + t_train, 1e-9),
         # Median: the first step's rollout includes compilation.
@@ -79,6 +80,16 @@ def _spec_epochs(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _reward_windows(rewards: list[float], window: int = 10) -> dict:
+    """Mean train reward over the first and the last ``window`` steps (fewer when the run is
+    shorter than two windows), and their difference: the learning signal of the run."""
+    if not rewards:
+        return {}
+    w = max(1, min(window, len(rewards) // 2))
+    first, last = float(np.nanmean(rewards[:w])), float(np.nanmean(rewards[-w:]))
+    return {"reward_window": w, "reward_first": first, "reward_last": last, "reward_rise": last - first}
+
+
 def _paired(run_dir: Path, steps: int) -> dict:
     """Paired gains (same problems before and after) from the per-problem eval files."""
     from rhyme_jax.train.evaluate import paired_gain
@@ -109,7 +120,9 @@ def _sampled(before: dict, after: dict) -> dict:
             "sampled_stderr_after": after["eval/sampled_stderr"],
             "sampled_gain": gain,
             "sampled_gain_stderr": math.sqrt(after["eval/sampled_stderr"] ** 2
-                                             + before["eval/sampled_stderr"] ** 2)}
+                                             + before["eval/sampled_stderr"] ** 2),
+            **({"pass_at_k_before": before["eval/pass_at_k"], "pass_at_k_after": after["eval/pass_at_k"]}
+               if "eval/pass_at_k" in before and "eval/pass_at_k" in after else {})}
 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
@@ -122,25 +135,32 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
          f"{summary['accuracy_after']:.3f} ± {summary['stderr_after']:.3f}"),
         ("greedy gain (± its standard error)",
          f"{summary['gain']:+.3f} ± {summary['gain_stderr']:.3f}"
-         + (f" (paired: ± {summary['gain_paired_stderr']:.3f})" if "gain_paired_stderr" in summary else "")),
+         + (f" (paired: ± {summary['gain_paired_stderr']:.3f}, z = {_z(summary)})"
+            if "gain_paired_stderr" in summary else "")),
     ]
     if "samples" in summary:
         k = summary["samples"]
         rows += [
-            (f"held-out mean@{k} accuracy before RL",
+            (f"held-out pass@1 at T = 1 (mean of {k} samples) before RL",
              f"{summary['sampled_accuracy_before']:.3f} ± {summary['sampled_stderr_before']:.3f}"),
-            (f"held-out mean@{k} accuracy after RL",
+            (f"held-out pass@1 at T = 1 (mean of {k} samples) after RL",
              f"{summary['sampled_accuracy_after']:.3f} ± {summary['sampled_stderr_after']:.3f}"),
-            (f"mean@{k} gain (± its standard error)",
+            (f"pass@1 at T = 1 gain (± its standard error)",
              f"{summary['sampled_gain']:+.3f} ± {summary['sampled_gain_stderr']:.3f}"
              + (f" (paired: ± {summary['sampled_gain_paired_stderr']:.3f})"
                 if "sampled_gain_paired_stderr" in summary else "")),
         ]
+        if "pass_at_k_before" in summary:
+            rows.append((f"held-out pass@{k} at T = 1 before -> after RL",
+                         f"{summary['pass_at_k_before']:.3f} -> {summary['pass_at_k_after']:.3f}"))
     rewards = summary["reward_per_step"]
     shown = ", ".join(f"{r:.2f}" for r in rewards) if len(rewards) <= 12 else (
         ", ".join(f"{r:.2f}" for r in rewards[:6]) + ", ..., " + ", ".join(f"{r:.2f}" for r in rewards[-6:]))
     rows += [
         ("train reward per step", shown),
+        *([(f"train reward, mean of the first -> last {summary['reward_window']} steps",
+            f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f} ({summary['reward_rise']:+.3f})")]
+          if "reward_window" in summary else []),
         ("rollout / train seconds", f"{summary['rollout_seconds']:.1f} / {summary['train_seconds']:.1f} "
                                     f"({100 * summary['rollout_share']:.0f}% rollout)"),
         ("rollout tokens/s (median over steps)", f"{summary['rollout_tokens_per_s']:.0f}"),
@@ -159,6 +179,12 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("wall time", f"{summary['wall_seconds']:.0f} s"),
     ]
     return rows
+
+
+def _z(summary: dict) -> str:
+    """The paired greedy gain in standard errors (``inf`` when every problem kept its score)."""
+    se = summary["gain_paired_stderr"]
+    return f"{summary['gain_paired'] / se:.1f}" if se > 0 else "inf"
 
 
 def _compile_rows(c: dict | None) -> list[tuple[str, str]]:
