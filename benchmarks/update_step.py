@@ -3,9 +3,10 @@
 The update is ``train.grpo_step.make_grpo_step`` with the config's ``grpo.micro_batch_tokens``,
 ``logit_chunk`` and ``remat``, over one minibatch of ``--rows`` rows x ``--tokens`` tokens
 (default: the recipe's minibatch on one device) of random tokens with random behaviour logprobs
-and advantages. Weights are random (normal 0.02) in ``model.dtype``: memory and time do not
-depend on their values. Prints and writes JSON: compile seconds, median step seconds, tokens/s,
-micro-batches, XLA's temporaries and (on GPU/TPU) the device's peak bytes in use.
+and advantages. Weights are random (normal 0.02), float32 master weights computing in
+``model.dtype`` as in a run: memory and time do not depend on their values. Prints and writes
+JSON: compile seconds, median step seconds, tokens/s, micro-batches, XLA's temporaries and (on
+GPU/TPU) the device's peak bytes in use.
 
     python benchmarks/update_step.py --config configs/gsm8k_qwen2.5_1.5b.yaml \\
         --model-config configs/models/qwen2.5-1.5b --rows 16 --tokens 1536 --out /tmp/upd.json
@@ -28,7 +29,7 @@ from rhyme_jax.cli_memory import model_config_of
 from rhyme_jax.config import load_config
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.grpo_step import UpdateMemory, make_grpo_step, num_micro_batches
-from rhyme_jax.train.optim import make_optimizer
+from rhyme_jax.train.optim import PARAM_DTYPE, grpo_optimizer
 
 
 def random_batch(rows: int, tokens: int, vocab: int, seed: int = 0) -> dict:
@@ -40,7 +41,8 @@ def random_batch(rows: int, tokens: int, vocab: int, seed: int = 0) -> dict:
             "positions": np.broadcast_to(np.arange(tokens, dtype=np.int32), (rows, tokens)).copy(),
             "attn_mask": np.ones((rows, tokens), bool), "loss_mask": loss_mask,
             "old_logprobs": (-rng.random((rows, tokens - 1)) * 4).astype(np.float32),
-            "advantages": rng.normal(size=rows).astype(np.float32)}
+            "advantages": rng.normal(size=rows).astype(np.float32),
+            "loss_norm": np.full(rows, loss_mask.sum(), np.float32)}  # read by the normalised loss_agg modes
 
 
 def main(argv=None) -> dict:
@@ -59,12 +61,13 @@ def main(argv=None) -> dict:
     rows = args.rows or g.prompts_per_step * g.samples_per_prompt // g.minibatches
     tokens = args.tokens or -(-(cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens) // 16) * 16
     dtype = jnp.dtype(cfg.model.dtype)
-    model = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    # As in a run: float32 master weights and AdamW moments, compute in model.dtype.
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0)))
     graphdef, abstract = nnx.split(model)
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(abstract))))
     state = jax.tree.map(lambda x: (0.02 * jax.random.normal(next(keys), x.shape, jnp.float32)).astype(x.dtype),
                          abstract)
-    opt = make_optimizer(g.learning_rate, max(g.steps, 1), g.warmup_steps, g.weight_decay, g.max_grad_norm)
+    opt = grpo_optimizer(g)
     opt_state = jax.jit(opt.init)(state)
     memory = UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat)
     step = make_grpo_step(graphdef, opt, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=0.0,

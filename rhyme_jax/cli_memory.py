@@ -58,24 +58,29 @@ def model_config_of(cfg: RunConfig, model_config: str) -> tuple[ModelConfig, str
 
 
 def memory_report(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (params + optimizer per
-    device on the train mesh), ``rollout_param_bytes_per_device``, and unless ``--no-update``
+    """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (float32 master params +
+    AdamW moments per device on the train mesh, whatever ``model.dtype`` computes in),
+    ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds), and unless ``--no-update``
     the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
     params + optimizer per device + ``update_temp_bytes`` (an upper bound under FSDP: the
     compiled update is single-device, so its gradients are whole)."""
     import jax
 
-    from rhyme_jax.train.state_memory import state_memory
+    import numpy as np
+
     from rhyme_jax.parallel.mesh import mesh_shape
+    from rhyme_jax.train.optim import PARAM_DTYPE
+    from rhyme_jax.train.state_memory import state_memory
 
     model_cfg, source = model_config_of(cfg, args.model_config)
     devices = args.devices if args.devices > 0 else jax.device_count()
     p = cfg.parallel
     d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
-    dtype = cfg.model.dtype
-    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=dtype)
+    dtype, param_dtype = cfg.model.dtype, str(np.dtype(PARAM_DTYPE))
+    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=param_dtype)
     roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
-    out = {"model": source, "dtype": dtype, "devices": devices, "mesh": {"data": d, "fsdp": f, "tensor": t},
+    out = {"model": source, "dtype": dtype, "param_dtype": param_dtype, "devices": devices,
+           "mesh": {"data": d, "fsdp": f, "tensor": t},
            **{k: train[k] for k in ("params", "param_bytes_total", "param_bytes_per_device",
                                     "opt_bytes_total", "opt_bytes_per_device")},
            "rollout_tensor": p.rollout_tensor, "rollout_param_bytes_per_device": roll["param_bytes_per_device"]}
@@ -93,7 +98,8 @@ def memory_report(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
 def print_report(r: dict[str, Any]) -> None:
     """Human-readable ``memory_report``."""
     m = r["mesh"]
-    print(f"{r['model']}: {r['params'] / 1e9:.3f} B parameters, {r['dtype']}")
+    print(f"{r['model']}: {r['params'] / 1e9:.3f} B parameters, {r['param_dtype']} master weights "
+          f"computing in {r['dtype']}")
     print(f"train mesh data={m['data']} x fsdp={m['fsdp']} x tensor={m['tensor']} of {r['devices']} devices:")
     for name, key, note in (("params", "param", ""), ("optimizer", "opt", " (AdamW moments)")):
         print(f"  {name:<10} {r[key + '_bytes_total'] / GIB:8.3f} GiB total  "
@@ -102,7 +108,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  together   {(r['param_bytes_total'] + r['opt_bytes_total']) / GIB:8.3f} GiB total  "
           f"{both / GIB:8.3f} GiB per device")
     print(f"rollout worker (tensor={r['rollout_tensor']}): params "
-          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device (plus the KV pool)")
+          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['dtype']} (plus the KV pool)")
     if "update_temp_bytes" in r:
         print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device "
               f"(logit_chunk={r['logit_chunk']}, remat={r['remat']}; XLA compiled in {r['compile_s']} s):")

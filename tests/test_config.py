@@ -138,7 +138,7 @@ def test_bad_values_fail_in_load_config_naming_the_key(override, key):
 
 @pytest.mark.parametrize("overrides, key", [
     (["parallel.data=-1", "parallel.fsdp=-1"], "parallel.data and parallel.fsdp are both -1"),
-    (["parallel.fsdp=2", "grpo.prompts_per_step=3", "grpo.samples_per_prompt=1"], "grpo.prompts_per_step"),
+    (["parallel.fsdp=2", "grpo.prompts_per_step=1", "grpo.samples_per_prompt=3"], "grpo.prompts_per_step"),
     (["data.min_steps=3", "data.max_steps=2"], "data.max_steps=2 must be >= 3"),
     (["sft.steps=5", "sft.warmup_steps=6"], "sft.warmup_steps=6 must be in [0, sft.steps=5]"),
 ], ids=["two-fill-axes", "rows-over-shards", "steps-order", "sft-warmup"])
@@ -157,3 +157,36 @@ def test_cross_field_checks(overrides, key):
 ])
 def test_boundary_values_still_load(override):
     load_config(DEFAULT, [override])
+
+
+# Settings under which GRPO (or SFT) runs without ever changing the policy (RunConfig's
+# _check_learning_signal): each fails at load naming the key, in one line.
+NO_LEARNING = [
+    # group of one: advantage = reward - group mean = 0 on every row
+    (["grpo.samples_per_prompt=1"], "grpo.samples_per_prompt=1 must be >= 2"),
+    (["grpo.samples_per_prompt=1", "grpo.kl_coef=0.05"], "grpo.samples_per_prompt=1"),
+    # greedy rollouts: one response n times, one reward, advantage 0
+    (["rollout.top_k=1"], "rollout.top_k=1"),
+    # one optimizer step, and warmup makes update 0 run at rate 0
+    (["grpo.steps=1", "grpo.warmup_steps=1"], "grpo.warmup_steps=1"),
+    (["sft.steps=1", "sft.warmup_steps=1"], "sft.warmup_steps=1"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", NO_LEARNING, ids=[" ".join(o) for o, _ in NO_LEARNING])
+def test_settings_that_cannot_learn_fail_at_load(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEFAULT, overrides)
+    msg = str(info.value)
+    assert msg.startswith(DEFAULT) and f": {key}" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("overrides", [
+    ["grpo.samples_per_prompt=2"], ["rollout.top_k=2"], ["grpo.steps=1", "grpo.warmup_steps=0"],
+    ["grpo.steps=1", "grpo.warmup_steps=1", "grpo.minibatches=2"],  # update 1 runs at half the peak
+    ["grpo.steps=2", "grpo.warmup_steps=2"], ["sft.steps=2", "sft.warmup_steps=2"],
+    ["sft.steps=1", "sft.warmup_steps=0"],
+    ["grpo.eps_low=0", "grpo.eps_high=0"],  # still a gradient: -min(r A, A) at r = 1 flows through r A
+], ids=lambda o: " ".join(o))
+def test_edges_of_the_learning_signal_checks_still_load(overrides):
+    load_config(DEFAULT, overrides)

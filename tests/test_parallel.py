@@ -192,10 +192,12 @@ def test_memory_command_plans_the_real_recipe(capsys):
     assert main(["memory", "--config", str(ROOT / "configs" / "gsm8k_qwen2.5_1.5b.yaml"), "--model-config",
                  str(ROOT / "configs" / "models" / "qwen2.5-1.5b"), "--devices", "8", "--no-update"]) == 0
     out = capsys.readouterr().out
-    assert "1.544 B parameters, bfloat16" in out and "data=1 x fsdp=8 x tensor=1" in out
-    # 1,543,714,304 bf16 params = 2.875 GiB; fsdp=8 leaves an eighth per device (every dim divides).
-    assert "params        2.875 GiB total     0.360 GiB per device" in out
-    assert "optimizer     5.751 GiB total     0.719 GiB per device" in out
+    assert "1.544 B parameters, float32 master weights computing in bfloat16" in out
+    assert "data=1 x fsdp=8 x tensor=1" in out
+    # 1,543,714,304 float32 params = 5.751 GiB; fsdp=8 leaves an eighth per device (every dim divides).
+    assert "params        5.751 GiB total     0.719 GiB per device" in out
+    assert "optimizer    11.502 GiB total     1.439 GiB per device" in out
+    assert "params 2.875 GiB per device in bfloat16" in out  # a rollout worker's copy
 
 
 def test_memory_json_reads_the_compiled_update(capsys):

@@ -37,6 +37,7 @@ class RunConfig:
     def __post_init__(self):
         _check_batch_layout(self)
         _check_tiny_layout(self)
+        _check_learning_signal(self)
         _check_backend(self)
 
 
@@ -51,6 +52,40 @@ def _check_batch_layout(cfg: RunConfig) -> None:
         raise ConfigError(f"grpo.prompts_per_step * grpo.samples_per_prompt = {rows} rows must split into "
                           f"grpo.minibatches={g.minibatches} minibatches of a multiple of parallel.data x "
                           f"parallel.fsdp = {shards} rows")
+
+
+def _check_learning_signal(cfg: RunConfig) -> None:
+    """Settings under which GRPO (or the SFT warm start) trains without ever changing the policy
+    fail here, naming the key, instead of running quietly at reward 0:
+
+    * ``grpo.samples_per_prompt=1``: an advantage is the reward minus its group's mean (GRPO,
+      Shao et al. 2024 arXiv 2402.03300, eq. 3; Dr.GRPO and batch-std scaling subtract the same
+      mean), so a group of one has advantage 0 on every row and the surrogate's gradient is 0
+      (with ``grpo.kl_coef > 0`` only the pull back to the reference, which is where the policy
+      starts, remains).
+    * ``rollout.top_k=1``: sampling keeps only the most likely token, so the n samples of a prompt
+      are one response n times, get one reward, and every advantage is 0.
+    * a run of one optimizer step that warms up: warmup ramps linearly from rate 0
+      (``optim.make_schedule``), so update 0 runs at rate 0; with ``grpo.steps x
+      grpo.minibatches = 1`` (or ``sft.steps = 1``) it is the only update.
+
+    Raises:
+      ConfigError: one line starting with the key.
+    """
+    g, r, sft = cfg.grpo, cfg.rollout, cfg.sft
+    if g.samples_per_prompt < 2:
+        raise ConfigError(f"grpo.samples_per_prompt={g.samples_per_prompt} must be >= 2: an advantage is the "
+                          f"reward minus its group's mean, so a group of one always has advantage 0 and GRPO "
+                          f"never changes the policy")
+    if r.top_k == 1:
+        raise ConfigError("rollout.top_k=1 samples greedily: the grpo.samples_per_prompt responses of a prompt "
+                          "are the same tokens with the same reward, so every advantage is 0 (0 = top-k off)")
+    if g.steps * g.minibatches == 1 and g.warmup_steps > 0:
+        raise ConfigError(f"grpo.warmup_steps={g.warmup_steps} leaves a run of one optimizer step (grpo.steps x "
+                          f"grpo.minibatches = 1) at learning rate 0: warmup starts at 0 (use 0)")
+    if sft.steps == 1 and sft.warmup_steps > 0:
+        raise ConfigError(f"sft.warmup_steps={sft.warmup_steps} leaves a warm start of one step (sft.steps=1) at "
+                          f"learning rate 0: warmup starts at 0 (use 0)")
 
 
 def _check_tiny_layout(cfg: RunConfig) -> None:

@@ -67,7 +67,7 @@ class ModelSection:
     path: str = ""  # directory with config.json + *.safetensors (+ tokenizer.json), or a known model name
     #               (rhyme-jax models list: imported offline into the user's cache on first use); "" = tiny demo model
     tokenizer_path: str = ""  # tokenizer.json; "" = <path>/tokenizer.json or the demo tokenizer
-    dtype: Dtype = "float32"  # compute/param dtype
+    dtype: Dtype = "float32"  # compute dtype; parameters and AdamW moments stay float32 (master weights)
     scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -190,8 +190,8 @@ class GRPOSection:
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
     learning_rate: float = 1e-3
-    warmup_steps: int = 0
-    schedule: LRSchedule = "constant"  # after linear warmup
+    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
+    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # <= 0 = no clipping
     max_consecutive_nonfinite: int = 3

@@ -115,7 +115,9 @@ def load_hf_checkpoint(path, *, dtype=jnp.float32, param_dtype=None,
     Args:
       path: checkpoint directory.
       dtype: compute dtype of the returned model.
-      param_dtype: parameter dtype the tensors are cast to; None = ``dtype``.
+      param_dtype: parameter dtype the tensors are cast to; None = ``dtype`` (inference: the
+        weights in the dtype they compute in). Training passes float32 (``train.policy``:
+        float32 master weights under bf16 compute; a bf16 checkpoint widens exactly).
       mesh: place each tensor straight into its sharding on this mesh
         (``parallel.rules.param_shardings``): every device reads only its block from the
         memory-mapped file, so no device (and no host buffer) holds a full copy of the model.

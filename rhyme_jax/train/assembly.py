@@ -8,10 +8,11 @@ rollout workers and the learner, as an RL cluster keeps its roles apart):
   model definition, with the initial params in the train layout (``load_warm_start`` loads the
   params a GRPO run starts from);
 * ``RolloutParts`` (``build_rollout``): one engine per rollout worker on its sub-mesh, each
-  worker's param layout (the weight sync ``states``), the scheduler, the history store and the
-  HistoSpec drafter. Benchmarks that only roll out stop here and never allocate training state;
-* ``Learner`` (``build_learner``): optimizer (and its initial state), the jitted update, the
-  frozen KL reference.
+  worker's param layout (the weight sync ``states``: the float32 master weights cast to
+  ``model.dtype`` and resharded), the scheduler, the history store and the HistoSpec drafter.
+  Benchmarks that only roll out stop here and never allocate training state;
+* ``Learner`` (``build_learner``): optimizer (and its initial float32 state, schedule counted in
+  optimizer steps: ``optim.grpo_optimizer``), the jitted update, the frozen KL reference.
 
 Params and optimizer state are returned next to the parts, never kept in them: the update donates
 their buffers, so only their owner (the trainer) holds them.
@@ -54,9 +55,9 @@ from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
-from rhyme_jax.train.optim import make_optimizer
+from rhyme_jax.train.optim import grpo_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline
-from rhyme_jax.train.policy import build_sharded, build_tokenizer, eos_ids
+from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
 from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
 
 if TYPE_CHECKING:
@@ -181,6 +182,8 @@ class RolloutParts:
       scheduler: the ``RolloutScheduler`` over the engines (``sched`` section).
       history: the history store (None when neither HistoSpec nor HistoPipe is on).
       drafter: the HistoSpec drafter (None when ``spec.enabled`` is off).
+      dtype: the compute dtype (``model.dtype``) the workers' weights are cast to; None = kept as
+        they are.
     """
 
     engines: list[RolloutEngine]
@@ -188,6 +191,7 @@ class RolloutParts:
     scheduler: RolloutScheduler
     history: Optional[HistoryStore]
     drafter: Optional[Drafter]
+    dtype: Any = None
 
     @property
     def engine(self) -> RolloutEngine:
@@ -195,7 +199,12 @@ class RolloutParts:
         return self.engines[0]
 
     def states(self, state: nnx.State) -> list[nnx.State]:
-        """The weight sync: ``state`` resharded into every local worker's layout."""
+        """The weight sync: ``state`` (the float32 master weights) cast to the compute dtype
+        (``policy.compute_params``: once, on the train mesh, before the copies) and resharded into
+        every local worker's layout. The rollout computes in ``model.dtype`` either way; a bf16
+        copy halves each worker's weights and the bytes the sync moves."""
+        if self.dtype is not None:
+            state = compute_params(state, self.dtype)
         return [reshard(state, sh) for sh in self.shardings]
 
     def close(self) -> None:
@@ -229,7 +238,7 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
     drafter = Drafter(cfg.spec, history) if cfg.spec.enabled else None
     if drafter is not None and len(history):
         drafter.rebuild(history.prompt_ids())
-    return RolloutParts(engines, shardings, scheduler, history, drafter)
+    return RolloutParts(engines, shardings, scheduler, history, drafter, compute_dtype(cfg.model.dtype))
 
 
 def attach_step_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
@@ -281,11 +290,14 @@ class Learner:
 def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State) -> tuple[Learner, Any]:
     """The update step and the KL reference (a copy of ``state``, the starting params) of a run,
     and the initial optimizer state, created directly in its shardings on the policy's mesh.
+
+    ``state`` holds the float32 master weights (``build_policy``); the AdamW moments follow their
+    dtype and the update adds in float32 while the model computes in ``model.dtype``. The
+    schedule counts optimizer steps (``grpo.steps x grpo.minibatches``; ``optim.grpo_optimizer``).
     Returns ``(learner, opt_state)``."""
     g, mesh = cfg.grpo, policy.mesh
     param_sh = param_shardings(state, mesh)
-    optimizer = make_optimizer(g.learning_rate, g.steps, g.warmup_steps, g.weight_decay, g.max_grad_norm,
-                               schedule=g.schedule)
+    optimizer = grpo_optimizer(g)
     opt_sh = opt_state_shardings(optimizer, jax.eval_shape(optimizer.init, state), param_sh, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(state)
     layout = TrainShardings(mesh, param_sh, opt_sh, batch_sharding(mesh))

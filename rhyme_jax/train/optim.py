@@ -2,14 +2,30 @@
 
 Non-finite updates are not filtered here (no ``optax.apply_if_finite``): the trainer checks the
 loss / gradient norm and skips such steps itself, so it can count and report them.
+
+Mixed precision: the trained parameters (the master weights) and the AdamW moments are always
+``PARAM_DTYPE`` (float32), whatever ``model.dtype`` the forward and backward compute in; the model
+casts its float32 parameters to the compute dtype inside every layer, so gradients arrive in
+float32 and every update is added in float32 (Micikevicius et al. 2018, "Mixed Precision
+Training", arXiv 1710.03740; Levanter / MaxText keep float32 params under bf16 compute the same
+way). A bfloat16 master copy would lose the update: bf16 keeps 8 significant bits, so a step of
+1e-6 is below half the bf16 spacing of any weight above ~5e-4 and rounds away.
+
+Schedules count optimizer steps. A GRPO step makes ``grpo.minibatches`` of them, so a GRPO run's
+schedule (``grpo_optimizer``) spans ``grpo.steps x grpo.minibatches`` optimizer steps and warms up
+over ``grpo.warmup_steps x grpo.minibatches`` (``grpo.warmup_steps`` is in GRPO steps).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("cosine", "constant")
+PARAM_DTYPE = jnp.float32  # trained parameters and optimizer moments, whatever model.dtype computes in
 
 
 class OptimizerConfigError(ValueError):
@@ -26,13 +42,18 @@ def make_schedule(
 ) -> optax.Schedule:
     """Learning rate per optimizer step: linear warmup from 0, then cosine decay or constant.
 
-    The rate reaches ``learning_rate`` at step ``warmup_steps`` exactly; ``cosine`` then decays to
-    ``final_lr_fraction * learning_rate`` at ``total_steps`` (and stays there).
+    optax evaluates the schedule at the count of updates made so far, so update ``k`` (0-based)
+    runs at ``schedule(k)``. The rate is ``learning_rate * k / warmup_steps`` during warmup (update
+    0 runs at 0, so Adam's moments start filling), reaches ``learning_rate`` at count
+    ``warmup_steps`` exactly; ``cosine`` then decays to ``final_lr_fraction * learning_rate`` at
+    count ``total_steps``, the end of the run (the last update, ``total_steps - 1``, runs just
+    above it), and stays there.
 
     Args:
       learning_rate: peak rate (> 0).
-      total_steps: optimizer steps of the run (>= 1).
-      warmup_steps: steps of linear warmup (0 <= warmup_steps <= total_steps).
+      total_steps: optimizer steps of the run (>= 1); for GRPO ``grpo.steps x grpo.minibatches``
+        (``grpo_optimizer``).
+      warmup_steps: optimizer steps of linear warmup (0 <= warmup_steps <= total_steps).
       schedule: ``cosine`` | ``constant``.
       final_lr_fraction: cosine end value as a fraction of the peak, in [0, 1].
 
@@ -131,3 +152,35 @@ def make_optimizer(
         parts.append(optax.clip_by_global_norm(max_grad_norm))
     parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask))
     return optax.chain(*parts)
+
+
+def grpo_schedule_steps(grpo: Any) -> tuple[int, int]:
+    """``(total, warmup)`` of a GRPO run's schedule in optimizer steps: ``grpo.steps x
+    grpo.minibatches`` and ``grpo.warmup_steps x grpo.minibatches`` (every GRPO step makes
+    ``grpo.minibatches`` optimizer steps; ``grpo.warmup_steps`` counts GRPO steps).
+
+    Args:
+      grpo: the ``grpo`` config section (``steps``, ``warmup_steps``, ``minibatches``: ints).
+    """
+    per_step = int(grpo.minibatches)
+    return int(grpo.steps) * per_step, int(grpo.warmup_steps) * per_step
+
+
+def grpo_optimizer(grpo: Any) -> optax.GradientTransformation:
+    """The AdamW of a GRPO run (``make_optimizer`` with the ``grpo`` section's rate, decay,
+    clipping and schedule), its schedule counted in optimizer steps (``grpo_schedule_steps``):
+    a cosine run reaches its end value when the run ends, not after ``1 / grpo.minibatches`` of
+    it, and warmup lasts ``grpo.warmup_steps`` GRPO steps.
+
+    Args:
+      grpo: the ``grpo`` config section.
+
+    Returns:
+      ``optax.GradientTransformation`` over float32 (``PARAM_DTYPE``) parameters.
+
+    Raises:
+      OptimizerConfigError: a value is out of range (the config checks catch these first).
+    """
+    total, warmup = grpo_schedule_steps(grpo)
+    return make_optimizer(grpo.learning_rate, total, warmup, grpo.weight_decay, grpo.max_grad_norm,
+                          schedule=grpo.schedule)

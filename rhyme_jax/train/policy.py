@@ -1,7 +1,9 @@
 """Build the policy (model + tokenizer) a run trains: a HF checkpoint or the tiny demo model.
 
 One code path serves the CPU demo and real checkpoints: both end as a ``Decoder`` plus a
-``Tokenizer`` read from a ``tokenizer.json``. The demo's tokenizer is trained with the
+``Tokenizer`` read from a ``tokenizer.json``. Parameters are always float32 master weights
+(``optim.PARAM_DTYPE``); ``model.dtype`` is the compute dtype the layers cast them to, and the
+rollout engine gets a copy in that dtype (``compute_params``). The demo's tokenizer is trained with the
 ``tokenizers`` library on the task corpus and saved in the run directory, so a resumed run or an
 evaluation reads the very same file.
 """
@@ -9,8 +11,9 @@ evaluation reads the very same file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -24,6 +27,7 @@ from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.parallel.mesh import train_mesh
 from rhyme_jax.parallel.reshard import create_sharded
+from rhyme_jax.train.optim import PARAM_DTYPE
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -33,7 +37,7 @@ class PolicyConfigError(ValueError):
 
 
 def compute_dtype(name: str):
-    """Map ``model.dtype`` to a jnp dtype.
+    """Map ``model.dtype`` (the compute dtype; parameters stay ``PARAM_DTYPE``) to a jnp dtype.
 
     Raises:
       PolicyConfigError: unknown dtype name.
@@ -42,6 +46,32 @@ def compute_dtype(name: str):
         return _DTYPES[name]
     except KeyError:
         raise PolicyConfigError(f"model.dtype={name!r}: expected one of {sorted(_DTYPES)}") from None
+
+
+def compute_params(state: Any, dtype) -> Any:
+    """``state`` with every floating-point leaf cast to the compute dtype ``dtype``: the copy of
+    the float32 master weights a rollout engine or evaluation runs on (each layer would cast them
+    anyway; a bf16 copy halves the weights a rollout worker holds). Leaves already in ``dtype``
+    and integer leaves are returned as they are (no copy). Each cast keeps its leaf's sharding.
+
+    Args:
+      state: a params pytree (``nnx.State``), e.g. f32 leaves in the train layout.
+      dtype: compute dtype (``compute_dtype(cfg.model.dtype)``).
+
+    Returns:
+      The same structure with floating leaves in ``dtype``.
+
+    Mixed precision as in Micikevicius et al. 2018 (arXiv 1710.03740): float32 master weights,
+    low-precision copies for the forward pass.
+    """
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, state)
 
 
 def tokenizer_file(cfg: RunConfig, run_dir: Path) -> Path:
@@ -95,16 +125,18 @@ def tiny_model_config(cfg: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
 
 
 def build_model(cfg: RunConfig, tokenizer: Tokenizer, seed: int) -> Decoder:
-    """The policy: loaded from ``model.path`` or freshly initialised from ``model.tiny``."""
+    """The policy: loaded from ``model.path`` or freshly initialised from ``model.tiny``, with
+    float32 parameters (``PARAM_DTYPE``; a bf16 checkpoint is widened exactly) computing in
+    ``model.dtype``."""
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
-        _, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype)
+        _, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, param_dtype=PARAM_DTYPE)
         model.scan_unroll = cfg.model.scan_unroll
         return model
     # The same jitted initialisation as build_sharded on one device, so both give equal values.
     model_cfg = tiny_model_config(cfg, tokenizer)
     graphdef, state, _ = create_sharded(
-        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed),
+        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(seed),
                         scan_unroll=cfg.model.scan_unroll), train_mesh(1, 1, 1))
     return nnx.merge(graphdef, state)
 
@@ -114,17 +146,19 @@ def build_sharded(cfg: RunConfig, tokenizer: Tokenizer, seed: int, mesh) -> tupl
 
     A HF checkpoint is read block by block into each device's shard; the tiny model is
     initialised under jit with sharded outputs (``parallel.reshard.create_sharded``). Values
-    equal ``build_model``'s on any mesh. Returns ``(graphdef, state, model_cfg)``.
+    equal ``build_model``'s on any mesh; parameters are float32 (``PARAM_DTYPE``) master weights,
+    the graph computes in ``model.dtype``. Returns ``(graphdef, state, model_cfg)``.
     """
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
-        model_cfg, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, mesh=mesh)
+        model_cfg, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, param_dtype=PARAM_DTYPE,
+                                              mesh=mesh)
         model.scan_unroll = cfg.model.scan_unroll
         graphdef, state = nnx.split(model)
         return graphdef, state, model_cfg
     model_cfg = tiny_model_config(cfg, tokenizer)
     graphdef, state, _ = create_sharded(
-        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed),
+        lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(seed),
                         scan_unroll=cfg.model.scan_unroll), mesh)
     return graphdef, state, model_cfg
 

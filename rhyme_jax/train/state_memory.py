@@ -3,7 +3,9 @@
 Nothing is allocated: the model is built with ``nnx.eval_shape``, the optimizer state with
 ``jax.eval_shape``, and each leaf's shard shape follows from ``rules.param_specs`` on a mesh
 *shape* (no devices needed), so the real recipe's layout can be planned on a laptop
-(``rhyme-jax memory``).
+(``rhyme-jax memory``). A run's trained parameters and AdamW moments are float32 whatever
+``model.dtype`` computes in (``optim.PARAM_DTYPE``, mixed precision); a rollout worker's weights
+are the compute-dtype copy (``policy.compute_params``): size each with its own ``param_dtype``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def state_memory(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param
     Args:
       model_cfg: architecture (e.g. ``ModelConfig.from_hf_dir``).
       mesh_shape: ``{"data": d, "fsdp": f, "tensor": t}`` (missing axes = 1).
-      param_dtype: storage dtype of the parameters (the optimizer moments follow it).
+      param_dtype: storage dtype of the parameters (the optimizer moments follow it): float32
+        for the train state (master weights + AdamW), ``model.dtype`` for a rollout worker.
       optimizer: default AdamW as the trainer builds it (two moments per parameter).
 
     Returns:

@@ -4,7 +4,9 @@
 ``grpo_step.make_grpo_step`` is lowered for ``jax.ShapeDtypeStruct`` parameters, optimizer state
 and batch (nothing is allocated, so any model size works on a laptop CPU) and compiled for one
 device; ``compiled.memory_analysis().temp_size_in_bytes`` is the update's temporaries (gradients,
-activations kept for the backward pass, one logits chunk, optimizer scratch).
+activations kept for the backward pass, one logits chunk, optimizer scratch). Parameters and
+optimizer state are float32 (``optim.PARAM_DTYPE``: the master weights of mixed precision), the
+graph computes in ``model.dtype``, as in a run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.grpo_step import UpdateMemory, make_grpo_step, num_micro_batches
 from rhyme_jax.train.losses import SEQ_LEN_MULTIPLE
-from rhyme_jax.train.optim import make_optimizer
+from rhyme_jax.train.optim import PARAM_DTYPE, grpo_optimizer
 
 
 def config_micro_batch(cfg: RunConfig, shards: int) -> tuple[int, int]:
@@ -51,7 +53,8 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     """Compile one update over a micro-batch of ``rows x tokens`` (one device) and report bytes.
 
     The micro-batch is the whole batch of the compiled step (no further split); logit chunking
-    and remat follow ``cfg.grpo``; parameters and optimizer moments are in ``cfg.model.dtype``.
+    and remat follow ``cfg.grpo``; parameters and optimizer moments are float32 (``PARAM_DTYPE``,
+    so the gradients are float32 too) and the forward / backward compute in ``cfg.model.dtype``.
 
     Args:
       model_cfg: architecture.
@@ -59,7 +62,8 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
       rows, tokens: micro-batch shape (``tokens`` is rounded up to a multiple of 16).
 
     Returns:
-      dict with ``update_temp_bytes`` (XLA temporaries), ``update_argument_bytes``,
+      dict with ``dtype`` (compute) and ``param_dtype`` (float32) names, ``update_temp_bytes``
+      (XLA temporaries), ``update_argument_bytes``,
       ``update_output_bytes``, ``update_alias_bytes`` (donated outputs), the estimates
       ``residual_bytes`` (activations kept between blocks under remat: L x rows x tokens x D),
       ``logits_chunk_bytes`` (one f32 ``[chunk, V]``), and ``compile_s``.
@@ -72,10 +76,9 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     tokens = -(-tokens // SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE
     g = cfg.grpo
     dtype = jnp.dtype(cfg.model.dtype)
-    abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    opt = make_optimizer(g.learning_rate, max(g.steps, 1), g.warmup_steps, g.weight_decay, g.max_grad_norm,
-                         schedule=g.schedule)
+    opt = grpo_optimizer(g)
     opt_state = jax.eval_shape(opt.init, state)
     memory = UpdateMemory(0, g.logit_chunk, g.remat)
     step = make_grpo_step(graphdef, opt, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=g.kl_coef,
@@ -86,7 +89,7 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     ma = compiled.memory_analysis()
     chunk = rows * (tokens - 1) if g.logit_chunk == 0 else min(rows * (tokens - 1), g.logit_chunk)
     return {
-        "rows": rows, "tokens": tokens, "dtype": str(dtype),
+        "rows": rows, "tokens": tokens, "dtype": str(dtype), "param_dtype": str(jnp.dtype(PARAM_DTYPE)),
         "logit_chunk": g.logit_chunk, "remat": bool(g.remat),
         "update_temp_bytes": int(ma.temp_size_in_bytes),
         "update_argument_bytes": int(ma.argument_size_in_bytes),
