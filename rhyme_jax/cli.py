@@ -142,6 +142,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     from rhyme_jax.train import checkpoint as ckpt
     from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of
     from rhyme_jax.train.evaluate import evaluate_run
+    from rhyme_jax.train.policy import compute_dtype, compute_params
 
     run_dir = run_dir_of(cfg)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
@@ -158,6 +159,8 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
         c.close()
         state, source = optimizer_free_state, f"{run_dir / 'checkpoints'} step {step}"
     engine = make_engine(policy.graphdef, policy.model_cfg, cfg, policy.eos)
+    # The float32 master weights evaluated on a model.dtype copy, as the run's evaluations are.
+    state = compute_params(state, compute_dtype(cfg.model.dtype))
     res = evaluate_run(engine, state, policy.tokenizer, policy.eval_problems, cfg)
     sampled = (f", mean@{res.samples} {res.sampled_accuracy:.3f} ± {res.sampled_stderr:.3f}"
                if res.samples else "")
