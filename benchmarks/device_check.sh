@@ -14,7 +14,7 @@
 #
 #   . .venv/bin/activate && DEVICE_CHECK_CPU_SMOKE=1 bash benchmarks/device_check.sh
 #
-# The GPU image (/work/.library/device/KINDS.md) has python3 3.12 with jax 0.11.2 (+cuda13
+# The GPU image of the lent device machine has python3 3.12 with jax 0.11.2 (+cuda13
 # plugin), flax, jaxtyping, numpy, tokenizers, safetensors: all that pallas_kernels and the
 # rollout engine import. Nothing can be installed there (no registry), and nothing needs to be:
 # the repo is put on PYTHONPATH instead of `pip install -e .` (whose build step would need

@@ -42,12 +42,12 @@ def model_dir(path: str = "") -> Path:
 
 def problems(n: int, split: str = "train", offset: int = 0):
     """The first ``n`` GSM8K problems (``rhyme_jax.data.Problem``) of ``split`` after ``offset``
-    (the recipe's data paths)."""
-    from rhyme_jax.data import load_gsm8k
+    (the recipe's data paths; empty = the GSM8K copy vendored with the package)."""
+    from rhyme_jax.data import gsm8k_path, load_gsm8k
 
     cfg = recipe()
-    path = cfg.data.train_path if split == "train" else cfg.data.test_path
-    return load_gsm8k(ROOT / path if not Path(path).is_absolute() else path)[offset: offset + n]
+    path = gsm8k_path(split, cfg.data.train_path if split == "train" else cfg.data.test_path)
+    return load_gsm8k(path)[offset: offset + n]
 
 
 def questions(n: int, split: str = "train", offset: int = 0) -> list[str]:

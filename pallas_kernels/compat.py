@@ -1,4 +1,4 @@
-"""Every Pallas import of the project, in one place (ARCHITECTURE.md section 8).
+"""Every Pallas import of the project, in one place.
 
 The Pallas API moves between JAX releases (``TPUCompilerParams`` -> ``pltpu.CompilerParams``,
 ``TritonCompilerParams`` -> ``plgpu.CompilerParams``, the Triton backend deprecated in 0.11).

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from rhyme_jax.config import load_config
-from rhyme_jax.data import DataError, Problem, corpus, load_gsm8k, load_problems, make_problems, reward
+from rhyme_jax.data import (GSM8K_DIR, DataError, Problem, corpus, gsm8k_path, load_gsm8k, load_problems,
+                            make_problems, reward)
 
-GSM8K = Path("/work/shared/datasets/gsm8k")
-needs_gsm8k = pytest.mark.skipif(not (GSM8K / "train.jsonl").is_file(), reason="GSM8K files not present")
+GSM8K = GSM8K_DIR  # the copy vendored with the package (rhyme_jax/data/gsm8k_data)
+REPO = Path(__file__).resolve().parents[1]
 
 
-@needs_gsm8k
 def test_gsm8k_real_files():
     train = load_gsm8k(GSM8K / "train.jsonl")
     test = load_gsm8k(GSM8K / "test.jsonl")
@@ -148,11 +148,42 @@ def test_corpus_and_load_problems(tmp_path):
         DataSection(source="parquet")
     with pytest.raises(DataError, match="data.source"):
         load_problems(SimpleNamespace(**{**dataclasses.asdict(DataSection()), "source": "parquet"}))
-    with pytest.raises(DataError, match="data.train_path"):
-        load_problems(load_config(overrides=["data.source=gsm8k"]).data)
+    with pytest.raises(DataError, match="nope.jsonl: GSM8K file not found"):
+        load_problems(load_config(overrides=["data.source=gsm8k", f"data.train_path={tmp_path / 'nope.jsonl'}"]).data)
     f = tmp_path / "t.jsonl"
     f.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(5)))
     cfg = load_config(overrides=["data.source=gsm8k", f"data.train_path={f}", f"data.test_path={f}",
                                  "data.num_eval=3"])
     train, ev = load_problems(cfg.data)
     assert len(train) == 5 and [p.answer for p in ev] == ["0", "1", "2"]
+
+
+def test_gsm8k_vendored_by_default_from_any_directory(tmp_path, monkeypatch):
+    """Empty ``data.train_path`` / ``test_path`` (the recipes') mean the vendored copy, whatever the
+    working directory; the copy keeps its MIT notice and ships as package data."""
+    assert gsm8k_path("train") == GSM8K_DIR / "train.jsonl" and gsm8k_path("test", "x.jsonl") == Path("x.jsonl")
+    with pytest.raises(DataError, match="split"):
+        gsm8k_path("eval")
+    assert "MIT License" in (GSM8K_DIR / "LICENSE").read_text()
+    assert "openai/grade-school-math" in (GSM8K_DIR / "README.md").read_text()
+    assert '"gsm8k_data/*.jsonl"' in (REPO / "pyproject.toml").read_text()
+    monkeypatch.chdir(tmp_path)
+    for recipe in ("gsm8k_smollm2_135m.yaml", "gsm8k_qwen2.5_1.5b.yaml"):
+        cfg = load_config(REPO / "configs" / recipe, overrides=["data.num_eval=4"])
+        assert cfg.data.source == "gsm8k" and not cfg.data.train_path and not cfg.data.test_path
+        train, ev = load_problems(cfg.data)
+        assert len(train) == 7473 and train[0].answer == "72"
+        assert [p.id for p in ev] == [0, 1, 2, 3] and ev[0].question.startswith("Janet")
+
+
+def test_no_file_reads_data_outside_the_repo():
+    """A fresh clone stands alone: no code, config, test or doc names a dataset or file of the
+    workspace around the checkout (the GSM8K files are vendored)."""
+    needles = ["../" + "shared", "/work" + "/", "shared/" + "datasets", "shared/" + "design"]
+    files = [p for d in ("rhyme_jax", "pallas_kernels", "tests", "benchmarks", "configs", "docs")
+             for p in (REPO / d).rglob("*") if p.suffix in (".py", ".yaml", ".md", ".sh", ".toml")]
+    files += [REPO / "pyproject.toml", REPO / "README.md"]
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in files if p.is_file()
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if any(n in line for n in needles)]
+    assert not hits, "\n".join(hits)

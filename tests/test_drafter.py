@@ -113,7 +113,7 @@ def test_budget_and_window_limits():
 
 
 def _window_reference(policy, w, drafted, accepted, fixed):
-    """Scalar restatement of ARCHITECTURE.md s.5 window rules."""
+    """Scalar restatement of the window rules (``rhyme_jax/spec/window.py`` docstring)."""
     if policy == "fixed":
         return fixed
     if drafted == 0:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +20,14 @@ import torch
 from flax import nnx
 
 from rhyme_jax.config import SpecSection
+from rhyme_jax.data import gsm8k_path
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = gsm8k_path("test")  # the copy vendored with the package
 NEW_TOKENS = 64
 
 

@@ -1,5 +1,5 @@
 """HistoPipe host-side math: length predictor, cost model, planner (tier 1/2), bubble metrics, Gantt,
-and the replay benchmark's worker simulation (ARCHITECTURE.md s.6)."""
+and the replay benchmark's worker simulation (docs/architecture.md, "HistoPipe")."""
 
 import itertools
 import json

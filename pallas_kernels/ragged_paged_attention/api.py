@@ -1,4 +1,6 @@
-"""Dispatch for ragged paged attention: pick an implementation by name (ARCHITECTURE.md section 8).
+"""Dispatch for ragged paged attention: pick an implementation by name.
+
+Which one runs where: docs/architecture.md, "Attention implementations".
 
 Implementations (same signature and semantics as ``reference.ragged_paged_attention``):
 

@@ -1,7 +1,7 @@
 """Ragged paged attention as a Pallas kernel for NVIDIA GPUs (Triton lowering).
 
-Same semantics and argument order as ``reference.ragged_paged_attention`` (ARCHITECTURE.md
-sections 4 and 8); the reference docstring is the specification. Layout of the computation:
+Same semantics and argument order as ``reference.ragged_paged_attention``; the reference
+docstring is the specification. Layout of the computation:
 
 * Outside the kernel (XLA): each sequence's query rows are gathered into ``[S, KVH, NQB, R, hd]``
   where one block of ``R = block_q`` rows folds ``P`` query positions times the ``G = H / KVH``

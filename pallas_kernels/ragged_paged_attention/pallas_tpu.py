@@ -1,4 +1,4 @@
-"""Ragged paged attention as a Pallas Mosaic TPU kernel (ARCHITECTURE.md section 8).
+"""Ragged paged attention as a Pallas Mosaic TPU kernel.
 
 Same semantics and argument order as ``reference.ragged_paged_attention`` (the oracle); this
 module only changes how the work is done:

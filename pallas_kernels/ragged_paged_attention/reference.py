@@ -1,7 +1,7 @@
 """Reference (oracle) ragged paged attention in plain ``jax.numpy``; runs on any backend.
 
 Semantics follow the layout JAX's ``ragged_paged_attention`` (jax/experimental/pallas/ops/tpu),
-tpu-inference and Levanter converged on (ARCHITECTURE.md section 4):
+tpu-inference and Levanter converged on:
 
 * ``q [T_total, H, hd]`` packs the new tokens of ``S`` sequences back to back; sequence ``s``
   owns rows ``cu_q_lens[s] : cu_q_lens[s + 1]``.

@@ -1,4 +1,4 @@
-"""``rhyme-jax ablate``: the paper's ablations (ARCHITECTURE.md s.10) from ``configs/ablations``.
+"""``rhyme-jax ablate``: the paper's ablations (docs/reproduction.md) from ``configs/ablations``.
 
 A thin layer on top of the package: it builds runs from configs and drives ``train``, ``sched``,
 ``spec`` and ``rollout`` as the trainer and the benchmarks do; nothing in the package imports it

@@ -1,4 +1,4 @@
-"""The ablation ids of ARCHITECTURE.md s.10, the runs (units) they need, and the scales.
+"""The paper's ablation ids (docs/reproduction.md), the runs (units) they need, and the scales.
 
 Every id names the paper's figure (RhymeRL, arXiv 2508.18588, s.6 evaluation; K-ids are this
 project's knobs, with the paper's or the released specRL code's choice where they made one) and
@@ -49,7 +49,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class Ablation:
-    """One id of ARCHITECTURE.md s.10.
+    """One ablation id (docs/reproduction.md).
 
     Attributes:
       id: ``A1`` ... ``O6``.

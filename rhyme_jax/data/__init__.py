@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rhyme_jax.config import DataSection
-from rhyme_jax.data.gsm8k import load_gsm8k
+from rhyme_jax.data.gsm8k import GSM8K_DIR, gsm8k_path, load_gsm8k
 from rhyme_jax.data.problems import DataError, Problem
 from rhyme_jax.data.rewards import answers_match, extract_answer, reward
 from rhyme_jax.data.synthetic import corpus, make_problems
@@ -11,8 +11,8 @@ from rhyme_jax.data.synthetic import corpus, make_problems
 SOURCES = ("synthetic", "gsm8k")
 
 __all__ = [
-    "DataError", "Problem", "SOURCES", "answers_match", "corpus", "extract_answer", "load_gsm8k",
-    "load_problems", "make_problems", "reward",
+    "DataError", "GSM8K_DIR", "Problem", "SOURCES", "answers_match", "corpus", "extract_answer",
+    "gsm8k_path", "load_gsm8k", "load_problems", "make_problems", "reward",
 ]
 
 
@@ -22,15 +22,16 @@ def load_problems(data_cfg: DataSection) -> tuple[list[Problem], list[Problem]]:
     Args:
       data_cfg: the run config's ``DataSection`` (``cfg.data``). ``source == "synthetic"``
         uses ``seed, num_train, num_eval, min_steps, max_steps, max_number``; ``"gsm8k"`` reads
-        ``train_path`` and ``test_path`` (the test split serves as eval).
+        ``train_path`` and ``test_path`` (the test split serves as eval); an empty path means the
+        GSM8K copy vendored with the package (``gsm8k_path``).
 
     Returns:
       ``(train, eval)``; the eval list has at most ``data_cfg.num_eval`` problems (a prefix, so
       ids stay stable). ``num_eval <= 0`` gives an empty eval list.
 
     Raises:
-      DataError: unknown ``data.source``, a missing ``data.train_path``/``data.test_path`` for
-        gsm8k, ``data.num_train`` < 0, or any loader error (which names file:line).
+      DataError: unknown ``data.source``, ``data.num_train`` < 0, or any loader error (a missing
+        file, or a bad line: the message names file:line).
     """
     source = data_cfg.source
     num_eval = max(int(data_cfg.num_eval), 0)
@@ -44,10 +45,7 @@ def load_problems(data_cfg: DataSection) -> tuple[list[Problem], list[Problem]]:
         evals = make_problems(seed, "eval", num_eval, **kw)
         return train, evals
     if source == "gsm8k":
-        for key in ("train_path", "test_path"):
-            if not str(getattr(data_cfg, key) or ""):
-                raise DataError(f"data.{key} must be set when data.source is 'gsm8k'")
-        train = load_gsm8k(data_cfg.train_path)
-        evals = load_gsm8k(data_cfg.test_path)[:num_eval]
+        train = load_gsm8k(gsm8k_path("train", data_cfg.train_path or ""))
+        evals = load_gsm8k(gsm8k_path("test", data_cfg.test_path or ""))[:num_eval]
         return train, evals
     raise DataError(f"data.source must be one of {SOURCES}, got {source!r}")

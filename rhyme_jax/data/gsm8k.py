@@ -4,6 +4,10 @@ Each line of the jsonl files is ``{"question": str, "answer": "<reasoning>\\n###
 The reasoning contains calculator annotations ``<<48/2=24>>`` which are kept verbatim in
 ``Problem.solution``; the canonical answer is the text after the last ``####`` with thousands
 commas removed (``"1,000"`` -> ``"1000"``).
+
+Both splits ship with the package (``gsm8k_data/``, MIT license, notice in ``gsm8k_data/LICENSE``);
+``gsm8k_path`` returns the file a config's ``data.train_path`` / ``data.test_path`` names, or the
+vendored split when the field is empty.
 """
 
 from __future__ import annotations
@@ -12,6 +16,21 @@ import json
 from pathlib import Path
 
 from rhyme_jax.data.problems import DataError, Problem
+
+GSM8K_DIR = Path(__file__).resolve().with_name("gsm8k_data")  # vendored train.jsonl, test.jsonl
+SPLITS = ("train", "test")
+
+
+def gsm8k_path(split: str, path: str | Path = "") -> Path:
+    """The GSM8K file of ``split``: ``path`` when set (relative to the working directory, as given),
+    else the vendored copy ``GSM8K_DIR / f"{split}.jsonl"``.
+
+    Raises:
+      DataError: ``split`` is not ``"train"`` or ``"test"``.
+    """
+    if split not in SPLITS:
+        raise DataError(f"GSM8K split must be one of {SPLITS}, got {split!r}")
+    return Path(path) if str(path) else GSM8K_DIR / f"{split}.jsonl"
 
 
 def canonical_gsm8k_answer(final: str) -> str:

@@ -3,9 +3,9 @@
 The train layout is one global mesh over ``data x fsdp x tensor`` devices (across every process
 of a multi-host run). Rollout runs on W data-parallel workers per process, each an engine on its
 own sub-mesh of ``rollout_tensor`` *local* devices with a single ``tensor`` axis
-(ARCHITECTURE.md sections 6 and 9). The two layouts may overlap (co-located trainer and
-rollout, as verl's hybrid engine) or not; the weight sync reshards between them
-(``parallel/reshard.py``).
+(docs/architecture.md, "Data flow of one GRPO step", the two layouts). The two layouts may
+overlap (co-located trainer and rollout, as verl's hybrid engine) or not; the weight sync
+reshards between them (``parallel/reshard.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Continuous-batching rollout engine over a paged KV pool (ARCHITECTURE.md sections 3-4).
+"""Continuous-batching rollout engine over a paged KV pool.
+
+Its place in a GRPO step: docs/architecture.md, "Data flow of one GRPO step".
 
 ``max_slots`` fixed decode slots. Each loop iteration admits waiting prompts into free slots with
 one packed prefill call, then runs one decode step in which every slot feeds its pending token

@@ -31,7 +31,7 @@ from rhyme_jax.rollout.kv_cache import KVCache
 @jax.tree_util.register_dataclass
 @dataclass
 class RaggedMeta:
-    """Ragged batch metadata (ARCHITECTURE.md section 4), all int32.
+    """Ragged batch metadata (the attention reference's layout), all int32.
 
     Attributes:
       kv_lens: ``[S]`` cached tokens per sequence including the new ones.

@@ -1,4 +1,4 @@
-"""Paged KV pool of the rollout engine (ARCHITECTURE.md section 4).
+"""Paged KV pool of the rollout engine.
 
 One pool holds every layer: ``k, v [num_layers, num_kv_heads, num_pages, page_size, head_dim]``;
 ``k[l]`` is the per-layer layout ``ragged_paged_attention`` reads. Page 0 is a reserved scratch

@@ -1,4 +1,4 @@
-"""Rows and groups carried between rollouts (ARCHITECTURE.md section 6).
+"""Rows and groups carried between rollouts (docs/architecture.md, "HistoPipe").
 
 ``CarriedRow`` is the one form of a sample whose response one rollout began and another continues:
 a tail migrated to an idle worker within a step, or a tail deferred to a later step.

@@ -1,6 +1,6 @@
 """HistoPipe cost model: predicted seconds for one rollout worker to generate a batch.
 
-ARCHITECTURE.md s.6 (tier 2 uses "a profiled cost model T(tokens, batch) per worker"; RhymeRL,
+HistoPipe's tier 2 uses a profiled cost model T(tokens, batch) per worker (RhymeRL,
 arXiv 2508.18588, s.5). The form is
 
     T(tokens, batch) = tokens * (a + b * batch) + c * batch      [seconds]

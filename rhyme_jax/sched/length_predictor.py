@@ -1,6 +1,6 @@
 """HistoPipe length predictor: a prompt's next response length from its last rollout.
 
-RhymeRL (arXiv 2508.18588, s.5 "HistoPipe"; ARCHITECTURE.md s.6) observes that a prompt keeps its
+RhymeRL (arXiv 2508.18588, s.5 "HistoPipe") observes that a prompt keeps its
 length rank between adjacent epochs, so the lengths of its previous rollout predict the next one.
 Per prompt the prediction is a statistic (``mean``, ``max`` or ``p90``) of the n response lengths of
 its last rollout; prompts without history get the median of the seen prompts' predictions in the

@@ -1,4 +1,4 @@
-"""Tail migration (HistoPipe, ARCHITECTURE.md section 6; RhymeRL arXiv 2508.18588 section 5).
+"""Tail migration (docs/architecture.md, "HistoPipe"; RhymeRL arXiv 2508.18588 section 5).
 
 While a worker decodes, ``TailMigration.monitor(worker)`` is the engine's ``monitor`` callback.
 A sequence is a migration candidate when

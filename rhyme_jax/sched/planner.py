@@ -1,6 +1,6 @@
 """HistoPipe planner: which rollout worker generates which rows of a step (host-side math only).
 
-RhymeRL (arXiv 2508.18588, s.5 "HistoPipe"; ARCHITECTURE.md s.6). A step's batch is P prompts x n
+RhymeRL (arXiv 2508.18588, s.5 "HistoPipe"). A step's batch is P prompts x n
 samples; row ``r`` belongs to prompt ``r // n``. From each prompt's predicted length
 (``length_predictor.predict_lengths``):
 

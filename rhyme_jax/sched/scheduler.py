@@ -1,6 +1,6 @@
 """One step's rollout over the rollout workers: plan (fifo or HistoPipe), run, gather, measure.
 
-``RolloutScheduler.rollout`` is what ``GRPOTrainer`` calls each step (ARCHITECTURE.md section 6):
+``RolloutScheduler.rollout`` is what ``GRPOTrainer`` calls each step (docs/architecture.md, "HistoPipe"):
 
 1. predict each prompt's length from the history store (``length_predictor``);
 2. plan rows onto the global workers (``planner.plan_step``: fifo, or tier 1 ranking groups with

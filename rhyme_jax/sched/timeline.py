@@ -1,6 +1,6 @@
 """HistoPipe timeline: rollout workers' busy intervals, bubble metrics and a Gantt chart.
 
-ARCHITECTURE.md s.6 metrics (RhymeRL, arXiv 2508.18588, s.5): over a step's makespan window
+HistoPipe metrics (RhymeRL, arXiv 2508.18588, s.5): over a step's makespan window
 ``[min start, max end]`` of its intervals,
 
 * **bubble fraction** = idle worker-time / total worker-time (``W * makespan``);

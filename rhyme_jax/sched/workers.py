@@ -197,7 +197,7 @@ class WorkerQueues:
     """Cross-step worker queues: one single-thread executor per local rollout worker, so each
     worker runs its jobs in submission order and starts its part of step s + 1 as soon as its
     part of step s is done, without waiting for the other workers (``sched.cross_step``; the
-    tier-1 odd/even order then pays off across steps, ARCHITECTURE.md section 6).
+    tier-1 odd/even order then pays off across steps: docs/architecture.md, "HistoPipe").
 
     Args:
       num_workers: local workers W.

@@ -1,4 +1,7 @@
-"""HistoSpec drafting (ARCHITECTURE.md s.5): history store, suffix indexes, numba draft kernels."""
+"""HistoSpec drafting: history store, suffix indexes, numba draft kernels.
+
+Overview: docs/architecture.md, "HistoSpec in one paragraph".
+"""
 
 from pathlib import Path
 

@@ -1,4 +1,6 @@
-"""HistoSpec drafter: what the rollout engine calls every decode step (ARCHITECTURE.md s.3, s.5).
+"""HistoSpec drafter: what the rollout engine calls every decode step.
+
+Overview: docs/architecture.md, "HistoSpec in one paragraph".
 
 Per rollout batch (``Drafter.batch(prompt ids)`` -> ``DraftBatch``) each request is tied to
 its prompt's suffix index (built from the history store in a background thread by ``rebuild``);

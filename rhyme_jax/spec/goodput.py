@@ -1,7 +1,7 @@
 """Goodput drafting of one rollout batch: the best scored candidate per row, with estimates.
 
-``spec.window = "goodput"`` (ARCHITECTURE.md s.12). Each step every row gets the candidate with
-the largest expected accepted length among
+``spec.window = "goodput"`` (docs/architecture.md, "HistoSpec in one paragraph"). Each step every
+row gets the candidate with the largest expected accepted length among
 
 * the prompt's history index at every match length from the longest (<= ``pattern_max``) down
   to ``pattern_min`` (``candidates.py``; includes the prompt head at response start),

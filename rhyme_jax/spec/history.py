@@ -1,6 +1,6 @@
 """HistoSpec history store: each prompt's last rollouts, the raw material of its draft index.
 
-RhymeRL (arXiv 2508.18588, s.4 "HistoSpec"; ARCHITECTURE.md s.5): drafts for a prompt come from
+RhymeRL (arXiv 2508.18588, s.4 "HistoSpec"): drafts for a prompt come from
 the responses of its previous rollout(s). The store keeps, per prompt id, the prompt tokens and the
 responses (all n samples), rewards and lengths of the last ``depth`` rollouts, oldest first.
 
@@ -82,7 +82,7 @@ def _check_tokens(name: str, a) -> np.ndarray:
 
 
 class HistoryStore:
-    """Per-prompt history of the last ``depth`` rollouts (ARCHITECTURE.md s.5).
+    """Per-prompt history of the last ``depth`` rollouts.
 
     Attributes:
       depth: rollouts kept per prompt (>= 1; paper: 1).

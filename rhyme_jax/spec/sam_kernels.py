@@ -283,7 +283,7 @@ def match_tail(length, link, cptr, ctok, cto, htab, tail, pmax):
 @numba.njit(cache=True, nogil=True)
 def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_len, branch,
               min_prob, pmax, pmin, out):
-    """Draft of one sequence from one index (ARCHITECTURE.md s.5 draft rule).
+    """Draft of one sequence from one index (the HistoSpec draft rule).
 
     ``tail``: the running sequence's last tokens (negative = padding; only tokens after the last
     negative are used, at most ``pmax``). Writes the draft into ``out[:n]`` and returns n.

@@ -1,6 +1,6 @@
 """Per-prompt HistoSpec index: suffix automaton over the prompt and its previous responses.
 
-RhymeRL (arXiv 2508.18588) s.4 HistoSpec / ARCHITECTURE.md s.5. For one prompt the index covers
+RhymeRL (arXiv 2508.18588) s.4 HistoSpec. For one prompt the index covers
 
 * the plain ``prompt`` string, and
 * for each kept response j, ``prompt[-5:] + response_j + [SEP]`` (SEP = -1, never a vocabulary id;

@@ -1,6 +1,6 @@
 """HistoSpec draft-window policies (per sequence, vectorised numpy).
 
-ARCHITECTURE.md s.5; RhymeRL (arXiv 2508.18588) s.4 uses AIMD, the released specRL code MIMD.
+RhymeRL (arXiv 2508.18588) s.4 uses AIMD, the released specRL code MIMD.
 
 * ``aimd`` (paper): start 2; after a draft with drafted > 0 that was fully accepted, +2 (cap 32);
   after any rejection, reset to 2.
