@@ -1,4 +1,4 @@
-"""Lossless verification of history drafts (HistoSpec, ARCHITECTURE.md section 5).
+"""Lossless verification of history drafts (HistoSpec: docs/architecture.md, "HistoSpec in one paragraph").
 
 Each sequence ``s`` fed ``1 + draft_lens[s]`` tokens (its pending token, then its draft) to one
 forward pass, which gives target logits at ``K + 1`` positions. Verification emits between 1 and
