@@ -6,7 +6,7 @@ thread with the params before step s's update (a copy: the update donates the li
 overlaps the update; rollout s >= 2 then uses the params after s - 2 updates (staleness 1, logged
 as ``rollout/weights_step`` and ``rollout/staleness``). With HistoPipe migration on, tails of a
 one_step_off rollout are deferred to the next step instead of migrated; their groups are carried
-(``sched/carry.py``) and trained one step later. ARCHITECTURE.md section 6.
+(``sched/carry.py``) and trained one step later. docs/architecture.md, "HistoPipe".
 
 ``one_step_off`` with ``sched.cross_step=true``: the same weights (rollout s + 2 is queued right
 after update s, with those params), but no barrier between rollouts: each worker runs its part

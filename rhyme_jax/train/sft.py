@@ -1,6 +1,6 @@
 """Supervised warm start: next-token cross-entropy on prompt + worked solution + <eos>.
 
-The jitted step is a pure function over ``nnx.split`` state (ARCHITECTURE.md section 4): the
+The jitted step is a pure function over ``nnx.split`` state: the
 module graph is traversed once, outside the loop. Batches come from ``losses.sequence_batch``
 with one fixed length for the whole run, so the step compiles once.
 """
