@@ -61,7 +61,9 @@ def test_unknown_and_removed_keys_fail_naming_the_key(tmp_path):
 
 
 def test_choices_are_the_literal_annotations():
-    assert literal_choices(field_types(GRPOSection)["loss_agg"]) == ("token_mean", "seq_mean_token_mean")
+    assert literal_choices(field_types(GRPOSection)["loss_agg"]) == (
+        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean")
+    assert literal_choices(field_types(GRPOSection)["scale_rewards"]) == ("group", "batch", "none")
     with pytest.raises(ConfigError, match=r"data.answer_extraction='regex' must be one of \['marker', 'last_number'\]"):
         DataSection(answer_extraction="regex")  # checked on direct construction too
     with pytest.raises(ConfigError, match="model.tiny.family='gpt2' must be one of"):

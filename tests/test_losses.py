@@ -7,10 +7,15 @@ import optax
 import pytest
 
 from rhyme_jax.train.losses import (
+    LOSS_AGGS,
+    SCALE_REWARDS,
     LossInputError,
     SequenceBatchError,
+    aggregate,
     grpo_loss,
     group_advantages,
+    loss_normaliser,
+    loss_weights,
     response_grid,
     sequence_batch,
     token_logprobs,
@@ -19,16 +24,39 @@ from rhyme_jax.train.optim import OptimizerConfigError, make_optimizer, make_sch
 
 
 # ---------------------------------------------------------------- numpy references
-def np_advantages(r, scale, eps=1e-6):
+def np_std(x):
+    """Sample (Bessel-corrected) std of a list; 0 for fewer than 2 values (TRL's convention)."""
+    n = len(x)
+    if n < 2:
+        return 0.0
+    m = sum(x) / n
+    return np.sqrt(sum((v - m) ** 2 for v in x) / (n - 1))
+
+
+def np_advantages(r, scale, eps=1e-4):
+    """(r - group mean) / (std + eps): std of the group, of all rewards (batch), or none."""
     out = np.zeros_like(r)
+    everything = [float(v) for v in r.reshape(-1)]
     for g in range(r.shape[0]):
         m = sum(r[g]) / len(r[g])
-        var = sum((x - m) ** 2 for x in r[g]) / len(r[g])
-        out[g] = [(x - m) / (np.sqrt(var) + eps) if scale else x - m for x in r[g]]
+        std = np_std(list(r[g])) if scale == "group" else np_std(everything)
+        out[g] = [(x - m) / (std + eps) if scale != "none" else x - m for x in r[g]]
     return out
 
 
-def np_grpo(lp, old, adv, mask, eps_low, eps_high, ref=None, kl_coef=0.0, agg="token_mean"):
+def np_aggregate(per, mask, agg, norm=None):
+    """The aggregations written out row by row (losses module docstring)."""
+    B = per.shape[0]
+    if agg == "token_mean":
+        return (per * mask).sum() / mask.sum()
+    if agg == "seq_mean_token_mean":  # rows without tokens are left out of the mean
+        seqs = [(per[b] * mask[b]).sum() / mask[b].sum() for b in range(B) if mask[b].sum() > 0]
+        return sum(seqs) / len(seqs)
+    # seq_mean_token_sum_norm / step_token_mean: every token's loss summed, over the step's normaliser
+    return sum((per[b] * mask[b]).sum() for b in range(B)) / norm
+
+
+def np_grpo(lp, old, adv, mask, eps_low, eps_high, ref=None, kl_coef=0.0, agg="token_mean", norm=None):
     B, T = lp.shape
     per = np.zeros((B, T))
     clipfrac_num = 0.0
@@ -44,12 +72,7 @@ def np_grpo(lp, old, adv, mask, eps_low, eps_high, ref=None, kl_coef=0.0, agg="t
                 per[b, t] += kl_coef * (np.exp(d) - d - 1)
             if mask[b, t] and rc * a < r * a:
                 clipfrac_num += 1
-    if agg == "token_mean":
-        loss = (per * mask).sum() / mask.sum()
-    else:
-        seqs = [(per[b] * mask[b]).sum() / mask[b].sum() for b in range(B) if mask[b].sum() > 0]
-        loss = sum(seqs) / len(seqs)
-    return loss, clipfrac_num / mask.sum()
+    return np_aggregate(per, mask, agg, norm), clipfrac_num / mask.sum()
 
 
 @pytest.fixture
@@ -68,18 +91,50 @@ def grpo_inputs():
 
 
 # ---------------------------------------------------------------- advantages
-@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_matches_numpy(scale):
     r = np.random.default_rng(1).random((4, 8)).round(1)
     r[2] = 1.0  # constant group -> zero advantage, not NaN
-    got = np.asarray(group_advantages(jnp.asarray(r), scale_by_std=scale))
+    got = np.asarray(group_advantages(jnp.asarray(r), scale_rewards=scale))
     np.testing.assert_allclose(got, np_advantages(r, scale), rtol=1e-5, atol=1e-5)
     assert np.all(got[2] == 0.0)
 
 
-def test_group_advantages_rejects_1d():
+def test_group_advantages_use_the_sample_std_and_eps_1e_4():
+    """TRL's convention: rewards (1, 0) have std sqrt(0.5) (not 0.5), so advantages +-1 / (0.7071 +
+    1e-4); one success in 8 gets (7/8) / (sqrt(1/8) + 1e-4)."""
+    got = np.asarray(group_advantages(jnp.array([[1.0, 0.0]])))
+    np.testing.assert_allclose(got, [[0.5 / (np.sqrt(0.5) + 1e-4), -0.5 / (np.sqrt(0.5) + 1e-4)]], rtol=1e-6)
+    one = np.asarray(group_advantages(jnp.asarray([[1.0] + [0.0] * 7])))
+    np.testing.assert_allclose(one[0, 0], (7 / 8) / (np.sqrt(1 / 8) + 1e-4), rtol=1e-6)
+    # batch scaling: the std of all rewards, the mean still per group
+    r = np.array([[1.0, 0.0], [1.0, 1.0]])
+    np.testing.assert_allclose(np.asarray(group_advantages(jnp.asarray(r), scale_rewards="batch")),
+                               [[0.5 / (0.5 + 1e-4), -0.5 / (0.5 + 1e-4)], [0.0, 0.0]], rtol=1e-6)
+
+
+def test_group_advantages_groups_of_one_are_zero_not_nan():
+    for scale in ("group", "batch", "none"):
+        got = np.asarray(group_advantages(jnp.array([[0.3], [0.9]]), scale_rewards=scale))
+        np.testing.assert_array_equal(got, 0.0)
+    np.testing.assert_array_equal(np.asarray(group_advantages(jnp.array([[0.7]]), scale_rewards="batch")), 0.0)
+
+
+def test_config_choices_are_the_losses_modes():
+    from rhyme_jax.config.checks import field_types, literal_choices
+    from rhyme_jax.config.sections import GRPOSection
+
+    hints = field_types(GRPOSection)
+    assert literal_choices(hints["loss_agg"]) == LOSS_AGGS
+    assert literal_choices(hints["scale_rewards"]) == SCALE_REWARDS
+    assert "scale_by_std" not in hints  # replaced by grpo.scale_rewards (none = the old false)
+
+
+def test_group_advantages_rejects_bad_input():
     with pytest.raises(LossInputError, match="rewards must be"):
         group_advantages(jnp.ones(4))
+    with pytest.raises(LossInputError, match="scale_rewards"):
+        group_advantages(jnp.ones((2, 2)), scale_rewards="std")
 
 
 # ---------------------------------------------------------------- token logprobs
@@ -106,16 +161,17 @@ def test_token_logprobs_bad_shapes():
 
 
 # ---------------------------------------------------------------- grpo loss
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("agg", LOSS_AGGS)
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_grpo_loss_matches_numpy(grpo_inputs, agg, with_ref):
     lp, old, adv, mask, ref = grpo_inputs
     eps_low, eps_high, kl_coef = 0.2, 0.28, 0.1
-    want, want_cf = np_grpo(lp, old, adv, mask, eps_low, eps_high, ref if with_ref else None, kl_coef, agg)
+    norm = 37.5  # a step normaliser (loss_normaliser); only the normalised modes read it
+    want, want_cf = np_grpo(lp, old, adv, mask, eps_low, eps_high, ref if with_ref else None, kl_coef, agg, norm)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     loss, m = grpo_loss(
         f32(lp), f32(old), f32(adv), f32(mask), eps_low=eps_low, eps_high=eps_high,
-        ref_logprobs=f32(ref) if with_ref else None, kl_coef=kl_coef, loss_agg=agg,
+        ref_logprobs=f32(ref) if with_ref else None, kl_coef=kl_coef, loss_agg=agg, loss_norm=norm,
     )
     np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(m["clip_fraction"]), want_cf, rtol=1e-6)
@@ -170,6 +226,19 @@ def test_grpo_kl_gradient_pulls_towards_reference():
     assert g[0, 0] > 0 and g[0, 1] < 0
 
 
+def test_kl_ratio_weighted_term_value_and_gradient():
+    """TRL's use_bias_correction_kl: the k3 term times the (differentiable) ratio r = exp(lp - old);
+    its gradient per token is r * (lp - ref), the unbiased reverse-KL gradient (DeepSeek-V3.2)."""
+    rng = np.random.default_rng(5)
+    lp, old, ref = (jnp.asarray(rng.normal(-1.0, 0.4, (2, 3)), jnp.float32) for _ in range(3))
+    mask = jnp.ones((2, 3))
+    kl_only = lambda x: grpo_loss(x, old, jnp.zeros(2), mask, eps_low=0.2, eps_high=0.2, ref_logprobs=ref,  # noqa: E731
+                                  kl_coef=1.0, loss_agg="step_token_mean", loss_norm=1.0, kl_ratio_weighted=True)[0]
+    r, d = np.exp(np.asarray(lp - old)), np.asarray(ref - lp)
+    np.testing.assert_allclose(float(kl_only(lp)), (r * (np.exp(d) - d - 1)).sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(kl_only)(lp)), r * np.asarray(lp - ref), rtol=1e-4, atol=1e-6)
+
+
 def test_grpo_loss_bad_inputs():
     x = jnp.zeros((2, 3))
     with pytest.raises(LossInputError, match="advantages"):
@@ -178,6 +247,49 @@ def test_grpo_loss_bad_inputs():
         grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, loss_agg="sum")
     with pytest.raises(LossInputError, match="share shape"):
         grpo_loss(x, jnp.zeros((2, 4)), jnp.zeros(2), x, eps_low=0.2, eps_high=0.2)
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_aggregate_and_loss_weights_agree_and_split_over_rows(grpo_inputs, agg):
+    """``aggregate`` (direct formulas) == numpy == ``sum(x * loss_weights)``; weights computed on
+    the whole minibatch add up over any split of its rows (the micro-batches of the update)."""
+    _, _, _, mask, ref = grpo_inputs
+    per = jnp.asarray(ref, jnp.float32)
+    want = np_aggregate(ref, mask, agg, 21.0)
+    got = float(aggregate(per, jnp.asarray(mask), agg, 21.0))
+    loss_w, token_w = loss_weights(jnp.asarray(mask), agg, 21.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(float(jnp.sum(per * loss_w)), want, rtol=1e-5)
+    halves = [float(jnp.sum(per[rows] * loss_w[rows])) for rows in (np.arange(0, 6, 2), np.arange(1, 6, 2))]
+    np.testing.assert_allclose(sum(halves), want, rtol=1e-5)
+    np.testing.assert_allclose(float(jnp.sum(token_w)), 1.0, rtol=1e-6)
+
+
+def test_normalised_modes_ignore_row_lengths_and_padding_rows():
+    """Dr.GRPO's normaliser is a constant: a longer response weighs each of its tokens the same
+    (unlike seq_mean_token_mean); a minibatch of padding rows (loss_norm 0) weighs 0, not NaN."""
+    mask = jnp.array([[1.0, 0, 0, 0], [1, 1, 1, 1]])
+    w, _ = loss_weights(mask, "seq_mean_token_sum_norm", 2 * 4)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(mask) / 8)
+    w_seq, _ = loss_weights(mask, "seq_mean_token_mean")
+    np.testing.assert_allclose(np.asarray(w_seq)[:, 0], [0.5, 0.125])
+    w0, _ = loss_weights(jnp.zeros((2, 4)), "step_token_mean", 0.0)
+    assert np.all(np.asarray(w0) == 0.0)
+
+
+def test_loss_normaliser_values_and_errors():
+    kw = dict(response_tokens=300, rows=16, minibatches=4, max_new_tokens=64)
+    assert loss_normaliser("step_token_mean", **kw) == 75.0  # TRL dapo: N_gen * GA / steps_per_generation
+    assert loss_normaliser("seq_mean_token_sum_norm", **kw) == 4 * 64  # TRL dr_grpo: rows x max_completion_length
+    assert loss_normaliser("token_mean", **kw) == 1.0
+    assert loss_normaliser("step_token_mean", **dict(kw, response_tokens=0)) == 0.25  # clamped at 1 token
+    with pytest.raises(LossInputError, match="loss_agg"):
+        loss_normaliser("dapo", **kw)
+    with pytest.raises(LossInputError, match="minibatches"):
+        loss_normaliser("step_token_mean", **dict(kw, minibatches=0))
+    x = jnp.zeros((2, 3))
+    with pytest.raises(LossInputError, match="needs the step's normaliser"):
+        grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, loss_agg="step_token_mean")
 
 
 # ---------------------------------------------------------------- sequence_batch

@@ -20,7 +20,8 @@ DataSource = Literal["synthetic", "gsm8k"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean"]
+ScaleRewards = Literal["group", "batch", "none"]
 DraftBranch = Literal["reward", "count"]
 DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
@@ -172,7 +173,7 @@ class SFTSection:
 
 @dataclass(frozen=True)
 class GRPOSection:
-    """GRPO family objective (ARCHITECTURE.md section 7)."""
+    """GRPO family objective (``train/losses.py``; the keys against TRL's GRPOConfig: docs/trl_mapping.md)."""
 
     KEY: ClassVar[str] = "grpo"
 
@@ -183,7 +184,12 @@ class GRPOSection:
     eps_low: float = 0.2
     eps_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
-    scale_by_std: bool = True  # False = Dr.GRPO advantages (r - mean)
+    # advantage (r - group mean) / (std + 1e-4), sample std of: group (GRPO) | batch (all the step's rewards)
+    # | none: no division (Dr.GRPO)
+    scale_rewards: ScaleRewards = "group"
+    # token_mean (minibatch tokens; TRL bnpo) | seq_mean_token_mean (mean of row means; TRL grpo) |
+    # seq_mean_token_sum_norm (sum / (rows x rollout.max_new_tokens); TRL dr_grpo) |
+    # step_token_mean (sum / (the step's tokens / minibatches); TRL dapo). docs/trl_mapping.md
     loss_agg: LossAgg = "token_mean"
     minibatches: int = 1  # optimizer steps per GRPO step (PPO minibatches); divides the rollout batch
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch

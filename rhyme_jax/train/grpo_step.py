@@ -1,7 +1,9 @@
 """The jitted GRPO update: one pure function over ``nnx.split`` state with donated buffers.
 
 Loss: clipped surrogate with eps_low / eps_high (DAPO clip-higher), optional k3 KL to a frozen
-reference, token-mean aggregation (ARCHITECTURE.md section 7; DeepSeekMath eq. 3, DAPO eq. 8).
+reference, aggregated by ``grpo.loss_agg`` (``losses`` module docstring; DeepSeekMath eq. 3,
+DAPO eq. 8). ``make_grads_fn`` is the loss and gradient the jitted step differentiates
+(``tests/test_trl_parity.py`` checks both against TRL's ``GRPOTrainer``; docs/trl_mapping.md).
 A step whose loss or gradients are not finite leaves parameters and optimizer state unchanged and
 reports ``finite = 0``; the trainer counts and stops on repeats.
 """
@@ -98,40 +100,50 @@ def make_logprob_fn(graphdef: nnx.GraphDef, temperature: float,
                    out_shardings=shardings.batch)
 
 
-def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
-                   eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
-                   temperature: float, shardings: Optional[TrainShardings] = None,
-                   memory: UpdateMemory = UpdateMemory()) -> Callable:
-    """Build ``step(state, opt_state, batch) -> (state, opt_state, metrics)``.
+def minibatch_loss_weights(batch: dict, loss_agg: str) -> tuple[jax.Array, jax.Array]:
+    """``(loss_w, token_w)`` f32[B, T-1] of a whole minibatch (``losses.loss_weights`` over
+    ``batch["loss_mask"][:, :-1]``); the normalised aggregations read the step's normaliser from
+    ``batch["loss_norm"]`` (f32[B]: ``losses.loss_normaliser`` on every real row, 0 on padding
+    rows).
 
-    ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
-    ``loss_mask f32[B,T]`` (1 where the next token is a response token), ``old_logprobs f32[B,T-1]``
-    (behaviour logprobs aligned with targets ``tokens[:, 1:]``), ``advantages f32[B]`` and, when
-    ``kl_coef > 0``, ``ref_logprobs f32[B,T-1]``. ``state`` and ``opt_state`` are donated.
-    Metrics are f32 scalars: loss, grad_norm, entropy, clip_fraction, kl, finite (1/0).
-
-    ``memory`` bounds the update's temporaries: the gradient is accumulated over
-    ``num_micro_batches`` micro-batches (rows ``j, j + n, j + 2n, ...``: every device keeps its
-    share) with the loss weights of the whole minibatch (``losses.loss_weights``), so the result
-    equals the one-pass update within float tolerance; logits are chunked; blocks rematerialised.
-
-    With ``shardings`` the step is jitted with those in/out shardings (FSDP and tensor parallel
-    over ``shardings.mesh``; activations constrained to rows over ``("data", "fsdp")``); the
-    math is the same, so results equal the single-device step within float tolerance.
+    Raises:
+      LossInputError: unknown ``loss_agg``, or a normalised one without ``batch["loss_norm"]``.
     """
-    mesh = shardings.mesh if shardings is not None else None
-    shards = _batch_shards(shardings)
+    norm = None
+    if loss_agg in losses.NORMALISED_AGGS:
+        if "loss_norm" not in batch:
+            raise losses.LossInputError(f"grpo_step: loss_agg={loss_agg!r} needs batch['loss_norm'] "
+                                        f"(f32[B], losses.loss_normaliser on every real row)")
+        norm = jnp.max(jnp.asarray(batch["loss_norm"], jnp.float32))  # padding rows hold 0
+    return losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg, norm)
 
+
+def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: float, kl_coef: float,
+                           temperature: float, shards: int = 1, memory: UpdateMemory = UpdateMemory(),
+                           kl_ratio_weighted: bool = False) -> Callable:
+    """``grads(state, batch, loss_w, token_w) -> ((loss f32[], metrics), grads)``: the clipped
+    surrogate (``losses.weighted_grpo_loss``) of a minibatch under the loss weights
+    ``minibatch_loss_weights`` gives, and its gradient with respect to ``state``; not jitted.
+
+    The gradient is accumulated in float32 over ``num_micro_batches(rows, T, shards,
+    memory.micro_batch_tokens)`` micro-batches (rows ``j, j + n, j + 2n, ...``: every device keeps
+    its share); the weights of the whole minibatch make it equal the one-pass gradient within
+    float tolerance. ``kl_ratio_weighted`` weights the k3 term by the policy ratio (TRL
+    ``use_bias_correction_kl``).
+
+    Metrics (f32 scalars, gradient-stopped): ``pg_loss``, ``clip_fraction``, ``ratio_mean``,
+    ``approx_kl``, ``kl``, ``entropy`` (token means).
+    """
     def loss_fn(state, mb, loss_w, token_w):
         logprobs, entropy = _target_logprobs(graphdef, state, mb, temperature, memory)
         loss, metrics = losses.weighted_grpo_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], loss_w, token_w,
             eps_low=eps_low, eps_high=eps_high,
-            ref_logprobs=mb.get("ref_logprobs") if kl_coef > 0 else None, kl_coef=kl_coef)
+            ref_logprobs=mb.get("ref_logprobs") if kl_coef > 0 else None, kl_coef=kl_coef,
+            kl_ratio_weighted=kl_ratio_weighted)
         return loss, dict(metrics, entropy=jnp.sum(entropy * token_w))
 
-    def grads_of(state, batch):
-        loss_w, token_w = losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg)
+    def grads_of(state, batch, loss_w, token_w):
         rows, seq_len = batch["tokens"].shape
         n = num_micro_batches(rows, seq_len, shards, memory.micro_batch_tokens)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -149,6 +161,57 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                             jax.eval_shape(grad_fn, state, *jax.tree.map(lambda x: x[0], parts)))
         ((loss, metrics), grads), _ = jax.lax.scan(body, zero, parts)
         return (loss, metrics), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state)
+
+    return grads_of
+
+
+def make_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
+                  temperature: float, shards: int = 1, memory: UpdateMemory = UpdateMemory(),
+                  kl_ratio_weighted: bool = False) -> Callable:
+    """``grads(state, batch) -> ((loss f32[], metrics), grads)``: the minibatch's GRPO loss and its
+    gradient with respect to ``state``, as the update computes them (not jitted; trace it inside
+    ``jax.jit``): ``minibatch_loss_weights(batch, loss_agg)`` then ``make_weighted_grads_fn``.
+    ``batch`` is the one ``make_grpo_step`` documents.
+
+    Raises:
+      LossInputError: an unknown ``loss_agg``; (at trace time) a normalised one without
+        ``batch["loss_norm"]``.
+    """
+    if loss_agg not in losses.LOSS_AGGS:
+        raise losses.LossInputError(f"grpo_step: loss_agg must be one of {losses.LOSS_AGGS}, got {loss_agg!r}")
+    weighted = make_weighted_grads_fn(graphdef, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
+                                      temperature=temperature, shards=shards, memory=memory,
+                                      kl_ratio_weighted=kl_ratio_weighted)
+    return lambda state, batch: weighted(state, batch, *minibatch_loss_weights(batch, loss_agg))
+
+
+def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
+                   eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
+                   temperature: float, shardings: Optional[TrainShardings] = None,
+                   memory: UpdateMemory = UpdateMemory(), kl_ratio_weighted: bool = False) -> Callable:
+    """Build ``step(state, opt_state, batch) -> (state, opt_state, metrics)``.
+
+    ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
+    ``loss_mask f32[B,T]`` (1 where the next token is a response token), ``old_logprobs f32[B,T-1]``
+    (behaviour logprobs aligned with targets ``tokens[:, 1:]``), ``advantages f32[B]``, when
+    ``kl_coef > 0`` ``ref_logprobs f32[B,T-1]``, and for ``loss_agg`` in
+    ``losses.NORMALISED_AGGS`` ``loss_norm f32[B]`` (``losses.loss_normaliser`` on every real row,
+    0 on padding rows). ``state`` and ``opt_state`` are donated.
+    Metrics are f32 scalars: loss, grad_norm, entropy, clip_fraction, kl, finite (1/0).
+
+    The loss and gradient are ``make_grads_fn``'s: ``memory`` bounds the update's temporaries
+    (gradient accumulated over micro-batches with the whole minibatch's loss weights, so the
+    result equals the one-pass update within float tolerance; logits chunked; blocks
+    rematerialised).
+
+    With ``shardings`` the step is jitted with those in/out shardings (FSDP and tensor parallel
+    over ``shardings.mesh``; activations constrained to rows over ``("data", "fsdp")``); the
+    math is the same, so results equal the single-device step within float tolerance.
+    """
+    mesh = shardings.mesh if shardings is not None else None
+    grads_of = make_grads_fn(graphdef, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef, loss_agg=loss_agg,
+                             temperature=temperature, shards=_batch_shards(shardings), memory=memory,
+                             kl_ratio_weighted=kl_ratio_weighted)
 
     def step(state, opt_state, batch):
         with activation_mesh(mesh):

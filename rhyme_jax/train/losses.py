@@ -1,17 +1,34 @@
 """GRPO-family objective: group advantages, token log-probs, the clipped surrogate, batching.
 
-ARCHITECTURE.md section 7. Everything here except ``sequence_batch`` is pure ``jnp`` and safe
-under ``jax.jit`` (shape checks use static shapes only).
+docs/trl_mapping.md maps the modes to TRL's. Everything here except ``sequence_batch`` is pure
+``jnp`` and safe under ``jax.jit`` (shape checks use static shapes only).
 
 References:
   * GRPO: Shao et al., "DeepSeekMath", arXiv 2402.03300 (group-normalised advantages, k3 KL).
   * DAPO: Yu et al., arXiv 2503.14476 (clip-higher ``eps_high``, token-level loss mean).
-  * Dr.GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783 (no std scaling).
+  * Dr.GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783 (no std scaling,
+    a constant loss normaliser instead of each response's length).
   * k3 KL estimator: J. Schulman, "Approximating KL Divergence" (2020).
+  * TRL ``GRPOTrainer`` (trl 1.x, ``trainer/grpo_trainer.py``): the advantage and loss-type
+    conventions matched by ``tests/test_trl_parity.py`` (``docs/trl_mapping.md``).
 
 Alignment convention (used by ``sequence_batch``, ``sft.sft_loss`` and the trainer): the model's
 ``logits[:, t]`` predict ``tokens[:, t + 1]``. Per-token quantities therefore live on the
 ``T - 1`` grid ``targets = tokens[:, 1:]`` / ``mask = loss_mask[:, :-1]``.
+
+Loss aggregations (``grpo.loss_agg``; the TRL ``loss_type`` each equals, for one optimizer step
+of a GRPO step split into ``M = grpo.minibatches`` minibatches):
+
+  * ``token_mean``: sum over the minibatch's tokens / its token count (TRL ``bnpo`` with one
+    micro-batch per optimizer step; TRL ``dapo`` when ``M = 1``).
+  * ``seq_mean_token_mean``: mean over the minibatch's rows of each row's token mean (TRL ``grpo``).
+  * ``seq_mean_token_sum_norm``: sum / (rows of the step / M x ``rollout.max_new_tokens``)
+    (TRL ``dr_grpo``; Dr.GRPO's constant normaliser).
+  * ``step_token_mean``: sum / (response tokens of the whole step / M) (TRL ``dapo``: its
+    ``num_items_in_batch`` counts the whole generation batch).
+
+The last two need a per-step normaliser (``loss_normaliser``) that the minibatch alone does not
+determine; the trainer passes it in the batch field ``loss_norm``.
 """
 
 from __future__ import annotations
@@ -23,7 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean")
+NORMALISED_AGGS = ("seq_mean_token_sum_norm", "step_token_mean")  # need ``loss_normaliser``
+SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGE_EPS = 1e-4  # TRL GRPOTrainer's
 SEQ_LEN_MULTIPLE = 16
 
 
@@ -32,28 +52,58 @@ class LossInputError(ValueError):
 
 
 def group_advantages(
-    rewards: Float[Array, "G n"], *, scale_by_std: bool = True, eps: float = 1e-6
+    rewards: Float[Array, "G n"], *, scale_rewards: str = "group", eps: float = ADVANTAGE_EPS
 ) -> Float[Array, "G n"]:
-    """Group-relative advantages (GRPO; Dr.GRPO when ``scale_by_std=False``).
+    """Group-relative advantages ``(r - mean_g) / (std + eps)`` (GRPO; TRL ``scale_rewards``).
+
+    The baseline is always the group's mean; ``scale_rewards`` picks the std:
+
+    * ``group``: each group's sample std (GRPO, DeepSeekMath eq. 3);
+    * ``batch``: the sample std of all ``G x n`` rewards around their overall mean (TRL
+      ``scale_rewards="batch"``; Hu et al., REINFORCE++, arXiv 2501.03262);
+    * ``none``: no division, ``r - mean_g`` (Dr.GRPO).
+
+    The std is Bessel-corrected (divisor ``n - 1``) and ``eps`` defaults to 1e-4, as in TRL
+    ``GRPOTrainer`` (``trl.trainer.utils.nanstd``): advantages then equal TRL's for the same
+    rewards (``tests/test_trl_parity.py``), so learning rates and clip ranges carry over. (The
+    population std and 1e-6 used before made every advantage ``sqrt(n / (n - 1))`` times larger,
+    7% at n = 8, and a near-constant group's up to 100x larger.) A group (or batch) of one reward
+    has std 0 and advantage 0; a constant group has advantage 0, not NaN.
 
     Args:
       rewards: f32[G, n], reward of sample j of prompt group g.
-      scale_by_std: divide by the group's population std (GRPO). False: ``r - mean_g`` (Dr.GRPO).
-      eps: added to the std (a group with equal rewards gets advantage 0, not NaN).
+      scale_rewards: ``group`` | ``batch`` | ``none``.
+      eps: added to the std.
 
     Returns:
-      f32[G, n]: ``(r - mean_g) / (std_g + eps)`` or ``r - mean_g``.
+      f32[G, n].
 
     Raises:
-      LossInputError: ``rewards`` is not 2-D.
+      LossInputError: ``rewards`` is not 2-D or ``scale_rewards`` is unknown.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 2:
         raise LossInputError(f"losses.group_advantages: rewards must be [G, n], got shape {rewards.shape}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise LossInputError(f"losses.group_advantages: scale_rewards must be one of {SCALE_REWARDS}, got "
+                             f"{scale_rewards!r} (grpo.scale_rewards)")
     centred = rewards - rewards.mean(axis=1, keepdims=True)
-    if not scale_by_std:
+    if scale_rewards == "none":
         return centred
-    return centred / (rewards.std(axis=1, keepdims=True) + eps)
+    if scale_rewards == "group":
+        std = _sample_std(rewards, axis=1)
+    else:
+        std = _sample_std(rewards.reshape(-1), axis=0)
+    return centred / (std + eps)
+
+
+def _sample_std(x: Array, axis: int) -> Array:
+    """Bessel-corrected std along ``axis`` (kept as a size-1 axis); 0 where fewer than 2 values."""
+    n = x.shape[axis]
+    if n < 2:
+        return jnp.zeros_like(jnp.sum(x, axis=axis, keepdims=True))
+    dev = x - x.mean(axis=axis, keepdims=True)
+    return jnp.sqrt(jnp.sum(dev * dev, axis=axis, keepdims=True) / (n - 1))
 
 
 def token_logprobs(
@@ -153,16 +203,32 @@ def masked_mean(x: Float[Array, "..."], mask: Float[Array, "..."]) -> Float[Arra
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def aggregate(per_token: Float[Array, "B T"], mask: Float[Array, "B T"], loss_agg: str) -> Float[Array, ""]:
-    """Reduce a per-token loss to a scalar.
+def _check_agg(loss_agg: str, loss_norm) -> None:
+    if loss_agg not in LOSS_AGGS:
+        raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+    if loss_agg in NORMALISED_AGGS and loss_norm is None:
+        raise LossInputError(f"losses: loss_agg={loss_agg!r} needs the step's normaliser loss_norm "
+                             f"(losses.loss_normaliser; the trainer passes it as batch['loss_norm'])")
+
+
+def aggregate(per_token: Float[Array, "B T"], mask: Float[Array, "B T"], loss_agg: str,
+              loss_norm: float | Array | None = None) -> Float[Array, ""]:
+    """Reduce a per-token loss to a scalar (the direct formulas; ``loss_weights`` gives the same
+    as weights that add up over micro-batches).
 
     ``token_mean`` (DAPO): sum over all valid tokens / number of valid tokens in the batch.
     ``seq_mean_token_mean``: each sequence's token mean, then the mean over sequences that have
     at least one valid token (all-padding rows do not dilute the loss).
+    ``seq_mean_token_sum_norm`` / ``step_token_mean``: sum over all valid tokens / ``loss_norm``
+    (``loss_normaliser``: Dr.GRPO's rows x max_new_tokens, or the step's tokens; per minibatch).
+
+    Args:
+      per_token: f32[B, T]; mask: f32/bool[B, T]; loss_norm: f32 scalar (normalised modes only).
 
     Raises:
-      LossInputError: unknown ``loss_agg``.
+      LossInputError: unknown ``loss_agg``, or a normalised mode without ``loss_norm``.
     """
+    _check_agg(loss_agg, loss_norm)
     mask = mask.astype(jnp.float32)
     if loss_agg == "token_mean":
         return masked_mean(per_token, mask)
@@ -171,7 +237,43 @@ def aggregate(per_token: Float[Array, "B T"], mask: Float[Array, "B T"], loss_ag
         seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(count, 1.0)
         has = (count > 0).astype(jnp.float32)
         return jnp.sum(seq * has) / jnp.maximum(jnp.sum(has), 1.0)
-    raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+    return jnp.sum(per_token * mask) / loss_norm
+
+
+def loss_normaliser(loss_agg: str, *, response_tokens: int, rows: int, minibatches: int,
+                    max_new_tokens: int) -> float:
+    """The denominator of a normalised aggregation for every minibatch of one GRPO step.
+
+    ``step_token_mean``: ``max(response_tokens, 1) / minibatches`` -- TRL ``dapo``, whose
+    ``num_items_in_batch`` counts the whole generation batch and is rescaled by
+    ``gradient_accumulation_steps / steps_per_generation`` (= 1 / optimizer steps per generation).
+    ``seq_mean_token_sum_norm``: ``rows / minibatches x max_new_tokens`` -- TRL ``dr_grpo``
+    (``per_token_loss.size(0) * max_completion_length``, summed over the accumulation steps).
+    Other aggregations do not use it: 1.0.
+
+    Args:
+      loss_agg: one of ``LOSS_AGGS``.
+      response_tokens: loss-carrying tokens of the whole step (all minibatches).
+      rows: trained rows of the step (padding rows excluded).
+      minibatches: optimizer steps of the GRPO step (``grpo.minibatches``).
+      max_new_tokens: the rollout's response cap (``rollout.max_new_tokens``).
+
+    Returns:
+      float > 0.
+
+    Raises:
+      LossInputError: unknown ``loss_agg`` or ``rows`` / ``minibatches`` / ``max_new_tokens`` < 1.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+    if min(rows, minibatches, max_new_tokens) < 1 or response_tokens < 0:
+        raise LossInputError(f"losses.loss_normaliser: rows={rows}, minibatches={minibatches} and "
+                             f"max_new_tokens={max_new_tokens} must be >= 1, response_tokens={response_tokens} >= 0")
+    if loss_agg == "step_token_mean":
+        return max(response_tokens, 1) / minibatches
+    if loss_agg == "seq_mean_token_sum_norm":
+        return rows / minibatches * max_new_tokens
+    return 1.0
 
 
 def grpo_loss(
@@ -185,13 +287,19 @@ def grpo_loss(
     ref_logprobs: Float[Array, "B T"] | None = None,
     kl_coef: float = 0.0,
     loss_agg: str = "token_mean",
+    loss_norm: float | Array | None = None,
+    kl_ratio_weighted: bool = False,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Clipped GRPO surrogate with DAPO clip-higher and an optional k3 KL penalty.
 
     Per token: ``ratio = exp(lp - old)``;
     ``pg = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``;
     with a reference, ``kl = exp(ref - lp) - (ref - lp) - 1`` (k3, >= 0) and the per-token loss is
-    ``pg + kl_coef * kl``. Aggregated with ``aggregate(., mask, loss_agg)``.
+    ``pg + kl_coef * kl`` (``pg + kl_coef * ratio * kl`` with ``kl_ratio_weighted``: the
+    importance-weighted, unbiased reverse-KL gradient of DeepSeek-V3.2, arXiv 2512.02556; the
+    ratio is not gradient-stopped). Aggregated with ``aggregate(., mask, loss_agg, loss_norm)``.
+    This is TRL ``GRPOTrainer._compute_loss`` for ``importance_sampling_level="token"``
+    (``epsilon`` / ``epsilon_high`` / ``beta`` / ``use_bias_correction_kl``).
 
     Args:
       logprobs: f32[B, T] log-probs of the sampled tokens under the current policy (differentiable).
@@ -201,7 +309,9 @@ def grpo_loss(
       eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` (>= 0).
       ref_logprobs: f32[B, T] frozen reference log-probs, or None (no KL term).
       kl_coef: weight of the k3 KL term (used only with ``ref_logprobs``).
-      loss_agg: ``token_mean`` | ``seq_mean_token_mean``.
+      loss_agg: one of ``LOSS_AGGS`` (module docstring).
+      loss_norm: the step's normaliser (``loss_normaliser``) for the normalised aggregations.
+      kl_ratio_weighted: weight the k3 term by the policy ratio (TRL ``use_bias_correction_kl``).
 
     Returns:
       (loss f32[], metrics) with masked-mean metrics (gradient-stopped): ``pg_loss``,
@@ -210,7 +320,7 @@ def grpo_loss(
       ``kl`` (k3 to the reference; 0 without one).
 
     Raises:
-      LossInputError: shapes disagree, negative eps, or unknown ``loss_agg``.
+      LossInputError: shapes disagree, negative eps, unknown ``loss_agg`` or a missing ``loss_norm``.
     """
     if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise LossInputError(
@@ -227,24 +337,33 @@ def grpo_loss(
         )
     if eps_low < 0 or eps_high < 0:
         raise LossInputError(f"losses.grpo_loss: eps_low/eps_high must be >= 0, got {eps_low}, {eps_high}")
-    if loss_agg not in LOSS_AGGS:
-        raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+    _check_agg(loss_agg, loss_norm)
 
-    loss_w, token_w = loss_weights(mask, loss_agg)
+    loss_w, token_w = loss_weights(mask, loss_agg, loss_norm)
     return weighted_grpo_loss(logprobs, old_logprobs, advantages, loss_w, token_w, eps_low=eps_low,
-                              eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef)
+                              eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+                              kl_ratio_weighted=kl_ratio_weighted)
 
 
-def loss_weights(mask: Float[Array, "B T"], loss_agg: str) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+def loss_weights(mask: Float[Array, "B T"], loss_agg: str, loss_norm: float | Array | None = None
+                 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Per-token weights that turn the aggregations into plain weighted sums.
 
-    ``sum(x * loss_w) == aggregate(x, mask, loss_agg)`` and ``sum(x * token_w) ==
+    ``sum(x * loss_w) == aggregate(x, mask, loss_agg, loss_norm)`` and ``sum(x * token_w) ==
     masked_mean(x, mask)``. Computed once over a whole minibatch, they make a loss summed over
     any split of its rows (gradient-accumulation micro-batches) equal to the minibatch's loss.
 
+    Args:
+      mask: f32/bool[B, T]; loss_agg: one of ``LOSS_AGGS``; loss_norm: f32 scalar > 0 for the
+        normalised aggregations (``loss_normaliser``), else ignored.
+
+    Returns:
+      (loss_w f32[B, T], token_w f32[B, T]).
+
     Raises:
-      LossInputError: unknown ``loss_agg``.
+      LossInputError: unknown ``loss_agg``, or a normalised mode without ``loss_norm``.
     """
+    _check_agg(loss_agg, loss_norm)
     mask = mask.astype(jnp.float32)
     token_w = mask / jnp.maximum(jnp.sum(mask), 1.0)
     if loss_agg == "token_mean":
@@ -253,20 +372,27 @@ def loss_weights(mask: Float[Array, "B T"], loss_agg: str) -> tuple[Float[Array,
         count = jnp.sum(mask, axis=1, keepdims=True)
         seqs = jnp.maximum(jnp.sum((count > 0).astype(jnp.float32)), 1.0)
         return mask / jnp.maximum(count, 1.0) / seqs, token_w
-    raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+    # a minibatch of padding rows only may carry loss_norm 0: its weights are 0, not NaN
+    norm = jnp.maximum(jnp.asarray(loss_norm, jnp.float32), jnp.finfo(jnp.float32).tiny)
+    return mask / norm, token_w
 
 
 def weighted_grpo_loss(
     logprobs: Float[Array, "B T"], old_logprobs: Float[Array, "B T"], advantages: Float[Array, "B"],
     loss_w: Float[Array, "B T"], token_w: Float[Array, "B T"], *, eps_low: float, eps_high: float,
-    ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0,
+    ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0, kl_ratio_weighted: bool = False,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``grpo_loss`` with the aggregation given as weights (``loss_weights``): the loss and every
     metric are weighted sums, so they add up over micro-batches of one minibatch.
 
+    Args:
+      logprobs, old_logprobs: f32[B, T]; advantages: f32[B]; loss_w, token_w: f32[B, T] from
+      ``loss_weights``; the rest as ``grpo_loss``.
+
     Returns:
       (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` weighted by ``loss_w``;
-      ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` by ``token_w``.
+      ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` (k3, unweighted by the ratio) by
+      ``token_w``.
     """
     lp = logprobs.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
@@ -280,7 +406,7 @@ def weighted_grpo_loss(
     if ref_logprobs is not None:
         d = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32)) - lp
         kl = jnp.exp(d) - d - 1.0
-        per_token = pg + kl_coef * kl
+        per_token = pg + kl_coef * (kl * ratio if kl_ratio_weighted else kl)
     else:
         kl = jnp.zeros_like(pg)
     loss = jnp.sum(per_token * loss_w)

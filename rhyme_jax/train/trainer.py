@@ -34,7 +34,7 @@ from rhyme_jax.sched import carry
 from rhyme_jax.sched.timeline import load_schedule, plot_gantt, write_schedule
 from rhyme_jax.train.assembly import GenerateWrapper, batch_shards, build_run
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
-from rhyme_jax.train.losses import group_advantages, response_grid, sequence_batch
+from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
 from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.train.pipeline import StepBatch
 from rhyme_jax.train.prompts import epoch_of_step
@@ -160,13 +160,16 @@ class GRPOTrainer:
         (data x fsdp) with rows that carry no loss (only carried groups change the row count)."""
         g = self.cfg.grpo
         adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, g.samples_per_prompt)),
-                                          scale_by_std=g.scale_by_std)).reshape(-1)
+                                          scale_rewards=g.scale_rewards)).reshape(-1)
         longest = max(len(p) + len(t) for p, t in zip(prompts, tokens))
         T = int(math.ceil(longest / SEQ_BUCKET) * SEQ_BUCKET)
         batch = sequence_batch(prompts, [t.tolist() for t in tokens], self.tokenizer.pad_id, max_len=T)
         batch["old_logprobs"] = response_grid(logprobs, batch.pop("prompt_lens"), T)
         batch.pop("lengths")
         batch["advantages"] = adv.astype(np.float32)
+        norm = loss_normaliser(g.loss_agg, response_tokens=sum(len(t) for t in tokens), rows=len(prompts),
+                               minibatches=g.minibatches, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        batch["loss_norm"] = np.full(len(prompts), norm, np.float32)  # padding rows below: 0
         multiple = g.minibatches * self.batch_shards
         pad = -len(prompts) % multiple
         if pad:

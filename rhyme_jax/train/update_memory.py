@@ -43,7 +43,8 @@ def _abstract_batch(rows: int, tokens: int, kl: bool) -> dict:
     sds = jax.ShapeDtypeStruct
     batch = {"tokens": sds((rows, tokens), i32), "positions": sds((rows, tokens), i32),
              "attn_mask": sds((rows, tokens), jnp.bool_), "loss_mask": sds((rows, tokens), f32),
-             "old_logprobs": sds((rows, tokens - 1), f32), "advantages": sds((rows,), f32)}
+             "old_logprobs": sds((rows, tokens - 1), f32), "advantages": sds((rows,), f32),
+             "loss_norm": sds((rows,), f32)}  # read by the normalised grpo.loss_agg modes
     if kl:
         batch["ref_logprobs"] = sds((rows, tokens - 1), f32)
     return batch
