@@ -15,6 +15,7 @@ from rhyme_jax.rollout import batching, sampling
 from rhyme_jax.rollout.engine import (EngineConfigError, PromptTooLongError, RolloutEngine,
                                       SamplingParams)
 from rhyme_jax.rollout.page_allocator import PageAllocationError, PageAllocator
+from rhyme_jax.train import grpo_step, losses
 
 CFG = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
@@ -308,17 +309,25 @@ def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():
     assert_behaviour_logprobs(prompts, res, 0.7, 12, 0.85)
 
 
-def assert_behaviour_logprobs(prompts, res, temperature, top_k, top_p):
-    """Each emitted token's reported logprob equals its logprob under the processed distribution
-    of the dense model run on prompt + response (teacher forcing)."""
-    state, width = _model()[1], MAX_PROMPT + MAX_NEW
-    for p, toks, lps in zip(prompts, res.tokens, res.logprobs):
-        seq = np.zeros((1, width), np.int32)
-        full = list(p) + toks.tolist()
-        seq[0, : len(full)] = full
-        logits = _dense_fn()(state, seq, np.array([len(full)]))[0, len(p) - 1: len(full) - 1]
-        ref = np.asarray(sampling.processed_logprobs(logits, temperature, top_k, top_p))
-        np.testing.assert_allclose(lps, ref[np.arange(len(toks)), toks], atol=1e-4)
+def assert_behaviour_logprobs(prompts, res, temperature, top_k, top_p, atol=1e-5):
+    """Each emitted token's reported logprob equals the trainer's logprob of it at the same
+    temperature (``grpo_step.make_logprob_fn``: the dense model on prompt + response, scored under
+    the unfiltered ``softmax(logits / temperature)``), so the first update's ratios are 1 whatever
+    top-k / top-p filtered the draws; and every token lies in the filtered support."""
+    graphdef, state = _model()
+    batch = losses.sequence_batch(prompts, [t.tolist() for t in res.tokens], 0)
+    scored = np.asarray(grpo_step.make_logprob_fn(graphdef, temperature)(state, batch))
+    worst = 0.0
+    for b, (p, toks, lps) in enumerate(zip(prompts, res.tokens, res.logprobs)):
+        want = scored[b, len(p) - 1: len(p) - 1 + len(toks)]
+        np.testing.assert_allclose(lps, want, rtol=0, atol=atol)
+        np.testing.assert_allclose(np.exp(lps - want), 1.0, rtol=0, atol=atol)  # the first update's ratio
+        worst = max(worst, float(np.max(np.abs(lps - want), initial=0.0)))
+        logits = _dense_fn()(state, batch["tokens"][b: b + 1], batch["lengths"][b: b + 1])[0]
+        support = np.asarray(sampling.processed_logprobs(logits[len(p) - 1: len(p) - 1 + len(toks)],
+                                                         temperature, top_k, top_p))
+        assert np.all(np.isfinite(support[np.arange(len(toks)), toks]))  # drawn from the filtered law
+    return worst
 
 
 def test_overlong_prompt_error_and_skip():
@@ -408,7 +417,9 @@ def test_sample_frequencies_chi_square(t, k, p):
     probs = np.exp(np.asarray(sampling.processed_logprobs(logits[:1], t, k, p))[0])
     tok = np.asarray(tok)
     assert np.all(probs[tok] > 0)  # never samples a filtered token
-    np.testing.assert_allclose(np.asarray(lp), np.log(probs[tok]), atol=1e-5)
+    # behaviour logprob: under softmax(logits / t) without the filter (what the loss scores)
+    scored = np.asarray(jax.nn.log_softmax(logits[0] / t))
+    np.testing.assert_allclose(np.asarray(lp), scored[tok], atol=1e-5)
     support = probs > 0
     counts = np.bincount(tok, minlength=len(row))[support]
     expected = probs[support] * n

@@ -40,4 +40,7 @@ def test_sample_with_one_key_draws_from_the_processed_distribution():
     p = np.exp(np.asarray(processed_logprobs(logits[:1], 0.7, 5, 1.0), np.float64))[0]
     toks, lps = sample(logits, jax.random.key(9), 0.7, 5, 1.0)
     assert _chi2_pvalue(np.bincount(np.asarray(toks), minlength=p.size), p) > 1e-3
-    np.testing.assert_allclose(np.asarray(lps), np.log(p[np.asarray(toks)]), rtol=1e-5)
+    # the behaviour logprob is the token's under softmax(logits / 0.7) without the top-5 filter
+    scored = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32) / 0.7), np.float64)
+    np.testing.assert_allclose(np.asarray(lps), scored[np.asarray(toks)], rtol=1e-5)
+    assert np.all(np.asarray(lps) < np.log(p[np.asarray(toks)]))  # below the filtered logprob

@@ -40,6 +40,14 @@ def _target(temperature, top_k=0, top_p=1.0, logits=LOGITS):
     return np.exp(np.asarray(lp, np.float64))  # [K+1, V]
 
 
+def _scored(temperature, logits=LOGITS):
+    """``[K+1, V]`` log-probs the behaviour logprobs report: ``log_softmax(logits / temperature)``
+    without the top-k / top-p filter (what the GRPO loss scores; ``sampling.behaviour_logprobs``)."""
+    x = np.asarray(logits[0], np.float64) / temperature
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 def _chi2_pvalue(counts, probs):
     counts, probs = np.asarray(counts, float), np.asarray(probs, float)
     keep = probs > 0
@@ -74,10 +82,10 @@ def test_emitted_tokens_follow_target(temperature, top_p):
     full = num == K + 1
     assert full.sum() > 200
     assert _chi2_pvalue(np.bincount(toks[full, K], minlength=V), p[K]) > 1e-3
-    # Emitted tokens carry log p_i(token) of the processed distribution.
+    # Emitted tokens carry their logprob under softmax(logits / temperature), unfiltered (the
+    # distribution the GRPO loss scores), though they are drawn from the top-p filtered p_i.
     rows = np.arange(K + 1)[None, :] < num[:, None]
-    with np.errstate(divide="ignore"):
-        want = np.log(p)[np.arange(K + 1)[None, :], toks]
+    want = _scored(temperature)[np.arange(K + 1)[None, :], toks]
     np.testing.assert_allclose(lps[rows], want[rows], rtol=1e-5, atol=1e-5)
     assert np.all(lps[~rows] == 0)
 

@@ -11,7 +11,7 @@ import pytest
 
 from rhyme_jax.rollout.sampling import sampling_mode
 from rhyme_jax.rollout.verification import verify, verify_packed
-from test_verification import K, LOGITS, N, V, _chi2_pvalue, _joint_check, _target
+from test_verification import K, LOGITS, N, V, _chi2_pvalue, _joint_check, _scored, _target
 
 LEAD = 2  # tokens of a row packed before the checked one
 T_TOTAL = LEAD + K + 1 + 3  # ... and padding after it
@@ -55,8 +55,7 @@ def test_packed_emitted_tokens_follow_target(temperature, top_p):
     assert full.sum() > 200
     assert _chi2_pvalue(np.bincount(toks[full, K], minlength=V), p[K]) > 1e-3
     rows = np.arange(K + 1)[None, :] < num[:, None]
-    with np.errstate(divide="ignore"):
-        want = np.log(p)[np.arange(K + 1)[None, :], toks]
+    want = _scored(temperature)[np.arange(K + 1)[None, :], toks]  # unfiltered, as the loss scores them
     np.testing.assert_allclose(lps[rows], want[rows], rtol=1e-5, atol=1e-5)
     assert np.all(lps[~rows] == 0) and np.all(toks[~rows] == 0)
 

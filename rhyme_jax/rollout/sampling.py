@@ -10,8 +10,15 @@ ARCHITECTURE.md section 5) is built in this order, as in HF ``generate`` and vLL
    before it is ``< top_p``);
 4. softmax over the kept tokens.
 
-``temperature == 0`` is greedy: the token is the argmax of the raw logits and its logprob is taken
-under ``softmax(raw logits)`` (no filtering).
+``temperature == 0`` is greedy: the token is the argmax of the raw logits.
+
+Behaviour logprobs (``behaviour_logprobs``): the sampled token's logprob under
+``softmax(logits / temperature)`` *without* the top-k / top-p filter, the distribution the GRPO
+loss scores (``train.losses.token_logprobs`` / ``chunked_token_logprobs``) and the one TRL's
+``GRPOTrainer`` recomputes its old logprobs under. Scored under the filtered distribution instead,
+every kept token's behaviour logprob would exceed the trainer's by ``-log(kept mass)``, so every
+ratio of the first update would sit below 1 and clipping would act on unchanged weights. Greedy
+reports ``log_softmax(raw logits)``. Sampling itself still draws from the filtered distribution.
 
 ``mode`` picks a specialised program: ``"greedy"``, ``"plain"`` (no filtering), ``"filtered"``
 or ``"dynamic"`` (temperature / top_k / top_p are traced values; greedy selected with ``where``).
@@ -86,9 +93,10 @@ def _processed(logits, temperature, top_k, top_p, mode):
 def processed_logprobs(
     logits: Float[Array, "S V"], temperature, top_k=0, top_p=1.0, *, mode: str | None = None
 ) -> Float[Array, "S V"]:
-    """Log-probabilities ``f32[S, V]`` of the sampling distribution (``-inf`` for filtered tokens).
+    """Log-probabilities ``f32[S, V]`` of the sampling distribution (``-inf`` for filtered tokens):
+    what tokens are drawn from (behaviour logprobs are ``behaviour_logprobs``, unfiltered).
 
-    For ``temperature == 0`` this is ``log_softmax(logits)`` (greedy reports logprobs there).
+    For ``temperature == 0`` this is ``log_softmax(logits)``.
 
     Raises:
       SamplingError: invalid parameters or unknown ``mode``.
@@ -97,6 +105,37 @@ def processed_logprobs(
     if mode not in MODES:
         raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
     return _processed(logits, temperature, top_k, top_p, mode)
+
+
+def behaviour_logprobs(
+    logits: Float[Array, "N V"], tokens: Int[Array, "N"], temperature, *, mode: str,
+    lp: Float[Array, "N V"] | None = None,
+) -> Float[Array, "N"]:
+    """``f32[N]``: log-probability of ``tokens`` under ``softmax(logits / temperature)``, unfiltered
+    (module docstring), and under ``softmax(logits)`` where greedy (mode ``greedy``, or
+    ``temperature == 0`` under ``dynamic``).
+
+    Args:
+      logits: ``[N, V]`` raw logits (computed in f32, as the loss does).
+      tokens: ``i32[N]`` sampled ids.
+      temperature: the sampling temperature (Python number or traced scalar).
+      mode: the sampling program (``MODES``).
+      lp: optional ``_processed`` log-probs of the same call; under ``greedy`` / ``plain`` (no
+        filter) they are the answer and are gathered instead of recomputed.
+
+    Raises:
+      SamplingError: unknown ``mode``.
+    """
+    if mode not in MODES:
+        raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
+    tokens = tokens.astype(jnp.int32)[:, None]
+    if lp is not None and mode in ("greedy", "plain"):
+        return jnp.take_along_axis(lp, tokens, axis=-1)[:, 0]
+    x = logits.astype(jnp.float32)
+    if mode != "greedy":
+        t = jnp.asarray(temperature, jnp.float32)
+        x = x / jnp.where(t > 0, t, 1.0)  # temperature 0 (dynamic): greedy, raw logits
+    return jnp.take_along_axis(x, tokens, axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
 
 
 def position_uniforms(key: PRNGKeyArray, streams: Int[Array, "N"], positions: Int[Array, "N"]) -> Float[Array, "N"]:
@@ -141,7 +180,7 @@ def sample_at(
 ) -> tuple[Int[Array, "S"], Float[Array, "S"]]:
     """``sample`` with the draws of ``position_uniforms(key, streams, positions)``: row ``i`` is
     the distribution of the token after position ``positions[i]`` of sequence ``streams[i]``.
-    Returns ``(tokens i32[S], behaviour logprobs f32[S])``.
+    Returns ``(tokens i32[S], behaviour logprobs f32[S])`` (``behaviour_logprobs``).
 
     Raises:
       SamplingError: unknown ``mode``.
@@ -150,7 +189,7 @@ def sample_at(
         raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
     lp = _processed(logits, temperature, top_k, top_p, mode)
     tok = sample_tokens(lp, logits, position_uniforms(key, streams, positions), temperature, mode=mode)
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+    return tok, behaviour_logprobs(logits, tok, temperature, mode=mode, lp=lp)
 
 
 def sample(
@@ -168,7 +207,8 @@ def sample(
       mode: see the module docstring; ``None`` derives it from Python parameter values.
 
     Returns:
-      Sampled ids and their logprob under the processed distribution (under
+      Sampled ids (drawn from the filtered distribution) and their behaviour logprobs
+      (``behaviour_logprobs``: under ``softmax(logits / temperature)`` without the filter, under
       ``softmax(raw logits)`` when greedy).
 
     Raises:
@@ -179,4 +219,4 @@ def sample(
         raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
     lp = _processed(logits, temperature, top_k, top_p, mode)
     tok = sample_tokens(lp, logits, jax.random.uniform(key, (logits.shape[0],), jnp.float32), temperature, mode=mode)
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+    return tok, behaviour_logprobs(logits, tok, temperature, mode=mode, lp=lp)

@@ -19,8 +19,10 @@ Chen et al. 2023, RhymeRL section 4):
 Why it is exact: position ``i`` emits ``x_i`` with probability ``p_i(x_i)`` and any ``y != x_i``
 with probability ``(1 - p_i(x_i)) * p_i(y) / (1 - p_i(x_i)) = p_i(y)``.
 
-Emitted tokens carry the behaviour logprob plain sampling reports: ``log p_i(token)`` under the
-processed distribution (not the residual), and ``log_softmax(raw logits)`` when greedy.
+Emitted tokens carry the behaviour logprob plain sampling reports
+(``sampling.behaviour_logprobs``): the token's logprob under ``softmax(logits / temperature)``
+without the top-k / top-p filter (what the GRPO loss scores; not ``p_i`` and not the residual),
+and ``log_softmax(raw logits)`` when greedy.
 
 ``verify`` (dense drafts) draws that way. ``verify_packed`` (what the engine runs) couples the
 same rule to plain sampling: it computes at every position the token plain decode would draw
@@ -36,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from rhyme_jax.rollout.sampling import MODES, SamplingError, _processed, position_uniforms, sample_tokens
+from rhyme_jax.rollout.sampling import (MODES, SamplingError, _processed, behaviour_logprobs, position_uniforms,
+                                        sample_tokens)
 
 
 def _by_mode(mode: str, temperature, sampled, greedy):
@@ -138,7 +141,8 @@ def verify(
     full_pos = jnp.arange(k1, dtype=jnp.int32)
     tokens = jnp.where(full_pos[None, :] < num_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
     tokens = jnp.where(full_pos[None, :] == num_acc[:, None], last[:, None], tokens).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    logprobs = behaviour_logprobs(flat, tokens.reshape(-1), temperature, mode=mode,
+                                  lp=lp.reshape(num_s * k1, vocab)).reshape(num_s, k1)
     num_emitted = num_acc + 1
     logprobs = jnp.where(full_pos[None, :] < num_emitted[:, None], logprobs, 0.0)
     return tokens, logprobs, num_emitted
@@ -217,7 +221,7 @@ def verify_packed(
     num_acc = jnp.minimum(jax.ops.segment_min(first_bad, row, num_segments=num_s), lens).astype(jnp.int32)
     emitted = live & (j <= num_acc[row])
     tokens = jnp.where(emitted, y, 0).astype(jnp.int32)
-    logprobs = jnp.where(emitted, jnp.take_along_axis(lp, y[:, None], axis=-1)[:, 0], 0.0)
+    logprobs = jnp.where(emitted, behaviour_logprobs(logits, y, temperature, mode=mode, lp=lp), 0.0)
     num_emitted = jnp.where(q_lens > 0, num_acc + 1, 0).astype(jnp.int32)
     return tokens, logprobs, num_emitted
 
