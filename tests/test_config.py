@@ -170,7 +170,7 @@ NO_LEARNING = [
     # greedy rollouts: one response n times, one reward, advantage 0
     (["rollout.top_k=1"], "rollout.top_k=1"),
     # one optimizer step, and warmup makes update 0 run at rate 0
-    (["grpo.steps=1", "grpo.warmup_steps=1"], "grpo.warmup_steps=1"),
+    (["grpo.steps=1", "grpo.warmup_steps=1", "grpo.minibatches=1"], "grpo.warmup_steps=1"),
     (["sft.steps=1", "sft.warmup_steps=1"], "sft.warmup_steps=1"),
 ]
 

@@ -257,7 +257,7 @@ class RunSection:
 
 @dataclass(frozen=True)
 class SpecSection:
-    """HistoSpec switches (ARCHITECTURE.md section 5; paper defaults, specRL variants as options)."""
+    """HistoSpec switches (docs/architecture.md, "HistoSpec in one paragraph"; paper defaults, specRL variants as options)."""
 
     KEY: ClassVar[str] = "spec"
 
@@ -292,7 +292,7 @@ class SpecSection:
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """Device meshes and multi-host start-up (ARCHITECTURE.md section 9; rhyme_jax/parallel/)."""
+    """Device meshes and multi-host start-up (rhyme_jax/parallel/)."""
 
     KEY: ClassVar[str] = "parallel"
 
@@ -323,7 +323,7 @@ class ParallelSection:
 
 @dataclass(frozen=True)
 class SchedSection:
-    """Rollout scheduling over the rollout workers (ARCHITECTURE.md section 6; rhyme_jax/sched/)."""
+    """Rollout scheduling over the rollout workers (docs/architecture.md, "HistoPipe"; rhyme_jax/sched/)."""
 
     KEY: ClassVar[str] = "sched"
 

@@ -1,7 +1,7 @@
 """Token sampling with temperature, top-k and top-p (nucleus) filtering, plus behaviour logprobs.
 
 The processed distribution (also the target distribution of HistoSpec verification,
-ARCHITECTURE.md section 5) is built in this order, as in HF ``generate`` and vLLM:
+docs/architecture.md, "HistoSpec in one paragraph") is built in this order, as in HF ``generate`` and vLLM:
 
 1. ``logits / temperature``;
 2. top-k (``top_k > 0``): keep the ``top_k`` largest tokens (stable order breaks ties);

@@ -1,6 +1,6 @@
 """The GRPO trainer: rollout -> reward -> advantages -> clipped update, with exact resumption.
 
-One step (ARCHITECTURE.md section 3): ``prompts_per_step`` prompts, each sampled
+One step (docs/architecture.md, "Data flow of one GRPO step"): ``prompts_per_step`` prompts, each sampled
 ``samples_per_prompt`` times by the paged rollout engine; rewards from the task verifier; group
 advantages; ``minibatches`` clipped-surrogate updates; metrics, the step's rollouts and (every
 ``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state, step and RNG.
