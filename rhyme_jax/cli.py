@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     tr = add("train", "GRPO training (starts from <run_dir>/sft/params when present)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     ev = add("eval", "greedy held-out accuracy of a run's newest checkpoint")
-    ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest)")
+    ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest); "
+                    "'initial' scores the starting model (model.path, or run.init_from) before any "
+                    "training, e.g. to check pass@k headroom with --set run.eval_samples=8")
     dm = add("demo", "warm start (SFT) + GRPO + summary: the CPU demo")
     dm.add_argument("--resume", action="store_true", help="continue an interrupted demo")
     cli_memory.add_arguments(add("memory", "per-device memory of params, optimizer state and one "
@@ -140,13 +142,18 @@ def _compile_stats(cfg: RunConfig, trainer, counter) -> dict:
 def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.train import checkpoint as ckpt
-    from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of
+    from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of, warm_start_dir
     from rhyme_jax.train.evaluate import evaluate_run
     from rhyme_jax.train.policy import compute_dtype, compute_params
 
     run_dir = run_dir_of(cfg)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
-    if checkpoint:
+    if checkpoint == "initial":  # what `rhyme-jax train` would start from
+        start = warm_start_dir(cfg, run_dir)
+        if start is not None:
+            state = ckpt.load_params(start, state)
+        source = f"initial model ({start or cfg.model.path or 'tiny model, fresh init'})"
+    elif checkpoint:
         state = ckpt.load_params(Path(checkpoint), state)
         source = checkpoint
     else:
@@ -162,7 +169,8 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     # The float32 master weights evaluated on a model.dtype copy, as the run's evaluations are.
     state = compute_params(state, compute_dtype(cfg.model.dtype))
     res = evaluate_run(engine, state, policy.tokenizer, policy.eval_problems, cfg)
-    sampled = (f", mean@{res.samples} {res.sampled_accuracy:.3f} ± {res.sampled_stderr:.3f}"
+    sampled = (f", pass@1 at T = {cfg.rollout.temperature:g} (mean of {res.samples} samples) "
+               f"{res.sampled_accuracy:.3f} ± {res.sampled_stderr:.3f}, pass@{res.samples} {res.pass_at_k:.3f}"
                if res.samples else "")
     print(f"{source}: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n})"
           f"{sampled}, mean response length {res.mean_length:.1f} tokens")

@@ -72,6 +72,19 @@ def test_eval_after_demo_reports_the_final_accuracy(demo_run, capsys):
     assert "(n=8)" in out
 
 
+def test_eval_initial_scores_the_warm_start_with_pass_at_k(demo_run, capsys):
+    """``--checkpoint initial`` scores what GRPO starts from (here the run's SFT params): the
+    demo's before-RL evaluation, plus pass@1 / pass@k at the rollout temperature."""
+    rc, run_dir = demo_run
+    capsys.readouterr()
+    assert main(["eval", "--config", CONFIG, "--checkpoint", "initial", "--set", f"run.runs_dir={run_dir.parent}",
+                 "--set", "run.eval_samples=2"]) == 0
+    out = capsys.readouterr().out
+    before = [r for r in read_metrics(run_dir) if r["phase"] == "eval"][0]
+    assert f"initial model ({run_dir / 'sft' / 'params'}): held-out greedy accuracy {before['eval/accuracy']:.3f}" in out
+    assert "pass@1 at T = 1 (mean of 2 samples)" in out and ", pass@2 " in out
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--set", "grpo.nosuch=1"], "nosuch"),
     (["--set", "grpo.steps=many"], "grpo.steps"),
