@@ -264,8 +264,7 @@ def loss_normaliser(loss_agg: str, *, response_tokens: int, rows: int, minibatch
     Raises:
       LossInputError: unknown ``loss_agg`` or ``rows`` / ``minibatches`` / ``max_new_tokens`` < 1.
     """
-    if loss_agg not in LOSS_AGGS:
-        raise LossInputError(f"losses: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (grpo.loss_agg)")
+    _check_agg(loss_agg, 1.0)
     if min(rows, minibatches, max_new_tokens) < 1 or response_tokens < 0:
         raise LossInputError(f"losses.loss_normaliser: rows={rows}, minibatches={minibatches} and "
                              f"max_new_tokens={max_new_tokens} must be >= 1, response_tokens={response_tokens} >= 0")
