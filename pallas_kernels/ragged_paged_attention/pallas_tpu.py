@@ -21,6 +21,9 @@ module only changes how the work is done:
 * The kernel output is scattered back to packed rows outside the kernel; rows of dead sequences
   and padding rows are zero.
 
+The attention kernel body (one grid program) lives in ``pallas_tpu_kernel``; this module builds
+its grid, block specs and scratch, and does the gather / scatter around it.
+
 ``write_kv`` (same semantics as ``reference.write_kv``) updates the pool in place from a Pallas
 kernel: pools aliased input -> output in HBM, one DMA per token row and KV head.
 
@@ -41,12 +44,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.compat import pl, pltpu, tpu_compiler_params, tpu_interpret_params
+from pallas_kernels.ragged_paged_attention.pallas_tpu_kernel import KernelStatics, attention_kernel
 from pallas_kernels.ragged_paged_attention.reference import RaggedAttentionInputError, _check_shapes
 
 _WHERE = "pallas_kernels/ragged_paged_attention/pallas_tpu.py"
-# Finite "minus infinity" of the online softmax (as in JAX's TPU flash attention): keeps
-# exp(m_prev - m_next) finite when a row has seen no visible key yet.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LANES = 128  # m / l scratch rows are replicated over one lane tile
 
 
@@ -84,127 +85,6 @@ def _q_block_tokens(max_q_len: int, group: int, requested: int | None, sublanes:
     tokens = min(requested or max_q_len, max_q_len)
     step = sublanes // np.gcd(sublanes, group)
     return -(-tokens // step) * step
-
-
-def _row_token(rows: jax.Array, group: int) -> jax.Array:
-    """Query-token index (within the q block) of each row ``r`` of a block: ``r // group``."""
-    if group & (group - 1) == 0:  # power of two: a shift, cheap on the VPU
-        return jax.lax.shift_right_logical(rows, int(group).bit_length() - 1)
-    return jax.lax.div(rows, jnp.int32(group))
-
-
-def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref,  # scalar prefetch (SMEM)
-            q_ref, k_hbm, v_hbm,  # q block [R, hd] (VMEM); KV pools [KVH, P, ps, hd] (HBM)
-            o_ref,  # [R, hd] (VMEM)
-            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *,  # scratch
-            sm_scale, soft_cap, sliding_window, group, page_size, pages_per_block, pages_per_seq,
-            num_pages, q_block):
-    s, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, head_dim = acc_ref.shape
-    block_kv = pages_per_block * page_size
-    kv_cap = pages_per_seq * page_size
-
-    q_lo = cu_ref[s]
-    q_len = cu_ref[s + 1] - q_lo
-    kv_len = kv_lens_ref[s]
-    first_qi = qb * q_block
-    live = (s < nseq_ref[0]) & (first_qi < q_len)
-
-    @pl.when(jnp.logical_not(live))
-    def _dead():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-
-    @pl.when(live)
-    def _live():
-        ctx = kv_len - q_len  # position of query token 0
-        last_qi = jnp.minimum(first_qi + q_block, q_len) - 1
-        # Key tokens [kv_lo, kv_hi) visible to at least one query of this block.
-        kv_hi = jnp.minimum(jnp.minimum(kv_len, ctx + last_qi + 1), kv_cap)
-        kv_lo = jnp.int32(0)
-        if sliding_window is not None:
-            kv_lo = jnp.maximum(ctx + first_qi - (sliding_window - 1), 0)
-        blk_start = kv_lo // block_kv
-        blk_end = jnp.where(kv_hi > kv_lo, (kv_hi + block_kv - 1) // block_kv, blk_start)
-
-        def page_copies(blk, slot):
-            """(needed, k copy, v copy) per page of KV block ``blk`` into buffer ``slot``."""
-            out = []
-            for j in range(pages_per_block):
-                pg = blk * pages_per_block + j
-                tok0 = pg * page_size
-                needed = (tok0 < kv_hi) & (tok0 + page_size > kv_lo)
-                page = pages_ref[s * pages_per_seq + jnp.minimum(pg, pages_per_seq - 1)]
-                page = jnp.clip(page, 0, num_pages - 1)
-                dst = pl.ds(j * page_size, page_size)
-                out.append((needed,
-                            pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, dst], sems.at[0, slot]),
-                            pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, dst], sems.at[1, slot])))
-            return out
-
-        def start(blk, slot):
-            for needed, kc, vc in page_copies(blk, slot):
-                @pl.when(needed)
-                def _():
-                    kc.start()
-                    vc.start()
-
-        def wait(blk, slot):
-            for needed, kc, vc in page_copies(blk, slot):
-                @pl.when(needed)
-                def _():
-                    kc.wait()
-                    vc.wait()
-
-        m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-        @pl.when(blk_end > blk_start)
-        def _prologue():
-            start(blk_start, 0)
-
-        q = q_ref[...]  # [R, hd]
-        q_pos = ctx + first_qi + _row_token(jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0), group)
-
-        def body(blk, carry):
-            slot = (blk - blk_start) % 2
-
-            @pl.when(blk + 1 < blk_end)
-            def _prefetch():  # double buffering: next block's DMA overlaps this block's math
-                start(blk + 1, 1 - slot)
-
-            wait(blk, slot)
-            k = k_buf[slot]  # [block_kv, hd]
-            v = v_buf[slot]
-            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
-            if soft_cap is not None:
-                scores = soft_cap * jnp.tanh(scores / soft_cap)
-            k_pos = blk * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-            visible = (k_pos <= q_pos) & (k_pos >= kv_lo) & (k_pos < kv_hi)
-            if sliding_window is not None:
-                visible = visible & (q_pos - k_pos < sliding_window)
-            scores = jnp.where(visible, scores, _MASK_VALUE)
-
-            m_prev = m_ref[...][:, :1]  # [R, 1]
-            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.where(visible, jnp.exp(scores - m_next), 0.0)  # [R, bk] f32
-            l_next = alpha * l_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            # Rows of the buffer outside [kv_lo, kv_hi) may be stale or never written (NaN in
-            # interpret mode): zero them so that 0 * NaN cannot leak into the output.
-            v_pos = blk * block_kv + jax.lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
-            v = jnp.where((v_pos >= kv_lo) & (v_pos < kv_hi), v, jnp.zeros_like(v))
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # [R, hd]
-            acc_ref[...] = alpha * acc_ref[...] + pv
-            m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-            l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
-            return carry
-
-        jax.lax.fori_loop(blk_start, blk_end, body, 0)
-        l_fin = l_ref[...][:, :1]
-        o_ref[...] = (acc_ref[...] / jnp.where(l_fin > 0, l_fin, 1.0)).astype(o_ref.dtype)
 
 
 def _interpret_params(interpret: bool | Any) -> Any:
@@ -261,6 +141,38 @@ def ragged_paged_attention(
         / ``block_sizes``.
     """
     _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
+    block_sizes = _checked_options(soft_cap, sliding_window, block_sizes)
+
+    num_heads = q.shape[1]
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    group = num_heads // num_kv_heads
+    sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)  # rows per (8, 128) tile: f32 8, bf16 16
+    q_block = _q_block_tokens(max_q_len, group, block_sizes.q_tokens_per_block, sublanes)
+    q_pad = -(-max_q_len // q_block) * q_block
+    cfg = KernelStatics(
+        sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window), group=group,
+        page_size=page_size, pages_per_block=min(block_sizes.pages_per_kv_block, pages_per_seq),
+        pages_per_seq=pages_per_seq, num_pages=num_pages, q_block=q_block)
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    num_seqs = num_seqs.astype(jnp.int32)
+    qi = jnp.arange(q_pad, dtype=jnp.int32)  # query token within its sequence
+    q_seq = _gather_q_blocks(q, cu_q_lens, qi, num_kv_heads)
+    out = _attention_call(q_seq, k_pages, v_pages, (kv_lens, page_indices, cu_q_lens, num_seqs), cfg, interpret)
+    return _scatter_to_packed(out, q, cu_q_lens, num_seqs, qi, max_q_len)
+
+
+def _checked_options(soft_cap: float | None, sliding_window: int | None,
+                     block_sizes: TPUBlockSizes | None) -> TPUBlockSizes:
+    """``block_sizes`` or the default, after checking the options of ``ragged_paged_attention``.
+
+    Raises:
+      RaggedAttentionInputError: ``soft_cap <= 0``, ``sliding_window < 1``, or ``block_sizes``
+        not a ``TPUBlockSizes``.
+    """
     if soft_cap is not None and not soft_cap > 0:
         raise RaggedAttentionInputError(f"{_WHERE}: soft_cap must be > 0 or None, got {soft_cap}")
     if sliding_window is not None and sliding_window < 1:
@@ -268,60 +180,70 @@ def ragged_paged_attention(
     block_sizes = block_sizes or TPUBlockSizes()
     if not isinstance(block_sizes, TPUBlockSizes):
         raise RaggedAttentionInputError(f"{_WHERE}: block_sizes must be a TPUBlockSizes, got {block_sizes!r}")
+    return block_sizes
 
+
+def _gather_q_blocks(q: Float[Array, "T H hd"], cu_q_lens: Int[Array, "S+1"], qi: Int[Array, "Q_pad"],
+                     num_kv_heads: int) -> Float[Array, "S KVH Q_pad*G hd"]:
+    """Packed queries -> per-sequence blocks ``[S, KVH, Q_pad * G, hd]`` (row = token * G + head
+    in group). Rows past a sequence's ``q_len`` hold some other token's query (clipped index)."""
     t_total, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    num_s, pages_per_seq = page_indices.shape
-    group = num_heads // num_kv_heads
-    sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)  # rows per (8, 128) tile: f32 8, bf16 16
-    q_block = _q_block_tokens(max_q_len, group, block_sizes.q_tokens_per_block, sublanes)
-    num_q_blocks = -(-max_q_len // q_block)
-    q_pad = num_q_blocks * q_block
-    rows = q_block * group
-    ppb = min(block_sizes.pages_per_kv_block, pages_per_seq)
-
-    kv_lens = kv_lens.astype(jnp.int32)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    num_seqs = num_seqs.astype(jnp.int32)
-
-    # Gather: [S, Q_pad, H, hd] -> [S, KVH, Q_pad * G, hd] (row = token * G + head-in-group).
-    qi = jnp.arange(q_pad, dtype=jnp.int32)
+    num_s, q_pad, group = cu_q_lens.shape[0] - 1, qi.shape[0], num_heads // num_kv_heads
     src = cu_q_lens[:-1, None] + qi[None, :]
     q_seq = q[jnp.clip(src, 0, t_total - 1)].reshape(num_s, q_pad, num_kv_heads, group, head_dim)
-    q_seq = q_seq.transpose(0, 2, 1, 3, 4).reshape(num_s, num_kv_heads, q_pad * group, head_dim)
+    return q_seq.transpose(0, 2, 1, 3, 4).reshape(num_s, num_kv_heads, q_pad * group, head_dim)
 
-    kernel = functools.partial(
-        _kernel, sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=None if sliding_window is None else int(sliding_window), group=group,
-        page_size=page_size, pages_per_block=ppb, pages_per_seq=pages_per_seq, num_pages=num_pages,
-        q_block=q_block)
+
+def _attention_call(q_seq, k_pages, v_pages, metadata, cfg: KernelStatics, interpret: bool | Any):
+    """``pl.pallas_call`` of ``attention_kernel`` over the grid ``(sequence, kv_head, q_block)``.
+
+    Args:
+      q_seq: ``[S, KVH, Q_pad * G, hd]`` from ``_gather_q_blocks``.
+      k_pages, v_pages: ``[KVH, P, ps, hd]`` pools (left in HBM).
+      metadata: ``(kv_lens i32[S], page_indices i32[S, pps], cu_q_lens i32[S+1], num_seqs i32[1])``,
+        scalar-prefetched into SMEM (the page table flattened).
+      cfg: static kernel parameters.
+      interpret: as in ``ragged_paged_attention``.
+
+    Returns:
+      ``[S, KVH, Q_pad * G, hd]`` in ``q_seq.dtype``; blocks of dead sequences / q blocks are zero.
+    """
+    kv_lens, page_indices, cu_q_lens, num_seqs = metadata
+    num_s, num_kv_heads, q_rows, head_dim = q_seq.shape
+    rows = cfg.q_block * cfg.group
     block = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, *_: (s, h, b, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(num_s, num_kv_heads, num_q_blocks),
+        grid=(num_s, num_kv_heads, q_rows // rows),
         in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=block,
         scratch_shapes=[
-            pltpu.VMEM((2, ppb * page_size, head_dim), k_pages.dtype),
-            pltpu.VMEM((2, ppb * page_size, head_dim), v_pages.dtype),
+            pltpu.VMEM((2, cfg.block_kv, head_dim), k_pages.dtype),
+            pltpu.VMEM((2, cfg.block_kv, head_dim), v_pages.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),  # [k/v, buffer slot]
             pltpu.VMEM((rows, _LANES), jnp.float32),  # running max
             pltpu.VMEM((rows, _LANES), jnp.float32),  # running sum
             pltpu.VMEM((rows, head_dim), jnp.float32),  # output accumulator
         ])
     params = _interpret_params(interpret)
-    out = pl.pallas_call(
-        kernel,
+    return pl.pallas_call(
+        functools.partial(attention_kernel, cfg=cfg),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q_seq.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_seq.shape, q_seq.dtype),
         compiler_params=None if params is not None else tpu_compiler_params(
             dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=params if params is not None else False,
         name="ragged_paged_attention_tpu",
     )(kv_lens, page_indices.reshape(-1).astype(jnp.int32), cu_q_lens, num_seqs, q_seq, k_pages, v_pages)
 
-    # Scatter back to packed rows; dead sequences / padding / tokens past max_q_len are dropped.
-    out = out.reshape(num_s, num_kv_heads, q_pad, group, head_dim).transpose(0, 2, 1, 3, 4)
+
+def _scatter_to_packed(out, q: Float[Array, "T H hd"], cu_q_lens: Int[Array, "S+1"], num_seqs: Int[Array, "1"],
+                       qi: Int[Array, "Q_pad"], max_q_len: int) -> Float[Array, "T H hd"]:
+    """Kernel output ``[S, KVH, Q_pad * G, hd]`` -> packed rows ``[T, H, hd]`` like ``q``; dead
+    sequences, padding and tokens past ``max_q_len`` are dropped, so unowned rows are zero."""
+    t_total, num_heads, head_dim = q.shape
+    num_s, num_kv_heads, q_pad = out.shape[0], out.shape[1], qi.shape[0]
+    out = out.reshape(num_s, num_kv_heads, q_pad, num_heads // num_kv_heads, head_dim).transpose(0, 2, 1, 3, 4)
     out = out[:, :max_q_len].reshape(num_s, max_q_len, num_heads, head_dim)
     q_lens = jnp.where(jnp.arange(num_s) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     qi = qi[:max_q_len]
@@ -404,35 +326,13 @@ def write_kv(
     Raises:
       RaggedAttentionInputError: shapes disagree, or ``tokens_per_block < 1``.
     """
+    _check_write_kv_shapes(k_pages, v_pages, k_new, v_new, slot_mapping, tokens_per_block)
     kvh, num_pages, page_size, hd = k_pages.shape
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise RaggedAttentionInputError(
-            f"{_WHERE}: write_kv k_pages/v_pages must match, got {k_pages.shape} {k_pages.dtype} and "
-            f"{v_pages.shape} {v_pages.dtype}")
-    if k_new.shape != v_new.shape or k_new.ndim != 3 or k_new.shape[1:] != (kvh, hd):
-        raise RaggedAttentionInputError(
-            f"{_WHERE}: write_kv k_new/v_new must be [T, {kvh}, {hd}], got {k_new.shape} and {v_new.shape}")
     num_tokens = k_new.shape[0]
-    if slot_mapping.shape != (num_tokens,):
-        raise RaggedAttentionInputError(
-            f"{_WHERE}: write_kv slot_mapping must be [T]={num_tokens}, got {slot_mapping.shape}")
-    if not isinstance(tokens_per_block, int) or tokens_per_block < 1:
-        raise RaggedAttentionInputError(f"{_WHERE}: write_kv tokens_per_block must be an int >= 1, "
-                                        f"got {tokens_per_block!r}")
     if num_tokens == 0:
         return k_pages, v_pages
 
-    num_slots = num_pages * page_size
-    slots = slot_mapping.astype(jnp.int32)
-    valid = (slots >= -num_slots) & (slots < num_slots)
-    slots = jnp.where(valid, jnp.where(slots < 0, slots + num_slots, slots), 0)
-    # Last writer wins: a stable sort groups equal slots in token order; keep the last of each run.
-    key = jnp.where(valid, slots, -1)
-    order = jnp.argsort(key, stable=True)
-    sorted_key = key[order]
-    last_of_run = jnp.concatenate([sorted_key[1:] != sorted_key[:-1], jnp.array([True])])
-    keep = jnp.zeros(num_tokens, jnp.int32).at[order].set(last_of_run.astype(jnp.int32)) * valid
-
+    slots, keep = _last_writer_slots(slot_mapping, num_pages * page_size)
     num_blocks = -(-num_tokens // tokens_per_block)
     pad = num_blocks * tokens_per_block - num_tokens
     slots, keep = jnp.pad(slots, (0, pad)), jnp.pad(keep, (0, pad))  # padding tokens: keep = 0
@@ -459,6 +359,43 @@ def write_kv(
         name="write_kv_tpu",
     )(slots, keep, k_rows, v_rows, k_pages, v_pages)
     return k_out, v_out
+
+
+def _check_write_kv_shapes(k_pages, v_pages, k_new, v_new, slot_mapping, tokens_per_block) -> None:
+    """Raise ``RaggedAttentionInputError`` unless the ``write_kv`` arguments agree: pools of one
+    shape and dtype ``[KVH, P, ps, hd]``, ``k_new`` / ``v_new`` ``[T, KVH, hd]``,
+    ``slot_mapping`` ``[T]`` and an int ``tokens_per_block >= 1``."""
+    kvh, _, _, hd = k_pages.shape
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise RaggedAttentionInputError(
+            f"{_WHERE}: write_kv k_pages/v_pages must match, got {k_pages.shape} {k_pages.dtype} and "
+            f"{v_pages.shape} {v_pages.dtype}")
+    if k_new.shape != v_new.shape or k_new.ndim != 3 or k_new.shape[1:] != (kvh, hd):
+        raise RaggedAttentionInputError(
+            f"{_WHERE}: write_kv k_new/v_new must be [T, {kvh}, {hd}], got {k_new.shape} and {v_new.shape}")
+    num_tokens = k_new.shape[0]
+    if slot_mapping.shape != (num_tokens,):
+        raise RaggedAttentionInputError(
+            f"{_WHERE}: write_kv slot_mapping must be [T]={num_tokens}, got {slot_mapping.shape}")
+    if not isinstance(tokens_per_block, int) or tokens_per_block < 1:
+        raise RaggedAttentionInputError(f"{_WHERE}: write_kv tokens_per_block must be an int >= 1, "
+                                        f"got {tokens_per_block!r}")
+
+
+def _last_writer_slots(slot_mapping: Int[Array, "T"], num_slots: int) -> tuple[Int[Array, "T"], Int[Array, "T"]]:
+    """``(slots, keep)``: slots in ``[0, num_slots)`` (negative ones counted from the end) and
+    ``keep = 1`` for the last token writing each valid slot; tokens with a slot outside
+    ``[-num_slots, num_slots)`` get slot 0 and ``keep = 0``. Both ``i32[T]``."""
+    slots = slot_mapping.astype(jnp.int32)
+    valid = (slots >= -num_slots) & (slots < num_slots)
+    slots = jnp.where(valid, jnp.where(slots < 0, slots + num_slots, slots), 0)
+    # Last writer wins: a stable sort groups equal slots in token order; keep the last of each run.
+    key = jnp.where(valid, slots, -1)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    last_of_run = jnp.concatenate([sorted_key[1:] != sorted_key[:-1], jnp.array([True])])
+    keep = jnp.zeros(slots.shape[0], jnp.int32).at[order].set(last_of_run.astype(jnp.int32)) * valid
+    return slots, keep
 
 
 __all__ = ["TPUBlockSizes", "ragged_paged_attention", "write_kv"]
