@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.rollout import shapes
     from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
-    from rhyme_jax.cli_memory import model_config_of
+    from rhyme_jax.train.memory_plan import model_config_of
 
     cfg = load_config(args.config)
     r = cfg.rollout

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from pass_replay import best_continuation  # noqa: E402
 
-from rhyme_jax.cli_replay import read_cases, replay  # noqa: E402
+from rhyme_jax.measure.text_replay import read_cases, replay  # noqa: E402
 from rhyme_jax.config import load_config  # noqa: E402
 from rhyme_jax.model.tokenizer import Tokenizer  # noqa: E402
 from rhyme_jax.rollout import shapes  # noqa: E402

@@ -1,6 +1,6 @@
 """The suffix-tree peer in the drafter replay: ArcticInference's SuffixDecoding along target texts.
 
-Same input and accounting as ``rhyme-jax replay-drafts`` (``rhyme_jax/cli_replay.py``; the JSONL is
+Same input and accounting as ``rhyme-jax replay-drafts`` (``rhyme_jax/measure/text_replay.py``; the JSONL is
 parsed and tokenized by its ``read_cases``): along each target, every pass drafts, the longest
 draft prefix equal to the target's next tokens is accepted, and the pass emits the accepted tokens
 plus one. Pooled over all targets it prints ``predicted_share`` (accepted / target tokens),
@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rhyme_jax.cli_replay import ReplayCase, ReplayInputError, read_cases  # noqa: E402
+from rhyme_jax.measure.text_replay import ReplayCase, ReplayInputError, read_cases  # noqa: E402
 from rhyme_jax.model.tokenizer import Tokenizer, TokenizerError  # noqa: E402
 
 BUILD_DIR = Path(__file__).resolve().parent / ".peer_build"

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rhyme_jax.cli_memory import model_config_of
+from rhyme_jax.train.memory_plan import model_config_of
 from rhyme_jax.config import load_config
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.grpo_step import UpdateMemory, make_grpo_step, num_micro_batches

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from rhyme_jax.cli import main
-from rhyme_jax.cli_compile import sample_programs
+from rhyme_jax.cli.compile_report import sample_programs
 from rhyme_jax.config import load_config
 from rhyme_jax.rollout.shapes import programs_from_config
 

@@ -4,7 +4,9 @@ The function-length rule covers ``rhyme_jax/``, ``pallas_kernels/`` and ``benchm
 (``LENGTH_RULE_TREES``); a function's length counts its whole ``def`` including the docstring.
 
 Layer order (ground floor first): ``io`` / ``config``; ``model``, ``data``, ``parallel``;
-``rollout``; ``spec``; ``sched``; ``train``; the CLI modules (``rhyme_jax/cli*.py``) on top.
+``rollout``; ``spec``; ``sched``; ``measure``; ``train``; ``ablate``; the CLI package
+(``rhyme_jax/cli/``) on top. ``config`` imports only the standard library, YAML/OmegaConf and
+itself; no module edits ``sys.path``.
 The rules checked are those the architecture issue fixed: ``model``, ``rollout``, ``spec``,
 ``parallel`` and ``data`` never import ``train``; ``sched`` never imports ``train``; ``spec``
 never imports ``rollout`` (the engine owns draft bucketing); the ground floor imports nothing of
@@ -32,7 +34,15 @@ FORBIDDEN = {
     "rollout": {"spec", "sched", "train"},
     "spec": {"rollout", "sched", "train"},
     "sched": {"train"},
+    "measure": {"train", "ablate", "cli"},
+    "train": {"ablate", "cli", "measure"},
+    "config": {"io", "model", "data", "parallel", "rollout", "spec", "sched", "train", "measure", "ablate",
+               "cli", "compile_cache", "compile_count"},
 }
+
+# what ``rhyme_jax/config`` may import at all: a YAML file loads with nothing but these
+CONFIG_IMPORTS = {"__future__", "dataclasses", "functools", "math", "re", "typing", "pathlib", "yaml", "omegaconf",
+                  "rhyme_jax"}
 
 
 def _modules():
@@ -96,3 +106,53 @@ def test_length_rule_sees_a_long_function():
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     assert _long_functions(f"def f():\n{body}", "k.py") == [f"k.py:1 f is {MAX_FUNCTION_LINES + 1} lines"]
     assert _long_functions(f"def f():\n{body[body.index(chr(10)) + 1:]}", "k.py") == []
+
+
+def _top_modules(tree: ast.AST) -> set[str]:
+    """First component of every module the tree imports (absolute imports)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_config_is_plain_data():
+    """Loading a YAML file needs nothing but the YAML file: rhyme_jax/config imports only the
+    standard library modules listed, YAML/OmegaConf and itself (machine checks live in
+    rhyme_jax/train/preflight.py)."""
+    bad = []
+    for path in sorted((PKG / "config").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        extra = _top_modules(tree) - CONFIG_IMPORTS
+        inner = {p for p in _imported_packages(tree) if p != "config"}
+        bad += [f"rhyme_jax/config/{path.name} imports {m}" for m in sorted(extra | inner)]
+    assert not bad, "\n".join(bad)
+
+
+def test_config_rule_sees_a_machine_import():
+    tree = ast.parse("def f():\n    import jax\n    from rhyme_jax.parallel import distributed\n")
+    assert _top_modules(tree) - CONFIG_IMPORTS == {"jax"}
+    assert _imported_packages(tree) == {"parallel"}
+
+
+def _edits_sys_path(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                and node.value.id == "sys":
+            return True
+    return False
+
+
+# the one module allowed: a user's reward module (``reward.fn``) is imported from the working
+# directory, which the ``rhyme-jax`` console script does not put on sys.path (``python -m`` does)
+SYS_PATH_ALLOWED = {"data/custom_reward.py"}
+
+
+def test_no_sys_path_edits_in_the_package():
+    bad = [f"rhyme_jax/{p.relative_to(PKG)}" for p in _modules()
+           if p.relative_to(PKG).as_posix() not in SYS_PATH_ALLOWED and _edits_sys_path(ast.parse(p.read_text()))]
+    assert not bad, "modules touching sys.path: " + ", ".join(bad)
+    assert _edits_sys_path(ast.parse("import sys\nsys.path.insert(0, 'x')\n"))

@@ -232,13 +232,10 @@ def test_schedule_counts_optimizer_steps(schedule):
 def test_memory_planner_counts_float32_master_weights():
     """``rhyme-jax memory``: params + AdamW in float32 whatever model.dtype; the rollout copy in
     model.dtype; the compiled update takes float32 params."""
-    from argparse import Namespace
-
-    from rhyme_jax.cli_memory import memory_report
+    from rhyme_jax.train.memory_plan import memory_report
 
     cfg = load_config(CONFIG, ["model.dtype=bfloat16"])
-    args = Namespace(model_config="", devices=1, rows=2, tokens=32, no_update=False)
-    r = memory_report(cfg, args)
+    r = memory_report(cfg, devices=1, rows=2, tokens=32)
     n = r["params"]
     assert r["param_dtype"] == "float32" and r["dtype"] == "bfloat16"
     assert r["param_bytes_total"] == 4 * n and r["opt_bytes_total"] >= 8 * n

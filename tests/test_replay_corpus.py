@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.cli_replay import read_cases
+from rhyme_jax.measure.text_replay import read_cases
 from rhyme_jax.config import load_config
 from rhyme_jax.config.loader import to_yaml
 from rhyme_jax.data import corpus, load_problems

@@ -30,8 +30,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
       overrides: ``["grpo.steps=10", "run.name=x"]`` style strings, applied last.
 
     Returns:
-      A frozen ``RunConfig``; ``model.path`` naming a known offline model (``rhyme-jax models
-      list``) and not an existing directory is that model's cache directory.
+      A frozen ``RunConfig``. Only the YAML is read: ``model.path`` stays as written (a known
+      model's name is mapped to its cache directory by ``rhyme_jax.model.hub.resolve`` where the
+      model is loaded), and checks that need this machine (backend, attention kernels, the
+      distributed environment) run in ``rhyme_jax.train.preflight.prepare``.
 
     Raises:
       ConfigError: the file is missing or not valid YAML, a key is unknown, a value has the wrong
@@ -45,7 +47,6 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         node = _merge_override(node, item, f"{path} --set {item!r}" if path is not None else f"--set {item!r}")
     source = str(path) if path is not None else "--set"
     source += " with --set overrides" if path is not None and overrides else ""
-    node = _resolve_model_name(node)
     try:
         return OmegaConf.to_object(node)
     except ConfigError as exc:
@@ -62,17 +63,6 @@ def _merge_override(node: DictConfig, item: str, where: str) -> DictConfig:
         raise ConfigError(f"{where}: {_one_line(exc)}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: not a YAML value: {' '.join(str(exc).split())}") from None
-
-
-def _resolve_model_name(node: DictConfig) -> DictConfig:
-    """``model.path`` naming a known offline model (``rhyme_jax.model.hub.MODELS``) and not an
-    existing directory becomes that model's cache directory (imported on first use by ``hub.ensure``)."""
-    from rhyme_jax.model import hub
-
-    name = node.model.path
-    if name in hub.MODELS and not Path(name).is_dir():
-        return OmegaConf.merge(node, {"model": {"path": str(hub.model_dir(name))}})
-    return node
 
 
 def _merge_file(node: DictConfig, path: Path, seen: tuple) -> DictConfig:

@@ -1,7 +1,9 @@
 """``RunConfig``: the whole run configuration, and the checks that span its sections.
 
-Checks that need the device count are left to the mesh builders (``rhyme_jax.parallel.mesh``):
-``rhyme-jax memory`` sizes configs for machines other than the one it runs on.
+Only value checks live here: checks that need the machine (the device count, the backend, the
+attention kernels, the distributed environment) run before any work in
+``rhyme_jax.train.preflight.prepare`` and the mesh builders (``rhyme_jax.parallel.mesh``), so a
+YAML file loads anywhere and ``rhyme-jax memory`` sizes configs for other machines.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ class RunConfig:
         _check_batch_layout(self)
         _check_tiny_layout(self)
         _check_learning_signal(self)
-        _check_backend(self)
 
 
 def _check_batch_layout(cfg: RunConfig) -> None:
@@ -96,32 +97,3 @@ def _check_tiny_layout(cfg: RunConfig) -> None:
     heads, tensor = cfg.model.tiny.num_kv_heads, cfg.parallel.rollout_tensor
     if heads % tensor:
         raise ConfigError(f"parallel.rollout_tensor={tensor} must divide model.tiny.num_kv_heads={heads}")
-
-
-def _check_backend(cfg: RunConfig) -> None:
-    """Multi-host settings are complete, and (single-process only: a multi-host run must not touch
-    the backend before ``jax.distributed.initialize``; its engines check instead)
-    ``rollout.attention_impl`` names an implementation that runs here with this page size."""
-    from rhyme_jax.parallel import distributed
-
-    try:
-        multi_host = distributed.settings(cfg.parallel)
-    except distributed.DistributedConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    if multi_host is not None:
-        return
-    from pallas_kernels.ragged_paged_attention import api as attention_api
-
-    try:
-        name = attention_api.resolve_name(attention_api.parse_implementation(cfg.rollout.attention_impl))
-    except ValueError as exc:
-        raise ConfigError(f"rollout.attention_impl: {exc}") from None
-    if name.startswith("pallas_gpu"):  # Triton tiles: pages_per_kv_block * page_size a power of two
-        size = cfg.rollout.page_size
-        if size & (size - 1):
-            raise ConfigError(f"rollout.page_size={size} must be a power of two for attention "
-                              f"implementation {name!r}")
-        dim = cfg.model.tiny.head_dim
-        if not cfg.model.path and (dim < 16 or dim & (dim - 1)):
-            raise ConfigError(f"model.tiny.head_dim={dim} must be a power of two >= 16 for attention "
-                              f"implementation {name!r}")

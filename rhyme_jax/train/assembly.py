@@ -58,6 +58,7 @@ from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_st
 from rhyme_jax.train.optim import grpo_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
+from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
 
 if TYPE_CHECKING:
@@ -367,11 +368,13 @@ def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[G
     learner, checkpoint (restored when ``resume``), rollout parts and pipeline.
 
     Raises:
+      ConfigError: a machine check of ``preflight.prepare`` fails.
       MeshConfigError: a mesh or the batch layout does not fit the devices (before anything is
         written).
       FileNotFoundError: ``run.init_from`` names a missing path.
       ValueError: a checkpoint's history or carried groups are unreadable.
     """
+    prepare(cfg)  # the machine checks, before anything is touched
     distributed.initialize(cfg.parallel)  # no-op unless multi-host is configured
     primary = jax.process_index() == 0  # only process 0 writes files (Orbax: all save)
     p = cfg.parallel

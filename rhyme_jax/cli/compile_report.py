@@ -21,20 +21,19 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+from rhyme_jax.cli.common import add_command, load_run_config, user_errors
 from rhyme_jax.config import RunConfig
 
 DEFAULT_SAMPLE = 3
 
 
-def add_parser(sub) -> None:
-    """Register ``compile-report`` on the ``rhyme-jax`` subparsers."""
-    from rhyme_jax.cli import DEFAULT_CONFIG
-
-    sp = sub.add_parser("compile-report", help="the rollout step programs a run compiles, and the "
-                        "compile time of a sample of them (abstract weights: nothing allocated)")
-    sp.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: %(default)s)")
-    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field (repeatable)")
+def register(sub) -> None:
+    """Add ``compile-report`` to the ``rhyme-jax`` subparsers."""
+    sp = add_command(sub, "compile-report", "the rollout step programs a run compiles, and the compile "
+                     "time of a sample of them (abstract weights: nothing allocated)", run,
+                     examples=("rhyme-jax compile-report --config configs/arith_smollm2_135m.yaml --sample 2",
+                               "rhyme-jax compile-report --config configs/gsm8k_qwen2.5_1.5b.yaml "
+                               "--model-config configs/models/qwen2.5-1.5b --json"))
     sp.add_argument("--model-config", default="", help="HF config.json (or its directory) of the "
                     "architecture; default: model.path's, else the tiny demo model")
     sp.add_argument("--sample", type=int, default=DEFAULT_SAMPLE,
@@ -102,7 +101,7 @@ def report(cfg: RunConfig, model_config: str, sample: int) -> dict[str, Any]:
     ``sample_compile_s`` (their seconds, in the same order)."""
     import jax
 
-    from rhyme_jax.cli_memory import model_config_of
+    from rhyme_jax.train.memory_plan import model_config_of
     from rhyme_jax.rollout.engine import SamplingParams
     from rhyme_jax.rollout.shapes import plan_from_config, programs_from_config
 
@@ -143,19 +142,15 @@ def print_report(rep: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``rhyme-jax compile-report``; returns the exit status."""
-    from rhyme_jax.cli import _user_errors
-    from rhyme_jax.config import ConfigError, load_config
-
     if args.sample < 0:
         print("rhyme-jax compile-report: --sample must be >= 0", file=sys.stderr)
         return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-        rep = report(cfg, args.model_config, args.sample)
-    except ConfigError as exc:
-        print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
+    cfg = load_run_config(args)
+    if cfg is None:
         return 2
-    except _user_errors() as exc:
+    try:
+        rep = report(cfg, args.model_config, args.sample)
+    except user_errors() as exc:
         print(f"rhyme-jax compile-report: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.json:

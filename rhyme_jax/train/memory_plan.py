@@ -1,14 +1,13 @@
-"""``rhyme-jax memory``: per-device memory of a run's training state and of one GRPO update.
+"""Per-device memory of a run's training state and of one GRPO update, planned from shapes.
 
 Everything comes from shapes (``train.state_memory.state_memory``) and from XLA's compiled memory
 analysis with abstract weights (``train.update_memory``): nothing the size of the model is
-allocated, so the real recipe can be planned on a laptop before renting hardware.
+allocated, so a real recipe can be planned on a laptop before renting hardware. ``rhyme-jax
+memory`` and ``rhyme-jax train --dry-run`` print it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +15,6 @@ from rhyme_jax.config import RunConfig
 from rhyme_jax.model.config import ModelConfig
 
 GIB = 2.0 ** 30
-
-
-def add_arguments(sp: argparse.ArgumentParser) -> None:
-    """The ``memory`` command's flags (beyond ``--config`` / ``--set``)."""
-    sp.add_argument("--model-config", default="", help="HF config.json (or its directory) to size; "
-                    "default: model.path's, else the tiny demo model")
-    sp.add_argument("--devices", type=int, default=0,
-                    help="devices to plan for (fills a -1 mesh axis; default: this machine's)")
-    sp.add_argument("--rows", type=int, default=0, help="rows of the update's micro-batch per device "
-                    "(default: the config's minibatch rows per device under grpo.micro_batch_tokens)")
-    sp.add_argument("--tokens", type=int, default=0, help="padded tokens per row (default: "
-                    "rollout.max_prompt_len + rollout.max_new_tokens)")
-    sp.add_argument("--no-update", action="store_true", help="skip compiling the update (state only)")
-    sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def model_config_of(cfg: RunConfig, model_config: str) -> tuple[ModelConfig, str]:
@@ -44,7 +29,7 @@ def model_config_of(cfg: RunConfig, model_config: str) -> tuple[ModelConfig, str
     if source and not model_config:
         from rhyme_jax.model import hub
 
-        hub.ensure(source)  # a known model named in the config: imported on first use
+        source = str(hub.ensure(source))  # a known model named in the config: imported on first use
     if source:
         path = Path(source)
         return ModelConfig.from_hf_dir(path.parent if path.is_file() else path), str(source)
@@ -57,13 +42,25 @@ def model_config_of(cfg: RunConfig, model_config: str) -> tuple[ModelConfig, str
     return tiny_model_config(cfg, tok), "tiny demo model"
 
 
-def memory_report(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
+def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, rows: int = 0, tokens: int = 0,
+                  update: bool = True) -> dict[str, Any]:
     """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (float32 master params +
     AdamW moments per device on the train mesh, whatever ``model.dtype`` computes in),
     ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds), and unless ``--no-update``
     the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
     params + optimizer per device + ``update_temp_bytes`` (an upper bound under FSDP: the
-    compiled update is single-device, so its gradients are whole)."""
+    compiled update is single-device, so its gradients are whole).
+
+    Args:
+      model_config: an HF config.json (or its directory) to size instead of the config's model.
+      devices: devices to plan for (fills a -1 mesh axis); 0 = this machine's.
+      rows, tokens: the update's micro-batch per device; 0 = the config's.
+      update: compile the update (abstract weights) and report its temporaries.
+
+    Raises:
+      ModelConfigError: the model's config.json is missing or invalid.
+      MeshConfigError: the mesh does not fit ``devices``.
+    """
     import jax
 
     import numpy as np
@@ -72,8 +69,8 @@ def memory_report(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
     from rhyme_jax.train.optim import PARAM_DTYPE
     from rhyme_jax.train.state_memory import state_memory
 
-    model_cfg, source = model_config_of(cfg, args.model_config)
-    devices = args.devices if args.devices > 0 else jax.device_count()
+    model_cfg, source = model_config_of(cfg, model_config)
+    devices = devices if devices > 0 else jax.device_count()
     p = cfg.parallel
     d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
     dtype, param_dtype = cfg.model.dtype, str(np.dtype(PARAM_DTYPE))
@@ -84,11 +81,11 @@ def memory_report(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
            **{k: train[k] for k in ("params", "param_bytes_total", "param_bytes_per_device",
                                     "opt_bytes_total", "opt_bytes_per_device")},
            "rollout_tensor": p.rollout_tensor, "rollout_param_bytes_per_device": roll["param_bytes_per_device"]}
-    if not args.no_update:
+    if update:
         from rhyme_jax.train.update_memory import config_micro_batch, update_memory
 
-        rows, tokens = config_micro_batch(cfg, d * f)
-        upd = update_memory(model_cfg, cfg, args.rows or rows, args.tokens or tokens)
+        plan_rows, plan_tokens = config_micro_batch(cfg, d * f)
+        upd = update_memory(model_cfg, cfg, rows or plan_rows, tokens or plan_tokens)
         out.update(upd)
         out["peak_bytes_per_device"] = (train["param_bytes_per_device"] + train["opt_bytes_per_device"]
                                         + upd["update_temp_bytes"])
@@ -116,13 +113,3 @@ def print_report(r: dict[str, Any]) -> None:
               f"GiB block inputs, {r['logits_chunk_bytes'] / GIB:.3f} GiB one logits chunk)")
         print(f"  peak        {r['peak_bytes_per_device'] / GIB:8.3f} GiB per device "
               f"(params + optimizer + temporaries)")
-
-
-def cmd_memory(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Run ``rhyme-jax memory``; returns the exit status."""
-    report = memory_report(cfg, args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
-    return 0

@@ -1,4 +1,5 @@
-"""``rhyme-jax replay-drafts``: how much of a target text the HistoSpec drafter predicts.
+"""How much of a target text the HistoSpec drafter predicts: the library of ``rhyme-jax replay-drafts``
+(``rhyme_jax/cli/replay.py`` parses its flags and prints).
 
 Each line of the input JSONL is ``{"prompt": str, "history": [str, ...], "history_rewards":
 [float, ...], "target": str}``: a prompt, earlier responses to it (the history a rollout would
@@ -32,16 +33,11 @@ HistoSpec" scope 4.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-DEFAULT_ROWS = 64
-
 
 class ReplayInputError(ValueError):
     """A line of the replay file is malformed (message names the file and line)."""
@@ -55,29 +51,6 @@ class ReplayCase:
     history: list[np.ndarray]  # int32[h_i]
     rewards: np.ndarray  # float64[len(history)]
     target: np.ndarray  # int32[t]
-
-
-def add_parser(sub) -> None:
-    """Register ``replay-drafts`` on the ``rhyme-jax`` subparsers."""
-    from rhyme_jax.cli import DEFAULT_CONFIG
-
-    sp = sub.add_parser("replay-drafts", help="replay the HistoSpec drafter along target texts: "
-                        "predicted share, tokens and drafts per forward, acceptance")
-    sp.add_argument("file", help="JSONL: {prompt, history: [str], history_rewards: [float], target} per line")
-    sp.add_argument("--tokenizer", required=True, help="tokenizer.json or a directory holding one")
-    sp.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: %(default)s)")
-    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. spec.pattern_min=1 (repeatable)")
-    sp.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="targets live at once (default: %(default)s)")
-    sp.add_argument("--step-cost", default="", help="step-cost profile JSON the step choice uses (default: the "
-                    "config's spec.step_cost, else the analytical prior)")
-    sp.add_argument("--draft-price", type=float, default=None, metavar="P",
-                    help="instead of a step-cost model: a step of S rows packing T tokens costs S + P (T - S) "
-                    "(one draft token = P row decodes; 0 = drafts are free); traces share against drafts per forward")
-    sp.add_argument("--accept-floor", type=float, default=None, metavar="F",
-                    help="no step shapes: each row sends the draft tokens whose estimated probability of "
-                    "acceptance is >= F (needs spec.window=goodput); traces share against drafts per forward")
-    sp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def read_cases(path: Path, encode) -> list[ReplayCase]:
@@ -193,7 +166,7 @@ def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost,
         totals["seconds"] += cost(choice.rows, choice.tokens, choice.q_len)
 
 
-def _priced(price: float):
+def priced_cost(price: float):
     """The ``--draft-price`` cost: ``rows + price * (tokens - rows)`` row decodes per step."""
     def cost(rows: int, tokens: int, q_len: int) -> float:
         return rows + price * (tokens - rows)
@@ -270,7 +243,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_draft
             "drafted_tokens": totals["drafted"], "accepted_tokens": totals["accepted"]}
 
 
-def _floor_error(floor: float | None, window: str) -> str:
+def accept_floor_error(floor: float | None, window: str) -> str:
     """Why ``--accept-floor`` cannot run ('' when it can): a probability, with the goodput
     drafter's estimates."""
     if floor is None:
@@ -280,52 +253,3 @@ def _floor_error(floor: float | None, window: str) -> str:
     if window != "goodput":
         return f"--accept-floor needs spec.window=goodput (the drafter's estimates), got spec.window={window}"
     return ""
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``rhyme-jax replay-drafts``; returns the exit status."""
-    from rhyme_jax.config import ConfigError, load_config
-    from rhyme_jax.model.tokenizer import Tokenizer, TokenizerError
-    from rhyme_jax.rollout import shapes
-    from rhyme_jax.rollout.step_cost import StepCost, StepCostError
-
-    if args.rows < 1:
-        print("rhyme-jax replay-drafts: --rows must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-        tok = Tokenizer.from_file(args.tokenizer)
-        cases = read_cases(Path(args.file), tok.encode)
-    except ConfigError as exc:
-        print(f"rhyme-jax: config error: {exc}", file=sys.stderr)
-        return 2
-    except (TokenizerError, ReplayInputError) as exc:
-        print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
-        return 2
-    bad = _floor_error(args.accept_floor, cfg.spec.window)
-    if bad:
-        print(f"rhyme-jax replay-drafts: {bad}", file=sys.stderr)
-        return 2
-    r = cfg.rollout
-    plan = shapes.plan(max_slots=args.rows, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
-                       max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
-    try:
-        path = args.step_cost or cfg.spec.step_cost
-        cost = StepCost.load(path) if path not in ("", "prior") else None
-        if args.draft_price is not None:
-            if not args.draft_price >= 0:
-                raise StepCostError(f"--draft-price: expected >= 0, got {args.draft_price}")
-            cost = _priced(args.draft_price)
-    except StepCostError as exc:
-        print(f"rhyme-jax replay-drafts: {exc}", file=sys.stderr)
-        return 2
-    out = replay(cases, cfg.spec, plan, args.rows, cost, accept_floor=args.accept_floor)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"{len(cases)} targets, {out['target_tokens']} tokens, {args.rows} rows live: predicted share "
-              f"{out['predicted_share']:.3f}, {out['tokens_per_forward']:.2f} tokens and "
-              f"{out['drafted_per_forward']:.2f} drafts per forward, acceptance {out['acceptance']:.3f} "
-              f"(predicted {out['predicted_acceptance']:.3f}), "
-              f"modelled speed-up {out['modelled_speedup']:.2f}x")
-    return 0

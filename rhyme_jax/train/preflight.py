@@ -1,0 +1,54 @@
+"""Checks of a run config that need this machine, run before any work by every entry point
+(``rhyme-jax`` commands, ``GRPOTrainer``, the SFT warm start).
+
+``rhyme_jax.config`` reads YAML and checks values only (it imports nothing but the standard library,
+YAML and OmegaConf), so a config loads anywhere; what depends on where it runs is checked here,
+with the same one-line ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from rhyme_jax.config import ConfigError, RunConfig
+
+
+def prepare(cfg: RunConfig) -> RunConfig:
+    """``cfg`` unchanged, after the machine checks below (idempotent, cheap: no model, no compile).
+
+    * multi-host settings (``parallel.coordinator_address`` and friends, or the environment they
+      come from) are complete (``parallel.distributed.settings``);
+    * single process only (a multi-host run must not touch the backend before
+      ``jax.distributed.initialize``; its engines check instead): ``rollout.attention_impl``
+      names an implementation that runs on this backend, and for the Triton kernels
+      (``pallas_gpu*``) ``rollout.page_size`` (and the demo model's ``head_dim``) fit its tiles.
+
+    Raises:
+      ConfigError: one line starting with the key.
+    """
+    from rhyme_jax.parallel import distributed
+
+    try:
+        multi_host = distributed.settings(cfg.parallel)
+    except distributed.DistributedConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if multi_host is None:
+        _check_attention(cfg)
+    return cfg
+
+
+def _check_attention(cfg: RunConfig) -> None:
+    """``rollout.attention_impl`` resolves here, and the Triton kernels' tile constraints hold."""
+    from pallas_kernels.ragged_paged_attention import api as attention_api
+
+    try:
+        name = attention_api.resolve_name(attention_api.parse_implementation(cfg.rollout.attention_impl))
+    except ValueError as exc:
+        raise ConfigError(f"rollout.attention_impl: {exc}") from None
+    if name.startswith("pallas_gpu"):  # Triton tiles: pages_per_kv_block * page_size a power of two
+        size = cfg.rollout.page_size
+        if size & (size - 1):
+            raise ConfigError(f"rollout.page_size={size} must be a power of two for attention "
+                              f"implementation {name!r}")
+        dim = cfg.model.tiny.head_dim
+        if not cfg.model.path and (dim < 16 or dim & (dim - 1)):
+            raise ConfigError(f"model.tiny.head_dim={dim} must be a power of two >= 16 for attention "
+                              f"implementation {name!r}")

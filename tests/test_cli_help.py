@@ -1,0 +1,63 @@
+"""``rhyme-jax --help``, every command's help (one line per command and flag, examples), and
+``train --dry-run`` (resolved config, memory plan, program count; nothing written)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from rhyme_jax.cli import main
+from rhyme_jax.cli.main import parser
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_test.yaml")
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_top_level_help_lists_every_command_with_examples(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "rhyme-jax demo" in out
+    for name in _commands():
+        assert f"    {name}" in out, name
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_command_has_help_examples_and_flag_help(name):
+    sp = _commands()[name]
+    assert sp.description, f"{name}: no one-line description"
+    assert sp.epilog and sp.epilog.startswith("examples:") and f"rhyme-jax {name}" in sp.epilog, name
+    undocumented = [a.dest for a in sp._actions if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert not undocumented, f"{name}: flags without help: {undocumented}"
+
+
+def test_train_dry_run_prints_config_memory_and_programs_and_writes_nothing(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main(["train", "--config", TINY, "--set", f"run.runs_dir={runs}", "--set", "run.name=dry",
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# resolved config" in out and "samples_per_prompt:" in out
+    assert "# memory plan" in out and "peak" in out and "GiB per device" in out
+    assert "# rollout step programs:" in out and "decode" in out
+    assert not runs.exists()
+
+
+def test_a_bad_override_fails_in_one_line_before_any_work(tmp_path, capsys):
+    assert main(["train", "--config", TINY, "--set", "grpo.steps=0", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "grpo.steps" in err
+
+
+def test_export_of_a_missing_run_is_one_line(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "nope" in err
+    assert not (tmp_path / "out").exists()
