@@ -100,14 +100,18 @@ def test_sharded_attention_over_tensor_axis_matches_reference():
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_test.yaml")
 
 
-def test_config_checks_attention_impl_at_load():
+def test_preflight_checks_attention_impl_before_any_work():
+    """The YAML loads anywhere; the machine check (``train.preflight.prepare``, run by every entry
+    point before any work) rejects an implementation this backend cannot run."""
     from rhyme_jax.config import ConfigError, load_config
+    from rhyme_jax.train.preflight import prepare
 
     if jax.default_backend() != "cpu":
         pytest.skip("CPU dispatch rules")
+    cfg = load_config(TINY, ["rollout.attention_impl=pallas_tpu"])
     with pytest.raises(ConfigError, match="rollout.attention_impl: .*needs backend"):
-        load_config(TINY, ["rollout.attention_impl=pallas_tpu"])
-    cfg = load_config(TINY, ["rollout.attention_impl=pallas_gpu_interpret,reference"])
+        prepare(cfg)
+    cfg = prepare(load_config(TINY, ["rollout.attention_impl=pallas_gpu_interpret,reference"]))
     assert api.resolve_name(api.parse_implementation(cfg.rollout.attention_impl)) == "pallas_gpu_interpret"
     with pytest.warns(UserWarning, match="falling back"):
         assert api.resolve_name(api.parse_implementation("pallas_gpu, reference")) == "reference"

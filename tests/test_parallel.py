@@ -78,11 +78,14 @@ def test_parallel_config_is_validated_at_load(tmp_path):
     cfg = ROOT / "configs" / "tiny_test.yaml"
     with pytest.raises(ConfigError, match="parallel.fsdp=0"):
         load_config(cfg, ["parallel.fsdp=0"])
+    # multi-host settings are checked before any work (train.preflight.prepare), not by the YAML load
+    from rhyme_jax.train.preflight import prepare
+
     with pytest.raises(ConfigError, match="parallel.num_processes, parallel.process_id not set"):
-        load_config(cfg, ["parallel.coordinator_address=localhost:1234"])
+        prepare(load_config(cfg, ["parallel.coordinator_address=localhost:1234"]))
     with pytest.raises(ConfigError, match="process_id=2"):
-        load_config(cfg, ["parallel.coordinator_address=h:1", "parallel.num_processes=2",
-                          "parallel.process_id=2"])
+        prepare(load_config(cfg, ["parallel.coordinator_address=h:1", "parallel.num_processes=2",
+                                  "parallel.process_id=2"]))
 
 
 def test_distributed_settings_from_environment(monkeypatch):
