@@ -27,7 +27,7 @@ def fill_defaults(args, defaults: dict):
 
 
 def recipe():
-    """The SmolLM2 recipe config (``model.path`` resolved to the imported checkpoint directory)."""
+    """The SmolLM2 recipe config (``model.path`` names the model; ``model_dir`` resolves it)."""
     from rhyme_jax.config import load_config
 
     return load_config(RECIPE)

@@ -4,6 +4,7 @@ answer extraction of the real-model recipe."""
 from __future__ import annotations
 
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -47,7 +48,11 @@ def test_cache_dir_and_model_name_in_config(tmp_path, monkeypatch):
     monkeypatch.setenv("RHYME_JAX_CACHE", str(tmp_path))
     assert hub.model_dir("smollm2-135m-instruct") == tmp_path / "models" / "smollm2-135m-instruct"
     cfg = load_config(None, ["model.path=smollm2-135m-instruct"])
-    assert cfg.model.path == str(tmp_path / "models" / "smollm2-135m-instruct")
+    assert cfg.model.path == "smollm2-135m-instruct"  # the config is plain data: the name stays
+    assert hub.resolve(cfg.model.path) == tmp_path / "models" / "smollm2-135m-instruct"
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    monkeypatch.chdir(tmp_path)  # an existing directory of that name wins over the known model
+    assert hub.resolve("smollm2-135m-instruct") == Path("smollm2-135m-instruct")
     other = tmp_path / "ckpt"
     assert hub.ensure(other) == other  # not a known model's cache dir: nothing to import
     with pytest.raises(hub.ModelImportError, match="unknown model"):
