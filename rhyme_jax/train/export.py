@@ -46,6 +46,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as _HFTokenizer
 
 from rhyme_jax.config import RunConfig, load_config
+from rhyme_jax.model import hub
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import key_map, load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer
@@ -112,7 +113,7 @@ def run_source(run_dir: Path) -> RunSource:
         if not tok_file.is_file():
             raise ExportError(f"{tok_file}: the run's demo tokenizer is missing")
         return RunSource(cfg, tiny_model_config(cfg, Tokenizer.from_file(tok_file)), None, tok_file, "float32")
-    model_dir = Path(cfg.model.path)
+    model_dir = hub.resolve(cfg.model.path)  # a known model's name: its cache directory
     if not (model_dir / "config.json").is_file():
         raise ExportError(f"{model_dir}: source model directory (model.path of {run_dir / 'config.yaml'}) "
                           "has no config.json")
