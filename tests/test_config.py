@@ -42,9 +42,11 @@ def test_to_yaml_round_trips(tmp_path):
 
 
 def _leaf_keys(d: dict, prefix: str = "") -> list[str]:
-    out = []
+    """Dotted keys of the nested sections; a mapping-valued field (``reward.kwargs``) is one key."""
+    out, mappings = [], {"reward.kwargs"}
     for k, v in d.items():
-        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+        nested = isinstance(v, dict) and prefix + k not in mappings
+        out += _leaf_keys(v, f"{prefix}{k}.") if nested else [prefix + k]
     return out
 
 

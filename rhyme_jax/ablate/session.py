@@ -53,11 +53,12 @@ class _Setup:
 
 def _setup(cfg) -> _Setup:
     """Policy (``train.assembly.build_policy`` on one device, warm start if configured), engine,
-    rows and the reward of each response."""
-    from rhyme_jax.data.rewards import reward_fn
+    rows and the reward of each response (the config's: ``reward.fn`` or the built-in one)."""
+    from rhyme_jax.data.custom_reward import task_reward
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.train.assembly import build_policy, load_warm_start, make_engine, run_dir_of
 
+    fn = task_reward(cfg)  # a bad reward.fn fails before any work
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))
@@ -66,7 +67,6 @@ def _setup(cfg) -> _Setup:
     p, n = cfg.grpo.num_prompts or 1, cfg.grpo.samples_per_prompt
     rows = np.repeat(np.arange(p, dtype=np.int64), n)
     prompts = [policy.prompt_tokens(int(i)) for i in rows]
-    fn = reward_fn(cfg.data.answer_extraction)
     problems = policy.train_problems
 
     def reward(i: int, tokens) -> float:

@@ -1,7 +1,7 @@
 """Run configuration: a frozen dataclass tree built from YAML files and dotted CLI overrides.
 
-``load_config(path, overrides)`` returns a ``RunConfig`` (sections ``model, data, rollout, sft,
-grpo, run, spec, parallel, sched``; attribute access ``cfg.grpo.steps``). OmegaConf parses and
+``load_config(path, overrides)`` returns a ``RunConfig`` (sections ``model, data, reward, rollout,
+sft, grpo, run, spec, parallel, sched``; attribute access ``cfg.grpo.steps``). OmegaConf parses and
 merges the YAML and ``--set a.b=c`` overrides onto the schema, so a typo in a key fails naming
 it; each section then checks its values in ``__post_init__`` (allowed values are the fields'
 ``Literal`` annotations) and ``RunConfig`` checks across sections, so a bad value fails at load
@@ -15,11 +15,12 @@ from rhyme_jax.config.checks import ConfigError
 from rhyme_jax.config.loader import load_config, schema_fields, to_dict, to_yaml
 from rhyme_jax.config.run_config import RunConfig
 from rhyme_jax.config.sections import (DataSection, GRPOSection, ModelSection, ParallelSection,
-                                       RolloutSection, RunSection, SchedSection, SFTSection,
-                                       SpecSection, TinyModelConfig)
+                                       RewardSection, RolloutSection, RunSection, SchedSection,
+                                       SFTSection, SpecSection, TinyModelConfig)
 
 __all__ = [
-    "ConfigError", "DataSection", "GRPOSection", "ModelSection", "ParallelSection", "RolloutSection",
+    "ConfigError", "DataSection", "GRPOSection", "ModelSection", "ParallelSection", "RewardSection",
+    "RolloutSection",
     "RunConfig", "RunSection", "SFTSection", "SchedSection", "SpecSection", "TinyModelConfig",
     "load_config", "schema_fields", "to_dict", "to_yaml",
 ]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from rhyme_jax.config.checks import ConfigError
 from rhyme_jax.config.sections import (DataSection, GRPOSection, ModelSection, ParallelSection,
-                                       RolloutSection, RunSection, SchedSection, SFTSection,
-                                       SpecSection)
+                                       RewardSection, RolloutSection, RunSection, SchedSection,
+                                       SFTSection, SpecSection)
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class RunConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     sft: SFTSection = field(default_factory=SFTSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)

@@ -8,15 +8,16 @@ reads it). ``KEY`` is the section's dotted name in the YAML files and in error m
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from rhyme_jax.config.checks import ConfigError, above, at_least, check_fields, fail
 
 Family = Literal["qwen2", "qwen3", "llama"]
 Dtype = Literal["float32", "bfloat16"]
-DataSource = Literal["synthetic", "gsm8k"]
+DataSource = Literal["synthetic", "gsm8k", "jsonl", "parquet"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
@@ -89,10 +90,14 @@ class DataSection:
 
     KEY: ClassVar[str] = "data"
 
-    source: DataSource = "synthetic"
+    source: DataSource = "synthetic"  # synthetic | gsm8k | jsonl / parquet: your own files (docs/custom_data.md)
     answer_extraction: AnswerExtraction = "marker"  # marker (#### / \\boxed) | last_number (marker, else the last number)
-    train_path: str = ""  # gsm8k: path to train.jsonl
-    test_path: str = ""  # gsm8k: path to test.jsonl
+    train_path: str = ""  # gsm8k: path to train.jsonl ("" = vendored); jsonl / parquet: the train file (required)
+    test_path: str = ""  # gsm8k: path to test.jsonl ("" = vendored); jsonl / parquet: the held-out file (required)
+    prompt_field: str = "question"  # jsonl / parquet: the record field holding the prompt text
+    answer_field: str = "answer"  # jsonl / parquet: the gold answer, "<reasoning> #### 42" or a plain "42"
+    # jsonl / parquet: record fields copied into Problem.metadata (the reward function sees them)
+    metadata_fields: list[str] = field(default_factory=list, hash=False)
     seed: int = 0
     num_train: int = 20000  # synthetic: problems in the train split
     num_eval: int = 300  # held-out problems evaluated before/after RL
@@ -106,6 +111,41 @@ class DataSection:
         at_least(self, 1, "num_train", "num_eval", "min_steps", "tokenizer_vocab_size")
         at_least(self, self.min_steps, "max_steps", note=" (data.min_steps)")
         at_least(self, 2, "max_number")
+        if self.source in ("jsonl", "parquet"):
+            for name in ("train_path", "test_path"):
+                if not getattr(self, name).strip():
+                    raise fail(self, name, f"must name a {self.source} file for data.source={self.source!r}")
+        for name in ("prompt_field", "answer_field"):
+            if not getattr(self, name).strip():
+                raise fail(self, name, "must name a record field")
+        if any(not isinstance(f, str) or not f.strip() for f in self.metadata_fields):
+            raise fail(self, "metadata_fields", "must be a list of record field names")
+
+
+_REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """The GRPO reward: the built-in verifier of ``data.answer_extraction``, or your own function
+    (docs/custom_reward.md). The function is imported and its signature checked before any work
+    (``rhyme_jax.data.custom_reward``), not here: where modules are found depends on the machine."""
+
+    KEY: ClassVar[str] = "reward"
+
+    # "package.module:function", imported from the working directory, PYTHONPATH or the installed
+    # packages; "" = the built-in reward of data.answer_extraction
+    fn: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call of fn
+    batched: bool = False  # false: fn(response, problem, **kwargs) -> float; true: fn(responses, problems, **kwargs) -> floats
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.fn and not _REWARD_SPEC.fullmatch(self.fn):
+            raise fail(self, "fn", "must be 'package.module:function' (e.g. 'my_reward:reward'; '' = built-in)")
+        if not self.fn and (self.kwargs or self.batched):
+            name = "kwargs" if self.kwargs else "batched"
+            raise fail(self, name, "needs reward.fn (the built-in reward takes no options)")
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,22 @@
-"""Datasets (GSM8K jsonl, the embedded synthetic arithmetic task) and verifiable rewards."""
+"""Datasets (GSM8K jsonl, the embedded synthetic arithmetic task, your own JSONL / Parquet files)
+and rewards (the built-in verifier, or your own ``reward.fn``)."""
 
 from __future__ import annotations
 
 from rhyme_jax.config import DataSection
+from rhyme_jax.data.custom_data import USER_SOURCES, load_user_problems
+from rhyme_jax.data.custom_reward import RewardError, choose_reward, load_reward, score_batch, task_reward
 from rhyme_jax.data.gsm8k import GSM8K_DIR, gsm8k_path, load_gsm8k
 from rhyme_jax.data.problems import DataError, Problem
 from rhyme_jax.data.rewards import answers_match, extract_answer, reward
 from rhyme_jax.data.synthetic import corpus, make_problems
 
-SOURCES = ("synthetic", "gsm8k")
+SOURCES = ("synthetic", "gsm8k") + USER_SOURCES
 
 __all__ = [
-    "DataError", "GSM8K_DIR", "Problem", "SOURCES", "answers_match", "corpus", "extract_answer",
-    "gsm8k_path", "load_gsm8k", "load_problems", "make_problems", "reward",
+    "DataError", "GSM8K_DIR", "Problem", "RewardError", "SOURCES", "answers_match", "choose_reward", "corpus",
+    "extract_answer", "gsm8k_path", "load_gsm8k", "load_problems", "load_reward", "load_user_problems",
+    "make_problems", "reward", "score_batch", "task_reward",
 ]
 
 
@@ -23,7 +27,9 @@ def load_problems(data_cfg: DataSection) -> tuple[list[Problem], list[Problem]]:
       data_cfg: the run config's ``DataSection`` (``cfg.data``). ``source == "synthetic"``
         uses ``seed, num_train, num_eval, min_steps, max_steps, max_number``; ``"gsm8k"`` reads
         ``train_path`` and ``test_path`` (the test split serves as eval); an empty path means the
-        GSM8K copy vendored with the package (``gsm8k_path``).
+        GSM8K copy vendored with the package (``gsm8k_path``); ``"jsonl"`` / ``"parquet"`` read
+        ``train_path`` and ``test_path`` with the field mapping ``prompt_field``,
+        ``answer_field``, ``metadata_fields`` (``custom_data.load_user_problems``).
 
     Returns:
       ``(train, eval)``; the eval list has at most ``data_cfg.num_eval`` problems (a prefix, so
@@ -47,5 +53,9 @@ def load_problems(data_cfg: DataSection) -> tuple[list[Problem], list[Problem]]:
     if source == "gsm8k":
         train = load_gsm8k(gsm8k_path("train", data_cfg.train_path or ""))
         evals = load_gsm8k(gsm8k_path("test", data_cfg.test_path or ""))[:num_eval]
+        return train, evals
+    if source in USER_SOURCES:
+        train = load_user_problems(data_cfg.train_path, data_cfg)
+        evals = load_user_problems(data_cfg.test_path, data_cfg)[:num_eval]
         return train, evals
     raise DataError(f"data.source must be one of {SOURCES}, got {source!r}")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class DataError(ValueError):
@@ -22,9 +23,12 @@ class Problem:
       question: the problem statement shown to the policy.
       solution: worked solution text ending in ``"#### <answer>"`` (GSM8K format).
       answer: canonical final answer string, e.g. ``"42"`` (GSM8K: thousands commas removed).
+      metadata: extra record fields for the reward function (``data.metadata_fields`` of a
+        ``jsonl`` / ``parquet`` dataset; empty for the built-in datasets). Not part of the hash.
     """
 
     id: int
     question: str
     solution: str
     answer: str
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False)

@@ -18,8 +18,8 @@ import numpy as np
 
 from rhyme_jax.config import RunConfig
 from rhyme_jax.data import Problem
+from rhyme_jax.data.custom_reward import score_batch, task_reward
 from rhyme_jax.data.rewards import reward
-from rhyme_jax.data.rewards import reward_fn as reward_fn_of
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
 from rhyme_jax.io.atomic import atomic_write
@@ -77,8 +77,8 @@ def encode_prompts(tokenizer: Tokenizer, problems: Sequence[Problem], template: 
 
 def _score(engine, state, tokenizer, problems, prompts, sampling, key, reward_fn, k):
     out = engine.generate(state, [p for p in prompts for _ in range(k)], sampling, key)
-    rewards = np.array([reward_fn(tokenizer.decode(toks), p)
-                        for toks, p in zip(out.tokens, [q for q in problems for _ in range(k)])],
+    rewards = np.array(score_batch(reward_fn, [tokenizer.decode(toks) for toks in out.tokens],
+                                   [q for q in problems for _ in range(k)]),
                        dtype=np.float64).reshape(len(problems), k)
     return rewards, float(np.mean([len(t) for t in out.tokens]))
 
@@ -121,9 +121,13 @@ def evaluate_run(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: S
                  cfg: RunConfig, reward_fn: Callable[[str, Problem], float] | None = None) -> EvalResult:
     """``evaluate`` with the settings of a run config (``model.prompt_template``,
     ``rollout.*`` sampling, ``run.eval_samples``, key from ``run.seed``); the reward defaults to
-    ``data.answer_extraction``'s."""
+    the config's (``reward.fn``, else the built-in reward of ``data.answer_extraction``).
+
+    Raises:
+      RewardError: ``reward.fn`` cannot be used, or returned a value that is not a finite number.
+    """
     r = cfg.rollout
-    reward_fn = reward_fn or reward_fn_of(cfg.data.answer_extraction)
+    reward_fn = reward_fn or task_reward(cfg)
     return evaluate(engine, state, tokenizer, problems, template=cfg.model.prompt_template,
                     max_new_tokens=r.max_new_tokens, key=jax.random.key(cfg.run.seed + 7919),
                     samples=cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,

@@ -27,7 +27,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from rhyme_jax.data import Problem
-from rhyme_jax.data.rewards import reward_fn as reward_of
+from rhyme_jax.data.custom_reward import choose_reward, score_batch
 from rhyme_jax.io.rollout_log import save_rollouts
 from rhyme_jax.parallel.reshard import put_global, to_host
 from rhyme_jax.sched import carry
@@ -71,12 +71,15 @@ class GRPOTrainer:
       cfg: run config (``rhyme_jax.config.load_config``).
       resume: continue from the newest checkpoint in ``<run_dir>/checkpoints``.
       reward_fn: ``(response_text, problem) -> float`` (the verifier; tests may inject faults);
-        default: the reward of ``data.answer_extraction``.
+        default: the config's reward (``reward.fn``, else the built-in reward of
+        ``data.answer_extraction``; ``data.custom_reward``). Setting both is an error.
       wrap_generate: hook around every rollout engine call of the scheduler's workers
         (``assembly.build_rollout``; e.g. a benchmark pairing each rollout with a plain one).
 
     Raises:
       NonFiniteLossError: ``grpo.max_consecutive_nonfinite`` consecutive non-finite steps.
+      RewardError: ``reward.fn`` cannot be used, or is set together with ``reward_fn`` (before
+        any work), or returned a value that is not a finite number.
       MeshConfigError, FileNotFoundError, ValueError: from ``assembly.build_run``.
     """
 
@@ -84,7 +87,7 @@ class GRPOTrainer:
                  reward_fn: Callable[[str, Problem], float] | None = None,
                  wrap_generate: GenerateWrapper | None = None):
         self.cfg = cfg
-        self.reward_fn = reward_fn or reward_of(cfg.data.answer_extraction)
+        self.reward_fn = choose_reward(cfg, reward_fn)  # a bad reward.fn fails before any work
         run = build_run(cfg, resume=resume, wrap_generate=wrap_generate)
         self.primary, self.run_dir, self.policy, self.learner = run.primary, run.run_dir, run.policy, run.learner
         self.mesh, self.tokenizer = run.policy.mesh, run.policy.tokenizer
@@ -125,8 +128,12 @@ class GRPOTrainer:
         texts = [self.tokenizer.decode(t) for t in rows.tokens]
         # Prompts over rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty
         # response: reward 0 without asking the verifier, and no loss (their loss_mask is all 0).
-        rewards = np.array([0.0 if skip else self.reward_fn(s, self.train_problems[int(i)])
-                            for s, i, skip in zip(texts, rows.ids, rows.skipped)], np.float32)
+        # The others are scored in one call (a batched reward.fn sees the step's responses at once).
+        scored = [k for k, skip in enumerate(rows.skipped) if not skip]
+        rewards = np.zeros(len(texts), np.float32)
+        if scored:
+            rewards[scored] = score_batch(self.reward_fn, [texts[k] for k in scored],
+                                          [self.train_problems[int(rows.ids[k])] for k in scored])
         self._write_back(step, sb, rows, rewards)
         t1 = time.perf_counter()
         mb_metrics = self._update(rows.prompts, rows.tokens, rows.logprobs, rewards) if sb.groups else []
@@ -191,7 +198,7 @@ class GRPOTrainer:
         """Held-out accuracy (greedy, and mean@k when ``run.eval_samples``) of the current policy."""
         self.pipeline.wait()
         return evaluate_run(self.engine, self.rollout_states()[0], self.tokenizer,
-                            problems or self.eval_problems, self.cfg)  # the task reward, never an injected one
+                            problems or self.eval_problems, self.cfg)  # the config's reward, never an injected one
 
     def record_eval(self, step: int, res: EvalResult, *, before: bool = False) -> None:
         """Log an evaluation's metrics and keep its per-problem results in ``eval/``."""
