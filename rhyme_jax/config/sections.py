@@ -40,16 +40,16 @@ class TinyModelConfig:
 
     KEY: ClassVar[str] = "model.tiny"
 
-    family: Family = "qwen3"
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 512
+    family: Family = "qwen3"  # architecture family (rhyme_jax/model/config.py)
+    hidden_size: int = 128  # residual stream width
+    intermediate_size: int = 384  # MLP hidden width
+    num_layers: int = 4  # decoder blocks
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    head_dim: int = 32  # width of one attention head
+    rope_theta: float = 10000.0  # RoPE base frequency
+    tie_word_embeddings: bool = True  # output head shares the embedding matrix
+    max_position_embeddings: int = 512  # longest supported position (informational)
 
     def __post_init__(self):
         check_fields(self)
@@ -98,11 +98,11 @@ class DataSection:
     answer_field: str = "answer"  # jsonl / parquet: the gold answer, "<reasoning> #### 42" or a plain "42"
     # jsonl / parquet: record fields copied into Problem.metadata (the reward function sees them)
     metadata_fields: list[str] = field(default_factory=list, hash=False)
-    seed: int = 0
+    seed: int = 0  # synthetic: seed of the generated train / eval problems
     num_train: int = 20000  # synthetic: problems in the train split
     num_eval: int = 300  # held-out problems evaluated before/after RL
     min_steps: int = 2  # synthetic: arithmetic steps per problem
-    max_steps: int = 4
+    max_steps: int = 4  # synthetic: most arithmetic steps per problem
     max_number: int = 20  # synthetic: operands drawn from [1, max_number]
     tokenizer_vocab_size: int = 256  # demo tokenizer (trained on the task corpus)
 
@@ -158,11 +158,11 @@ class RolloutSection:
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages in the pool; 0 = enough for max_slots full-length sequences
     max_prompt_len: int = 128  # tokens
-    max_new_tokens: int = 96
+    max_new_tokens: int = 96  # response budget per sample (tokens)
     temperature: float = 1.0  # > 0: the GRPO loss scores tokens at this temperature
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-    on_overlong_prompt: OverlongPrompt = "error"
+    on_overlong_prompt: OverlongPrompt = "error"  # prompt over max_prompt_len: error | skip (empty response, reward 0)
     attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu | *_interpret | "a,b" (tried in order)
     max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
@@ -197,11 +197,11 @@ class SFTSection:
     KEY: ClassVar[str] = "sft"
 
     steps: int = 300  # 0 = no warm start (`train` and `demo` start GRPO from the initial weights; `sft` refuses)
-    batch_size: int = 32
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
+    batch_size: int = 32  # problems per SFT step
+    learning_rate: float = 3e-3  # AdamW peak learning rate
+    warmup_steps: int = 20  # steps of linear warmup from 0
     schedule: LRSchedule = "constant"  # after linear warmup
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
 
     def __post_init__(self):
         check_fields(self)
@@ -217,11 +217,11 @@ class GRPOSection:
 
     KEY: ClassVar[str] = "grpo"
 
-    steps: int = 40
-    prompts_per_step: int = 16
+    steps: int = 40  # GRPO steps (one rollout and update each)
+    prompts_per_step: int = 16  # prompts rolled out per step (x samples_per_prompt rows)
     samples_per_prompt: int = 8  # group size n
     num_prompts: int = 0  # train problems GRPO cycles over (epochs of this set); 0 = all
-    eps_low: float = 0.2
+    eps_low: float = 0.2  # clip range below: ratio >= 1 - eps_low
     eps_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
     # advantage (r - group mean) / (std + 1e-4), sample std of: group (GRPO) | batch (all the step's rewards)
@@ -235,12 +235,12 @@ class GRPOSection:
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-3  # AdamW peak learning rate
     warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
     schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_grad_norm: float = 1.0  # <= 0 = no clipping
-    max_consecutive_nonfinite: int = 3
+    max_consecutive_nonfinite: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
 
     def __post_init__(self):
         check_fields(self)
@@ -265,14 +265,14 @@ class RunSection:
 
     KEY: ClassVar[str] = "run"
 
-    name: str = "demo"
-    runs_dir: str = "runs"
-    seed: int = 0
+    name: str = "demo"  # the run directory is <runs_dir>/<name>
+    runs_dir: str = "runs"  # parent directory of the run directories
+    seed: int = 0  # model init, prompt order, sampling keys and SFT data order
     checkpoint_every: int = 10  # steps
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
     eval_every: int = 0  # steps; 0 = only before and after
     eval_samples: int = 0  # >0: also mean@k held-out accuracy with k samples at rollout.temperature
-    progress: bool = True
+    progress: bool = True  # progress bars on the terminal
     init_from: str = ""  # params to start GRPO from: <run>/sft, <run>/checkpoints/<step> or a params dir
     # persistent XLA cache: "" = <user cache>/compile_cache, a directory, or "off"
     # (env RHYME_JAX_COMPILE_CACHE overrides; rhyme_jax/compile_cache.py)
