@@ -28,22 +28,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def time_program(engine, flat_state, shape, sampling, repeats: int) -> float:
-    """Median seconds of one prefill program on dummy inputs (two untimed runs first)."""
-    import jax
-
-    from rhyme_jax.rollout import batching
-    from rhyme_jax.rollout.sampling import sampling_mode
-
-    inp = batching.step_inputs(shape, engine.max_slots, engine.pages_per_seq)
-    mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
-    key = jax.random.key(0)
+def time_program(runner, shape, repeats: int) -> float:
+    """Median seconds of one prefill program on dummy inputs (two untimed runs first);
+    ``runner``: the engine's ``StepRunner``."""
+    inp = runner.inputs(shape)
     for _ in range(2):
-        engine._run(flat_state, inp, key, sampling, mode)
+        runner.run(inp)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        engine._run(flat_state, inp, key, sampling, mode)
+        runner.run(inp)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -69,9 +63,8 @@ def main(argv=None) -> int:
     graphdef, state = nnx.split(Decoder(model_cfg, rngs=nnx.Rngs(0)))
     engine = RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size, num_pages=0,
                            max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=())
-    engine._ensure_pool(state)
-    flat_state = engine._flat_state(state)
     sampling = SamplingParams.from_section(r)
+    runner = engine.runner(state, sampling)
     plan = engine.plan
     buckets = [int(t) for t in args.tokens.split(",") if t] or list(plan.prefill_buckets[-2:])
     tile = min(plan.q_cap, max(shapes.MIN_PREFILL_Q, shapes.pow2(r.max_prompt_len)))
@@ -83,8 +76,8 @@ def main(argv=None) -> int:
         n, q_one = min(r.max_slots, t), min(t, tile)
         chunked = shapes.StepShape("prefill", t, rows, q, plan.pages_per_seq)
         one = shapes.StepShape("prefill", t, n, q_one, plan.pages_per_seq)
-        a = time_program(engine, flat_state, chunked, sampling, args.repeats)
-        b = time_program(engine, flat_state, one, sampling, args.repeats)
+        a = time_program(runner, chunked, args.repeats)
+        b = time_program(runner, one, args.repeats)
         print(f"| {t} | ({rows}, {q}) | {1e3 * a:.1f} | ({n}, {q_one}) | {1e3 * b:.1f} | {b / a:.2f}x |", flush=True)
     return 0
 

@@ -41,7 +41,6 @@ from rhyme_jax.parallel.mesh import train_mesh  # noqa: E402
 from rhyme_jax.parallel.reshard import create_sharded  # noqa: E402
 from rhyme_jax.rollout import batching  # noqa: E402
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams  # noqa: E402
-from rhyme_jax.rollout.sampling import sampling_mode  # noqa: E402
 
 # The CPU demo's model (configs/default.yaml model.tiny) with the demo tokenizer's vocabulary.
 DEMO = ModelConfig(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
@@ -99,23 +98,20 @@ def main(argv=None) -> int:
                         max_prompt_len=args.context, max_new_tokens=max(ks) + 2, eos_ids=[],
                         attention_impl=args.attention, max_verify_tokens=args.rows * (max(ks) + 1))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=max(ks) + 2)
-    mode = sampling_mode(sp.temperature, sp.top_k, sp.top_p)
-    eng._ensure_pool(state)
-    flat = eng._flat_state(state)
-    key = jax.random.key(0)
+    runner = eng.runner(state, sp)
     rng = np.random.default_rng(0)
     results = []
     for k in ks:
         inp, t = pass_inputs(eng, args.rows, args.context, k, rng)
         t0 = time.perf_counter()
-        eng._run(flat, inp, key, sp, mode)  # compile
+        runner.run(inp)  # compile
         compile_s = time.perf_counter() - t0
         for _ in range(3):
-            eng._run(flat, inp, key, sp, mode)
+            runner.run(inp)
         times = []
         for i in range(args.iters):
             t0 = time.perf_counter()
-            eng._run(flat, inp, key, sp, mode)  # ends with the tokens on the host
+            runner.run(inp)  # ends with the tokens on the host
             times.append(time.perf_counter() - t0)
         results.append(dict(k=k, tokens=t, ms=1e3 * statistics.median(times), compile_s=compile_s))
         print(f"K={k:2d}: {t} tokens/pass, {results[-1]['ms']:.3f} ms/pass (compile {compile_s:.1f} s)", flush=True)

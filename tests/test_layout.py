@@ -156,3 +156,32 @@ def test_no_sys_path_edits_in_the_package():
            if p.relative_to(PKG).as_posix() not in SYS_PATH_ALLOWED and _edits_sys_path(ast.parse(p.read_text()))]
     assert not bad, "modules touching sys.path: " + ", ".join(bad)
     assert _edits_sys_path(ast.parse("import sys\nsys.path.insert(0, 'x')\n"))
+
+
+def _engine_private_names() -> set[str]:
+    """Underscore attributes the ``RolloutEngine`` class defines (methods and ``self._x`` fields)."""
+    tree = ast.parse((PKG / "rollout" / "engine.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RolloutEngine")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+             and not n.name.startswith("__")}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            names.add(node.attr)
+    return names
+
+
+def test_no_private_engine_name_outside_rollout():
+    """The engine's public API (``warmup``, ``runner``, ``generate``, ``profile_step_cost``, ...)
+    is all the trainer, ``ablate/``, the CLI and the benchmarks use."""
+    private = _engine_private_names()
+    assert {"_run", "_ensure_pool", "_flat_state", "_call"} <= private
+    files = [p for p in _modules() if p.relative_to(PKG).parts[0] != "rollout"]
+    files += sorted((PKG.parent / "benchmarks").glob("*.py"))
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} .{node.attr}")
+    assert not bad, "\n".join(bad)

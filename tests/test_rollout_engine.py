@@ -439,18 +439,14 @@ def test_decode_programs_update_the_kv_pool_in_place():
     1-row decode of SmolLM2 ran 5 s a pass on CPU against 0.08 s for a 1-row verify pass)."""
     _, state = _model()
     eng = _engine(max_slots=2, num_pages=4096)  # a 2 MiB pool: larger than any temporary
-    eng._ensure_pool(state)
-    flat_state = eng._flat_state(state)
     sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    runner = eng.runner(state, sp)
     pool_bytes = eng.kv.k.nbytes
     seen = set()
     for shape in eng.programs(spec=True):
         if shape.kind == "prefill":
             continue
-        inp = batching.step_inputs(shape, eng.max_slots, eng.pages_per_seq)
-        fn, args, kw = eng._call(flat_state, inp, jax.random.key(0), sp,
-                                 sampling.sampling_mode(1.0, 0, 1.0))
-        temp = fn.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes
+        temp = runner.lower(runner.inputs(shape)).compile().memory_analysis().temp_size_in_bytes
         assert temp < pool_bytes // 4, (shape, temp, pool_bytes)
         seen.add(shape.tokens)
     assert 1 in seen and max(seen) > 1  # the 1-token decode program and verify programs

@@ -82,16 +82,12 @@ def _abstract_engine(cfg: RunConfig, model_cfg):
 
 def compile_seconds(engine, state, program, sampling) -> float:
     """Seconds to lower and XLA-compile one step program of ``engine`` (abstract arguments)."""
-    import jax
+    from rhyme_jax.rollout.step_runner import StepRunner
 
-    from rhyme_jax.rollout import batching
-    from rhyme_jax.rollout.sampling import sampling_mode
-
-    mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
-    inp = batching.step_inputs(program, engine.max_slots, engine.pages_per_seq)
+    runner = StepRunner(engine, state, sampling, allocate=False)  # the engine holds an abstract pool
+    inp = runner.inputs(program)
     t0 = time.perf_counter()
-    fn, args, kw = engine._call(engine._flat_state(state), inp, jax.random.key(0), sampling, mode)
-    fn.lower(*args, **kw).compile()
+    runner.lower(inp).compile()
     return time.perf_counter() - t0
 
 

@@ -44,6 +44,7 @@ from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.sampling import sampling_mode
 from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
+from rhyme_jax.rollout.step_runner import StepRunner
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
 
@@ -181,37 +182,28 @@ class RolloutEngine:
         programs run.
         """
         spec = any(int(k) > 0 for k in draft_buckets) if spec is None else bool(spec)
-        self._ensure_pool(state)
-        flat_state = self._flat_state(state)
-        mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
-        key = jax.random.key(0)
-        inputs = [batching.step_inputs(p, self.max_slots, self.pages_per_seq) for p in self.programs(spec)]
+        runner = self.runner(state, sampling)
+        inputs = [runner.inputs(p) for p in self.programs(spec)]
         if compile_threads > 1:
-            def compile_one(inp):
-                fn, args, kw = self._call(flat_state, inp, key, sampling, mode)
-                fn.lower(*args, **kw).compile()
             with ThreadPoolExecutor(compile_threads, thread_name_prefix="rollout-compile") as pool:
-                list(pool.map(compile_one, inputs))
+                list(pool.map(lambda inp: runner.lower(inp).compile(), inputs))
         for inp in inputs:
-            self._run(flat_state, inp, key, sampling, mode)
+            runner.run(inp)
         return len(inputs)
+
+    def runner(self, state: nnx.State, sampling: SamplingParams) -> "StepRunner":
+        """A ``StepRunner``: this engine's step programs run or lowered one at a time on given
+        inputs (benchmarks, compile reports, profiles), the KV pool created for ``state``."""
+        return StepRunner(self, state, sampling)
 
     def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
         """Measure ``self.step_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
         (``step_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
         when no slot holds any, ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
-        self._ensure_pool(state)
-        flat_state = self._flat_state(state)
-        mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
-        key = jax.random.key(0)
-
+        runner = self.runner(state, sampling)
         own_pages = self.num_pages if not self.allocator.num_held.any() else 0  # pool idle: rows on their own pages
-
-        def run_program(shape):
-            inp = batching.busy_verify(shape, self.max_slots, self.pages_per_seq, self.page_size, own_pages)
-            self._run(flat_state, inp, key, sampling, mode)
-
-        secs = profile(run_program, self.programs(spec=True), repeats)
+        secs = profile(lambda shape: runner.run(runner.inputs(shape, busy=True, own_pages=own_pages)),
+                       self.programs(spec=True), repeats)
         dev = jax.devices()[0]
         self.step_cost = StepCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
                                          "source": "profiled"})

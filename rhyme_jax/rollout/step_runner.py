@@ -1,0 +1,58 @@
+"""One step program of a ``RolloutEngine`` run (or lowered) on given inputs: the public way to
+time, profile or compile a step outside a rollout (benchmarks, ``rhyme-jax compile-report``, the
+step-cost profile, warm-up), so no caller outside ``rollout/`` touches the engine's internals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from rhyme_jax.rollout import batching
+from rhyme_jax.rollout.sampling import sampling_mode
+from rhyme_jax.rollout.types import SamplingParams
+
+
+class StepRunner:
+    """Runs ``engine``'s step programs over ``state`` with ``sampling``'s program (mode, T, top-k,
+    top-p) and a fixed key.
+
+    Args:
+      engine: the ``RolloutEngine``.
+      state: the model's ``nnx.State`` (arrays, or ``jax.ShapeDtypeStruct`` leaves to lower only).
+      sampling: its temperature / top-k / top-p pick the sampling program.
+      key: the step's PRNG key (default ``jax.random.key(0)``).
+      allocate: create the engine's KV pool for ``state``'s dtype if missing (False for abstract
+        state: the caller sets ``engine.kv = engine.abstract_pool(state)``).
+
+    Raises:
+      ValueError: ``sampling``'s temperature / top-k / top-p are out of range.
+    """
+
+    def __init__(self, engine, state, sampling: SamplingParams, *, key=None, allocate: bool = True):
+        self.engine, self.sampling = engine, sampling
+        self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        self.key = jax.random.key(0) if key is None else key
+        if allocate:
+            engine._ensure_pool(state)
+        self.flat_state = engine._flat_state(state)
+
+    def inputs(self, shape, *, busy: bool = False, own_pages: int = 0) -> batching.StepInputs:
+        """Dummy inputs of the step program ``shape`` (``batching.step_inputs``; with ``busy``, a
+        decode/verify step whose rows are all live, ``batching.busy_verify``)."""
+        e = self.engine
+        if busy:
+            return batching.busy_verify(shape, e.max_slots, e.pages_per_seq, e.page_size, own_pages)
+        return batching.step_inputs(shape, e.max_slots, e.pages_per_seq)
+
+    def run(self, inp: batching.StepInputs, *, live: bool = False) -> tuple[Any, ...]:
+        """Run one step on ``inp`` and wait for its tokens on the host. Prefill ->
+        ``(tokens int32[S], logprobs float32[S])``; decode/verify -> ``(tokens int32[T], logprobs
+        float32[T], num_emitted int32[S])``. The KV pool is donated and replaced in place."""
+        return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live)
+
+    def lower(self, inp: batching.StepInputs) -> jax.stages.Lowered:
+        """The step on ``inp`` lowered for XLA (``.compile()`` it; its ``memory_analysis()`` gives
+        the program's temporaries). Nothing runs."""
+        fn, args, kw = self.engine._call(self.flat_state, inp, self.key, self.sampling, self.mode)
+        return fn.lower(*args, **kw)
