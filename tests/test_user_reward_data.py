@@ -322,7 +322,8 @@ def test_rhyme_jax_train_with_a_bad_reward_fails_before_any_work(tmp_path, capsy
     assert main(["train", "--config", TINY, "--set", f"run.runs_dir={runs}",
                  "--set", "reward.fn=no_such_module_xyz:reward"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "RewardError: reward.fn='no_such_module_xyz:reward': module 'no_such_module_xyz' not found" in err
+    assert "\n" not in err  # one line, checked before any work (train.preflight.prepare)
+    assert "reward.fn='no_such_module_xyz:reward': module 'no_such_module_xyz' not found" in err
     assert len(err.splitlines()) == 1 and not runs.exists()
 
 

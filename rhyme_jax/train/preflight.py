@@ -16,15 +16,19 @@ def prepare(cfg: RunConfig) -> RunConfig:
 
     * multi-host settings (``parallel.coordinator_address`` and friends, or the environment they
       come from) are complete (``parallel.distributed.settings``);
+    * ``reward.fn`` imports and has the documented signature (``data.custom_reward.task_reward``);
     * single process only (a multi-host run must not touch the backend before
       ``jax.distributed.initialize``; its engines check instead): ``rollout.attention_impl``
       names an implementation that runs on this backend, and for the Triton kernels
       (``pallas_gpu*``) ``rollout.page_size`` (and the demo model's ``head_dim``) fit its tiles.
 
     Raises:
-      ConfigError: one line starting with the key.
+      ConfigError: one line starting with the key (``RewardError`` is one).
     """
+    from rhyme_jax.data.custom_reward import task_reward
     from rhyme_jax.parallel import distributed
+
+    task_reward(cfg)
 
     try:
         multi_host = distributed.settings(cfg.parallel)
