@@ -43,6 +43,7 @@ accepted length from empirical branch frequencies; here the frequencies are cali
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -81,6 +82,23 @@ NUM_MATCH, NUM_DEPTH = len(MATCH_EDGES), len(DEPTH_EDGES)
 NUM_CELLS = len(SOURCES) * NUM_MATCH * NUM_DEPTH * NUM_PROB
 NUM_MID = len(SOURCES) * NUM_MATCH * NUM_DEPTH
 NUM_COARSE = len(SOURCES) * NUM_PROB
+
+
+class Estimates(NamedTuple):
+    """What the draft kernels read of a ``Calibration`` (``Calibration.estimates``)."""
+
+    table: np.ndarray  # float64[NUM_CELLS] current estimate of every cell
+    top: float  # the largest entry of table (an upper bound walks prune with)
+
+
+class Counts(NamedTuple):
+    """A ``Calibration``'s counts and estimate table, which ``_update`` changes in place."""
+
+    fine: np.ndarray  # float64[NUM_CELLS, 2] (accepted, tested) per cell
+    mid: np.ndarray  # float64[NUM_MID, 2] (accepted, sum of coarse means) per middle cell
+    coarse: np.ndarray  # float64[NUM_COARSE, 3] (accepted, tested, prior base) per coarse cell
+    issued: np.ndarray  # float64[NUM_CELLS] sum of the estimates issued for tested tokens
+    table: np.ndarray  # float64[NUM_CELLS] current estimate of every cell
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -133,14 +151,15 @@ def _refresh(fine, mid, coarse, table):
 
 
 @numba.njit(cache=True, nogil=True)
-def _update(fine, mid, coarse, issued, table, reqs, cells, ests, drafted, accepted):
+def _update(counts, reqs, cells, ests, drafted, accepted):
     """Count the verify outcome of each row b (request ``reqs[b]``, whose last draft had cells
-    ``cells[reqs[b]]`` and estimates ``ests[reqs[b]]``) into ``fine``/``mid``/``coarse`` and the
-    issued-estimate sums ``issued f64[C]`` (module docstring), forget those drafts (cells -1),
-    refresh ``table`` where it changed. Returns ``(code, largest entry of table)``; code 0 (the
+    ``cells[reqs[b]]`` and estimates ``ests[reqs[b]]``) into ``counts`` (``Counts``: ``fine`` /
+    ``mid`` / ``coarse`` and the issued-estimate sums ``issued``; module docstring), forget those
+    drafts (cells -1), refresh ``counts.table`` where it changed. Returns ``(code, largest entry of table)``; code 0 (the
     largest entry -1 when no token was tested: the table did not change), or, with nothing
     changed, 1 (a request out of range), 2 (a repeated request) or 3 (not
     ``0 <= accepted <= drafted``)."""
+    fine, mid, coarse, issued, table = counts
     seen = np.zeros(cells.shape[0], np.bool_)
     for b in range(reqs.shape[0]):
         r = reqs[b]
@@ -240,7 +259,12 @@ class Calibration:
         self.issued = np.zeros(NUM_CELLS, np.float64)
         self.table = np.zeros(NUM_CELLS, np.float64)
         self.top = float(_refresh(self.fine, self.mid, self.coarse, self.table))
+        self._counts = Counts(self.fine, self.mid, self.coarse, self.issued, self.table)
         self._lock = threading.Lock()
+
+    def estimates(self) -> Estimates:
+        """The current ``table`` and ``top`` (what the draft kernels read; no copy)."""
+        return Estimates(self.table, self.top)
 
     def update(self, reqs: Int[np.ndarray, "B"], cells: Int[np.ndarray, "R D"], ests: Float[np.ndarray, "R D"],
                drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"]) -> None:
@@ -265,8 +289,7 @@ class Calibration:
             raise ValueError(f"cells/ests/drafted/accepted: expected int32[R, D]/float32[R, D]/[B]/[B] (reqs [B]), got "
                              f"{cells.dtype}{cells.shape}/{ests.dtype}{ests.shape}/{drafted.shape}/{accepted.shape}")
         with self._lock:
-            code, top = _update(self.fine, self.mid, self.coarse, self.issued, self.table, reqs, cells, ests, drafted,
-                                accepted)
+            code, top = _update(self._counts, reqs, cells, ests, drafted, accepted)
             if code == 0 and top >= 0:
                 self.top = float(top)
         if code:

@@ -23,9 +23,15 @@ prompt head stored before every response, whose walk drafts the responses' first
 A walk also stops when its cumulative estimate falls below ``MIN_CUM`` (the rest adds under 1%
 of a token per position) or when even perfect remaining tokens (each at the table's largest
 estimate) could not beat the best candidate so far (exact pruning).
+
+The kernels take their state as small records (``HistoryTables``, ``IndexView``, ``DraftRows``,
+``Candidates``, ``Draft``, ``Scoring``; the settings as ``sam_kernels.DraftRule``, the
+calibration as ``calibration.Estimates``), which numba passes as plain structs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -49,6 +55,62 @@ def tail_bounds(top, out):
 
 
 LENGTH, LINK, COUNT, CHILD, TOKEN = range(5)  # columns of a compact state table
+
+
+class HistoryTables(NamedTuple):
+    """The history indexes of one rollout batch as flat tables (``HistoryPack``): index i's states
+    are rows ``so[i]:so[i+1]`` of ``states``, its transition hash rows ``ho[i]:ho[i+1]`` of
+    ``trans`` (``compact``)."""
+
+    so: np.ndarray  # int64[N + 1] first state row of each index
+    ho: np.ndarray  # int64[N + 1] first hash row of each index
+    states: np.ndarray  # int32[S, 5] (length, link, count, best child, its token) per state
+    trans: np.ndarray  # int64[H, 2] (key state << 32 | token (-1 empty), target state) per slot
+
+
+class IndexView(NamedTuple):
+    """One index inside a ``HistoryTables``: its state rows start at ``s0``, its transition hash
+    has ``mask + 1`` rows from ``h0`` (state ids are local to the index)."""
+
+    states: np.ndarray  # int32[S, 5] all indexes' states
+    s0: int
+    trans: np.ndarray  # int64[H, 2] all indexes' transition hashes
+    h0: int
+    mask: int  # int64: hash rows of this index - 1 (a power of two - 1)
+
+
+class DraftRows(NamedTuple):
+    """The rows one draft step asks for."""
+
+    reqs: np.ndarray  # int64[B] request of each row
+    tails: np.ndarray  # int32[B, W] last tokens of each row, left-padded with -1
+    budgets: np.ndarray  # int64[B] most draft tokens per row (capped at MAX_DRAFT)
+
+
+class Draft(NamedTuple):
+    """One candidate's tokens, per-token acceptance estimates and calibration cells (views or
+    scratch of ``MAX_DRAFT`` entries)."""
+
+    tokens: np.ndarray  # int32[K]
+    est: np.ndarray  # float32[K]
+    cell: np.ndarray  # int32[K]
+
+
+class Candidates(NamedTuple):
+    """The best candidate of each of B rows so far; ``lens[b]`` tokens of row b are valid."""
+
+    tokens: np.ndarray  # int32[B, K] draft tokens
+    est: np.ndarray  # float32[B, K] acceptance estimate of each token
+    cell: np.ndarray  # int32[B, K] calibration cell of each token
+    lens: np.ndarray  # int32[B] tokens drafted
+    score: np.ndarray  # float64[B] expected accepted tokens (0 for an empty draft)
+
+
+class Scoring(NamedTuple):
+    """What a walk scores with: the calibration's estimate per cell and the pruning bounds."""
+
+    table: np.ndarray  # float64[C] estimate of each calibration cell
+    ub: np.ndarray  # float64[MAX_DRAFT + 1] ``tail_bounds`` of the table's largest estimate
 
 
 @numba.njit(cache=True, nogil=True)
@@ -81,29 +143,30 @@ def compact(length, link, cnt, cptr, ctok, cto, child, token):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _step(trans, h0, mask, v, c):
-    """Target of transition (v, c) in the hash at ``trans[h0:]``, or -1."""
+def _step(ix, v, c):
+    """Target of transition (v, c) in the hash of index ``ix`` (``IndexView``), or -1."""
     key = K._key(v, c)
-    i = K._hash(v, c, mask)
+    i = K._hash(v, c, ix.mask)
     while True:
-        k = trans[h0 + i, 0]
+        k = ix.trans[ix.h0 + i, 0]
         if k == key:
-            return trans[h0 + i, 1]
+            return ix.trans[ix.h0 + i, 1]
         if k == -1:
             return -1
-        i = (i + 1) & mask
+        i = (i + 1) & ix.mask
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _advance(states, s0, trans, h0, mask, v, m, c, pmax):
+def _advance(ix, v, m, c, pmax):
     """Matching statistics, one token on: from the longest match (state v, m tokens) of a
-    sequence, that of the sequence + c, capped at ``pmax`` tokens (the cap moves v up the
-    suffix links to the state holding the ``pmax``-token suffix)."""
-    t = _step(trans, h0, mask, v, c)
+    sequence in index ``ix``, that of the sequence + c, capped at ``pmax`` tokens (the cap moves
+    v up the suffix links to the state holding the ``pmax``-token suffix)."""
+    states, s0 = ix.states, ix.s0
+    t = _step(ix, v, c)
     while v != 0 and t == -1:
         v = states[s0 + v, LINK]
         m = states[s0 + v, LENGTH]
-        t = _step(trans, h0, mask, v, c)
+        t = _step(ix, v, c)
     if t == -1:
         return 0, 0
     v = t
@@ -116,14 +179,14 @@ def _advance(states, s0, trans, h0, mask, v, m, c, pmax):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _match(states, s0, trans, h0, mask, tail, pmax):
-    """``sam_kernels.match_tail`` over the compact tables of the index at ``s0`` / ``h0``."""
+def _match(ix, tail, pmax):
+    """``sam_kernels.match_tail`` over the compact tables of index ``ix`` (``IndexView``)."""
     P = tail.shape[0]
     start = K.tail_start(tail, pmax)
     v = 0
     m = 0
     for k in range(start, P):
-        v, m = _advance(states, s0, trans, h0, mask, v, m, tail[k], pmax)
+        v, m = _advance(ix, v, m, tail[k], pmax)
     return v, m
 
 
@@ -143,18 +206,18 @@ def _window_hash(tail, end, pmax):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _match_since(states, s0, trans, h0, mask, tail, pmax, g, memo):
-    """The longest match of ``tail``: advanced over its last g tokens from the previous step's
-    match ``memo = (state, length, window hash)`` when the tail is that step's plus g tokens (g
-    from ``observe``; checked by the hash of the window before them), else matched afresh.
-    Updates ``memo``."""
+def _match_since(ix, tail, pmax, g, memo):
+    """The longest match of ``tail`` in index ``ix`` (``IndexView``): advanced over its last g
+    tokens from the previous step's match ``memo = (state, length, window hash)`` when the tail
+    is that step's plus g tokens (g from ``observe``; checked by the hash of the window before
+    them), else matched afresh. Updates ``memo``."""
     w = tail.shape[0]
     if (memo[0] >= 0 and 0 < g <= pmax and tail[w - g] >= 0 and _window_hash(tail, w - g, pmax) == memo[2]):
         v, m = memo[0], memo[1]
         for k in range(w - g, w):
-            v, m = _advance(states, s0, trans, h0, mask, v, m, tail[k], pmax)
+            v, m = _advance(ix, v, m, tail[k], pmax)
     else:
-        v, m = _match(states, s0, trans, h0, mask, tail, pmax)
+        v, m = _match(ix, tail, pmax)
     memo[0], memo[1], memo[2] = v, m, _window_hash(tail, w, pmax)
     return v, m
 
@@ -169,6 +232,10 @@ class HistoryPack:
     Args:
       indexes: the batch's ``SuffixIndex`` objects (slot i = ``indexes[i]``).
       branch: ``"reward"`` | ``"count"`` (the best child followed by walks).
+
+    Attributes:
+      so, ho, states, trans: as in ``HistoryTables``; ``tables`` holds the four (what
+        ``history_candidates`` takes).
     """
 
     def __init__(self, indexes: list, branch: str):
@@ -177,17 +244,17 @@ class HistoryPack:
         self.ho = np.r_[0, np.cumsum([t[1].shape[0] for t in tables])].astype(np.int64)
         self.states = np.concatenate([t[0] for t in tables]) if tables else np.zeros((0, 5), np.int32)
         self.trans = np.concatenate([t[1] for t in tables]) if tables else np.zeros((0, 2), np.int64)
-
-    def args(self) -> tuple:
-        """The arguments ``history_candidates`` takes first."""
-        return self.so, self.ho, self.states, self.trans
+        self.tables = HistoryTables(self.so, self.ho, self.states, self.trans)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def walk(states, s0, v, m, max_len, min_prob, table, ub, best, tok, est, cell):
-    """Greedy walk from state v (match length m) of the index at ``s0``, at most ``max_len``
-    tokens into ``tok``/``est``/``cell``. Returns ``(n, score)``; score -1 when pruned (cannot
-    beat ``best``)."""
+def walk(ix, v, m, max_len, min_prob, scoring, best, draft):
+    """Greedy walk from state v (match length m) of index ``ix`` (``IndexView``), at most
+    ``max_len`` tokens into ``draft`` (``Draft``), stopping below ``min_prob``; estimates from
+    ``scoring`` (``Scoring``). Returns ``(n, score)``; score -1 when pruned (cannot beat
+    ``best``)."""
+    states, s0, table, ub = ix.states, ix.s0, scoring.table, scoring.ub
+    tok, est, cell = draft
     prob = 1.0
     cum = 1.0
     score = 0.0
@@ -217,51 +284,54 @@ def walk(states, s0, v, m, max_len, min_prob, table, ub, best, tok, est, cell):
 
 
 @numba.njit(cache=True, nogil=True)
-def _row(states, s0, trans, h0, mask, tail, g, memo, max_len, min_prob, pmax, pmin, table, ub, tok, est, cell, out,
-         out_est, out_cell):
-    """Best history candidate of one row into ``out*``; returns ``(n, score)``."""
-    v, m = _match_since(states, s0, trans, h0, mask, tail, pmax, g, memo)
+def _best_walk(ix, v, m, max_len, rule, scoring, scratch, out):
+    """Best history candidate of one row whose longest match is state v (m tokens) of index
+    ``ix``: a ``walk`` (into ``scratch``) from every state of v's suffix-link chain whose match is
+    at least ``rule.pmin`` tokens, the best copied into ``out`` (both ``Draft``). Returns
+    ``(n, score)``."""
+    states, s0 = ix.states, ix.s0
     n_best = 0
     s_best = 0.0
-    while v != 0 and m >= pmin:
-        n, s = walk(states, s0, v, m, max_len, min_prob, table, ub, s_best, tok, est, cell)
+    while v != 0 and m >= rule.pmin:
+        n, s = walk(ix, v, m, max_len, rule.min_prob, scoring, s_best, scratch)
         if s > s_best:
             s_best = s
             n_best = n
             for j in range(n):
-                out[j] = tok[j]
-                out_est[j] = est[j]
-                out_cell[j] = cell[j]
+                out.tokens[j] = scratch.tokens[j]
+                out.est[j] = scratch.est[j]
+                out.cell[j] = scratch.cell[j]
         v = states[s0 + v, LINK]
         m = states[s0 + v, LENGTH]
     return n_best, s_best
 
 
 @numba.njit(cache=True, nogil=True)
-def history_candidates(so, ho, states, trans, slots, reqs, grow, memo, tails, max_lens, min_prob, pmax, pmin, table,
-                       top, out, out_est, out_cell, lens, score):
-    """Best history candidate of B rows. The first four arguments are a ``HistoryPack``; row b
-    (request ``reqs[b]``, whose tail grew by ``grow[reqs[b]]`` tokens since its last draft, -1
-    unknown; ``memo int64[R, 3]`` its last match, -1 none) uses index ``slots[b]`` (-1: none),
-    drafts at most ``max_lens[b]`` (<= 32) tokens into
-    ``out[b]`` (int32), their estimates into ``out_est[b]`` (float32) and cells into
-    ``out_cell[b]`` (int32), and writes ``lens[b]`` and ``score[b]`` (expected accepted tokens; 0
-    for an empty draft). ``table``/``top``: the calibration's estimates and their maximum."""
+def history_candidates(hist, slots, rows, grow, memo, rule, cal, best):
+    """Best history candidate of B rows into ``best`` (``Candidates``, every row overwritten).
+
+    ``hist`` is a ``HistoryTables``; row b of ``rows`` (``DraftRows``: request ``reqs[b]``,
+    ``tails[b]``, ``budgets[b]``) uses index ``slots[b]`` (-1: none) and drafts at most
+    ``min(budgets[b], 32)`` tokens by ``rule`` (``sam_kernels.DraftRule``; its branch is already
+    in the tables); its request's tail grew by ``grow[r]`` tokens since its last draft (-1
+    unknown) and ``memo int64[R, 3]`` holds its last match (-1 none; updated). ``cal`` is a
+    ``calibration.Estimates``. ``best.score[b]``: expected accepted tokens (0 for an empty
+    draft)."""
     ub = np.zeros(MAX_DRAFT + 1, np.float64)
-    tail_bounds(top, ub)
-    tok = np.zeros(MAX_DRAFT, np.int32)
-    est = np.zeros(MAX_DRAFT, np.float32)
-    cell = np.zeros(MAX_DRAFT, np.int32)
-    for b in range(tails.shape[0]):
-        lens[b] = 0
-        score[b] = 0.0
+    tail_bounds(cal.top, ub)
+    scoring = Scoring(cal.table, ub)
+    scratch = Draft(np.zeros(MAX_DRAFT, np.int32), np.zeros(MAX_DRAFT, np.float32), np.zeros(MAX_DRAFT, np.int32))
+    for b in range(rows.tails.shape[0]):
+        best.lens[b] = 0
+        best.score[b] = 0.0
         i = slots[b]
-        ml = min(max_lens[b], MAX_DRAFT)
+        ml = min(rows.budgets[b], MAX_DRAFT)
         if i < 0 or ml <= 0:
             continue
-        h0 = ho[i]
-        r = reqs[b]
-        n, s = _row(states, so[i], trans, h0, np.int64(ho[i + 1] - h0 - 1), tails[b], grow[r], memo[r], ml, min_prob,
-                    pmax, pmin, table, ub, tok, est, cell, out[b], out_est[b], out_cell[b])
-        lens[b] = n
-        score[b] = s
+        h0 = hist.ho[i]
+        r = rows.reqs[b]
+        ix = IndexView(hist.states, hist.so[i], hist.trans, h0, np.int64(hist.ho[i + 1] - h0 - 1))
+        v, m = _match_since(ix, rows.tails[b], rule.pmax, grow[r], memo[r])
+        n, s = _best_walk(ix, v, m, ml, rule, scoring, scratch, Draft(best.tokens[b], best.est[b], best.cell[b]))
+        best.lens[b] = n
+        best.score[b] = s

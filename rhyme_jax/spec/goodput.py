@@ -18,33 +18,59 @@ scoring candidates by expected accepted length; prompt lookup decoding (Saxena 2
 One numba call per step (``draft_kernel``) runs all sources. Numba's on-disk cache keys a compiled
 function on its own file only; ``kernel_cache.refresh`` (run when ``rhyme_jax.spec`` is imported)
 drops the cached kernels whenever any kernel source changed, so ``draft_kernel`` never keeps the
-old code of what it calls.
+old code of what it calls. The kernel takes its state as a few records (``RequestState``,
+``DraftOut`` and those of ``candidates``, ``siblings``, ``sam_kernels`` and ``calibration``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numba
 import numpy as np
 from jaxtyping import Float, Int
 
 from rhyme_jax.spec.calibration import Calibration
-from rhyme_jax.spec.candidates import MAX_DRAFT, HistoryPack, history_candidates
-from rhyme_jax.spec.siblings import SequenceStore, has_room, lookup_candidates
+from rhyme_jax.spec.candidates import MAX_DRAFT, Candidates, DraftRows, HistoryPack, history_candidates
+from rhyme_jax.spec.sam_kernels import DraftRule
+from rhyme_jax.spec.siblings import LookupSources, SequenceStore, has_room, lookup_candidates
+from rhyme_jax.spec.suffix_index import BRANCHES
 
 if TYPE_CHECKING:
     from rhyme_jax.spec.drafter import Drafter
 
 
+class RequestState(NamedTuple):
+    """Per-request state of one batch's goodput drafting (R requests, K = ``MAX_DRAFT``)."""
+
+    slots: np.ndarray  # int64[R] history index of each request (-1: none)
+    grow: np.ndarray  # int64[R] tokens its next tail adds (-1: unknown)
+    memo: np.ndarray  # int64[R, 3] its last history match (state, length, window hash; -1 none)
+    cells: np.ndarray  # int32[R, K] calibration cells of its last draft (-1: none)
+    ests: np.ndarray  # float32[R, K] estimates of its last draft
+    predicted: np.ndarray  # float64[R] tokens the history predicts it generates
+    emitted: np.ndarray  # int64[R] tokens it emitted so far
+
+
+class DraftOut(NamedTuple):
+    """What ``draft_kernel`` writes for B rows (K = ``MAX_DRAFT``)."""
+
+    tokens: np.ndarray  # int32[B, K] draft tokens (0 past lens[b])
+    est: np.ndarray  # float32[B, K] acceptance estimate of each token (0 past lens[b])
+    lens: np.ndarray  # int32[B] draft length
+    prio: np.ndarray  # float32[B] max(predicted - emitted, 0) of the row's request
+
+
 @numba.njit(cache=True, nogil=True)
-def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
-    """Zero each row past its draft, remember its cells / estimates per request (for
-    ``observe``), mark its growth unknown until ``observe``; returns the longest draft."""
+def _finish(reqs, best, requests):
+    """Zero each row of ``best`` (``Candidates``) past its draft, remember its cells / estimates
+    per request in ``requests`` (``RequestState``; for ``observe``), mark its growth unknown until
+    ``observe``; returns the longest draft."""
+    out, est, cell, lens = best.tokens, best.est, best.cell, best.lens
     k = 0
     for b in range(reqs.shape[0]):
         r = reqs[b]
-        grow[r] = -1
+        requests.grow[r] = -1
         n = lens[b]
         k = max(k, n)
         for j in range(MAX_DRAFT):
@@ -52,8 +78,8 @@ def _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow):
                 out[b, j] = 0
                 est[b, j] = 0.0
                 cell[b, j] = -1
-            cells_state[r, j] = cell[b, j]
-            ests_state[r, j] = est[b, j]
+            requests.cells[r, j] = cell[b, j]
+            requests.ests[r, j] = est[b, j]
     return k
 
 
@@ -70,47 +96,47 @@ def _note(reqs, accepted, grow, emitted):
 
 
 @numba.njit(cache=True, nogil=True)
-def _prologue(reqs, num_reqs, pred, emitted, prio, lookup, seq, grams, used, slen, grow, tails):
-    """Checks of one draft step and each row's priority ``prio[b] = max(pred[r] - emitted[r], 0)``.
-    Returns 0, 1 (a request out of ``[0, num_reqs)``) or 2 (the sequence store needs room first:
+def _prologue(requests, rows, sources, store, prio):
+    """Checks of one draft step and each row's priority ``prio[b] = max(predicted[r] -
+    emitted[r], 0)`` (``requests``: ``RequestState``). Returns 0, 1 (a request out of ``[0, R)``)
+    or 2 (lookup ``sources`` on and the sequence ``store`` needs room first:
     ``SequenceStore.reserve``)."""
+    reqs = rows.reqs
     for b in range(reqs.shape[0]):
         r = reqs[b]
-        if r < 0 or r >= num_reqs:
+        if r < 0 or r >= requests.slots.shape[0]:
             return 1
-    if lookup and not has_room(seq, grams, used, slen, grow, reqs, tails):
+    if (sources.self_lookup or sources.siblings) and not has_room(store, requests.grow, reqs, rows.tails):
         return 2
     for b in range(reqs.shape[0]):
         r = reqs[b]
-        prio[b] = max(pred[r] - emitted[r], 0.0)
+        prio[b] = max(requests.predicted[r] - requests.emitted[r], 0.0)
     return 0
 
 
 @numba.njit(cache=True, nogil=True)
-def draft_kernel(so, ho, states, trans, slots, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top,
-                 lookup, use_self, use_sib, seq, prev, slen, seg, grams, used, groups, cells_state, ests_state, out,
-                 est, lens, pred, emitted, prio):
+def draft_kernel(hist, requests, rows, rule, sources, cal, store, out):
     """One goodput draft step in one call: ``_prologue`` (returns -1 / -2 for its codes 1 / 2,
-    nothing changed), history candidates (``history_candidates``; the first four arguments are
-    a ``HistoryPack``, ``slots`` per request; ``grow`` tokens each request's tail gained since
-    its last draft, -1 unknown; ``memo`` its last history match), then, if ``lookup``, the self /
-    sibling candidates (``lookup_candidates`` over a ``SequenceStore``'s arrays), then
-    ``_finish``. Returns the longest draft."""
-    code = _prologue(reqs, slots.shape[0], pred, emitted, prio, lookup, seq, grams, used, slen, grow, tails)
+    nothing changed), history candidates (``history_candidates`` over ``hist``, a
+    ``candidates.HistoryTables``), then, if ``sources`` (``siblings.LookupSources``) has one on,
+    the self / sibling candidates (``lookup_candidates`` over ``store``, a
+    ``siblings.StoreArrays``), then ``_finish``. ``requests``: ``RequestState``; ``rows``:
+    ``candidates.DraftRows``; ``rule``: ``sam_kernels.DraftRule``; ``cal``:
+    ``calibration.Estimates``; ``out``: ``DraftOut``. Returns the longest draft."""
+    code = _prologue(requests, rows, sources, store, out.prio)
     if code:
         return -code
-    b = reqs.shape[0]
+    b = rows.reqs.shape[0]
     cell = np.empty((b, MAX_DRAFT), np.int32)
     score = np.empty(b, np.float64)
     rs = np.empty(b, np.int64)
     for i in range(b):
-        rs[i] = slots[reqs[i]]
-    history_candidates(so, ho, states, trans, rs, reqs, grow, memo, tails, budgets, min_prob, pmax, pmin, table, top,
-                       out, est, cell, lens, score)
-    if lookup:
-        lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tails, budgets, pmin, pmax, use_self,
-                          use_sib, table, out, est, cell, lens, score)
-    return _finish(reqs, out, est, cell, lens, cells_state, ests_state, grow)
+        rs[i] = requests.slots[rows.reqs[i]]
+    best = Candidates(out.tokens, out.est, cell, out.lens, score)
+    history_candidates(hist, rs, rows, requests.grow, requests.memo, rule, cal, best)
+    if sources.self_lookup or sources.siblings:
+        lookup_candidates(store, requests.grow, rows, rule, sources, cal, best)
+    return _finish(rows.reqs, best, requests)
 
 
 class GoodputDrafts:
@@ -134,6 +160,9 @@ class GoodputDrafts:
         self.grow = np.full(r, -1, np.int64)  # tokens each request's next tail adds (observe)
         self.memo = np.full((r, 3), -1, np.int64)  # its last history match (state, length, window hash)
         self.lookup = parent.self_lookup or parent.siblings
+        self.rule = DraftRule(BRANCHES[parent.branch], float(parent.min_token_prob), int(parent.pattern_max),
+                              int(parent.pattern_min))
+        self.sources = LookupSources(bool(parent.self_lookup), bool(parent.siblings))
         # without lookup sources the kernel gets an empty store (one compiled signature)
         self.store = SequenceStore(groups if self.lookup else np.zeros(0, np.int64), parent.pattern_min,
                                    parent.pattern_max, cap=512 if self.lookup else 1)
@@ -159,28 +188,26 @@ class GoodputDrafts:
         Raises:
           ValueError: a request out of range (named).
         """
-        p, cal, st = self.parent, self.calibration, self.store
+        cal, st = self.calibration, self.store
         b = reqs.size
         if tails.dtype != np.int32 or not tails.flags.c_contiguous:
             tails = np.ascontiguousarray(tails, np.int32)
         if predicted is None:
             predicted, emitted = self._zeros
-        out = np.empty((b, MAX_DRAFT), np.int32)
-        est = np.empty((b, MAX_DRAFT), np.float32)
-        lens = np.empty(b, np.int32)
-        prio = np.empty(b, np.float32)
+        requests = RequestState(self.slots, self.grow, self.memo, self.cells, self.ests, predicted, emitted)
+        rows = DraftRows(reqs, tails, budgets)
+        out = DraftOut(np.empty((b, MAX_DRAFT), np.int32), np.empty((b, MAX_DRAFT), np.float32), np.empty(b, np.int32),
+                       np.empty(b, np.float32))
         for _ in range(2):
-            k = draft_kernel(*self.pack.args(), self.slots, reqs, self.grow, self.memo, tails, budgets,
-                             p.min_token_prob, p.pattern_max, p.pattern_min, cal.table, cal.top, self.lookup,
-                             p.self_lookup, p.siblings, st.seq, st.prev, st.slen, st.seg, st.grams, st.used,
-                             st.groups, self.cells, self.ests, out, est, lens, predicted, emitted, prio)
+            k = draft_kernel(self.pack.tables, requests, rows, self.rule, self.sources, cal.estimates(), st.arrays(),
+                             out)
             if k != -2:
                 break
             st.reserve(reqs, tails, self.grow)  # room first, then the same step again
         if k == -1:
             raise ValueError(f"reqs: expected request indices in [0, {self.slots.size}) of the batch given to "
                              f"Drafter.batch(), got {reqs.tolist()}")
-        return out[:, :k], lens, est[:, :k], prio
+        return out.tokens[:, :k], out.lens, out.est[:, :k], out.prio
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"],
                 emitted: Int[np.ndarray, "R"]) -> None:

@@ -17,17 +17,57 @@ Flat arrays per index (states 0..S-1, root 0; edges 0..E-1; all int32 except ``r
   >= 2E; linear probing; an edge e matches (v, c) when ``cptr[v] <= e < cptr[v+1]`` and
   ``ctok[e] == c``): O(1) expected per pattern token.
 
-Memory: about 60-100 bytes per indexed token. The batched entry point takes numba typed lists of
-these arrays (one list per field, one item per index), so a batch of indexes is never copied.
+Memory: about 60-100 bytes per indexed token. The kernels take one index's arrays as a
+``SamArrays`` record; the batched entry point takes a ``SamArrays`` of numba typed lists (one list
+per field, one item per index), so a batch of indexes is never copied. The draft settings travel
+as one ``DraftRule``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
 
 BRANCH_REWARD = 0
 BRANCH_COUNT = 1
+
+
+class SamArrays(NamedTuple):
+    """The flat arrays of one index (module docstring; S states, E edges, H hash slots), or, for
+    ``draft_batch``, one numba typed list per field (item i = index i's array)."""
+
+    length: np.ndarray  # int32[S] longest string of each state
+    link: np.ndarray  # int32[S] suffix link (root: -1)
+    cnt: np.ndarray  # int32[S] occurrences in all strings
+    rcnt: np.ndarray  # int32[S] occurrences inside response strings
+    rsum: np.ndarray  # float64[S] sum of the rewards of those responses
+    cptr: np.ndarray  # int32[S + 1] CSR offsets of each state's children
+    ctok: np.ndarray  # int32[E] child token
+    cto: np.ndarray  # int32[E] child state
+    htab: np.ndarray  # int32[H] transition hash of edge ids (-1 empty)
+
+
+class DraftRule(NamedTuple):
+    """The HistoSpec draft settings (``suffix_index.check_draft_args`` validates them)."""
+
+    branch: int  # BRANCH_REWARD | BRANCH_COUNT: which child a draft follows (``_better``)
+    min_prob: float  # stop once the product of branch probabilities would fall below this
+    pmax: int  # longest tail suffix matched, tokens
+    pmin: int  # shortest match that drafts, tokens
+
+
+class _BuildEdges(NamedTuple):
+    """Edge arrays of the automaton under construction (``_automaton``)."""
+
+    hk: np.ndarray  # int64[Hb] (state, token) key per hash slot (-1 empty)
+    hv: np.ndarray  # int32[Hb] edge id per hash slot
+    e_tok: np.ndarray  # int32[Eb] edge token
+    e_to: np.ndarray  # int32[Eb] edge target state
+    e_from: np.ndarray  # int32[Eb] edge source state
+    e_next: np.ndarray  # int32[Eb] next edge of the same source state (-1: last)
+    head: np.ndarray  # int32[Sb] first edge of each state (-1: none)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -69,17 +109,17 @@ def lookup(cptr, ctok, cto, htab, state, tok):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _add_edge(hk, hv, e_tok, e_to, e_from, e_next, head, ne, s, v, c, to):
+def _add_edge(edges, ne, s, v, c, to):
     """Build-time edge ``ne``: transition (v, c) -> ``to``, entered in the (state, token) hash
-    at its empty slot ``s`` (``_find_slot``) and at the head of v's edge list. Returns the next
-    edge id."""
-    hk[s] = _key(v, c)
-    hv[s] = ne
-    e_tok[ne] = c
-    e_to[ne] = to
-    e_from[ne] = v
-    e_next[ne] = head[v]
-    head[v] = ne
+    of ``edges`` (a ``_BuildEdges``) at its empty slot ``s`` (``_find_slot``) and at the head of
+    v's edge list. Returns the next edge id."""
+    edges.hk[s] = _key(v, c)
+    edges.hv[s] = ne
+    edges.e_tok[ne] = c
+    edges.e_to[ne] = to
+    edges.e_from[ne] = v
+    edges.e_next[ne] = edges.head[v]
+    edges.head[v] = ne
     return ne + 1
 
 
@@ -109,6 +149,7 @@ def _automaton(text, pos_reward, pos_resp):
     cnt = np.zeros(max_states, np.int32)
     rcnt = np.zeros(max_states, np.int32)
     rsum = np.zeros(max_states, np.float64)
+    edges = _BuildEdges(hk, hv, e_tok, e_to, e_from, e_next, head)
     size = 1
     last = 0
     ne = 0
@@ -126,7 +167,7 @@ def _automaton(text, pos_reward, pos_resp):
             s = _find_slot(hk, mask, p, c)
             if hk[s] != -1:
                 break
-            ne = _add_edge(hk, hv, e_tok, e_to, e_from, e_next, head, ne, s, p, c, cur)
+            ne = _add_edge(edges, ne, s, p, c, cur)
             p = link[p]
         if p == -1:
             link[cur] = 0
@@ -142,7 +183,7 @@ def _automaton(text, pos_reward, pos_resp):
                 e = head[q]
                 while e != -1:
                     s = _find_slot(hk, mask, clone, e_tok[e])
-                    ne = _add_edge(hk, hv, e_tok, e_to, e_from, e_next, head, ne, s, clone, e_tok[e], e_to[e])
+                    ne = _add_edge(edges, ne, s, clone, e_tok[e], e_to[e])
                     e = e_next[e]
                 while p != -1:
                     s = _find_slot(hk, mask, p, c)
@@ -229,11 +270,14 @@ def build_sam(text, pos_reward, pos_resp):
 
 
 @numba.njit(cache=True, nogil=True)
-def _better(branch, hr, mean, c, tok, bhr, bmean, bc, btok):
-    """Branch rule: is child (hr, mean, c, tok) preferred to the best so far?
+def _better(branch, child, best):
+    """Branch rule: is ``child`` preferred to the ``best`` so far? Both are ``(has response
+    occurrences, mean reward, count, token)``.
 
     reward: children with response occurrences first, then higher mean reward, higher count,
     smaller token id. count: higher count, then smaller token id."""
+    hr, mean, c, tok = child
+    bhr, bmean, bc, btok = best
     if branch == BRANCH_REWARD:
         if hr != bhr:
             return hr > bhr
@@ -257,20 +301,20 @@ def tail_start(tail, pmax):
 
 
 @numba.njit(cache=True, nogil=True)
-def match_tail(length, link, cptr, ctok, cto, htab, tail, pmax):
+def match_tail(ix, tail, pmax):
     """Longest suffix of ``tail`` (its last ``pmax`` tokens after the last negative one) that
-    occurs in the index (matching statistics over the automaton): ``(state, match length)``,
-    ``(0, 0)`` when not even the last token occurs."""
+    occurs in the index ``ix`` (``SamArrays``; matching statistics over the automaton):
+    ``(state, match length)``, ``(0, 0)`` when not even the last token occurs."""
     P = tail.shape[0]
     start = tail_start(tail, pmax)
     v = 0
     m = 0
     for k in range(start, P):
         c = tail[k]
-        while v != 0 and lookup(cptr, ctok, cto, htab, v, c) == -1:
-            v = link[v]
-            m = length[v]
-        t = lookup(cptr, ctok, cto, htab, v, c)
+        while v != 0 and lookup(ix.cptr, ix.ctok, ix.cto, ix.htab, v, c) == -1:
+            v = ix.link[v]
+            m = ix.length[v]
+        t = lookup(ix.cptr, ix.ctok, ix.cto, ix.htab, v, c)
         if t != -1:
             v = t
             m += 1
@@ -281,15 +325,16 @@ def match_tail(length, link, cptr, ctok, cto, htab, tail, pmax):
 
 
 @numba.njit(cache=True, nogil=True)
-def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_len, branch,
-              min_prob, pmax, pmin, out):
-    """Draft of one sequence from one index (the HistoSpec draft rule).
+def draft_one(ix, tail, max_len, rule, out):
+    """Draft of one sequence from one index ``ix`` (``SamArrays``) by ``rule`` (``DraftRule``).
 
     ``tail``: the running sequence's last tokens (negative = padding; only tokens after the last
-    negative are used, at most ``pmax``). Writes the draft into ``out[:n]`` and returns n.
+    negative are used, at most ``rule.pmax``). Writes at most ``max_len`` draft tokens into
+    ``out[:n]`` and returns n.
     """
-    v, m = match_tail(length, link, cptr, ctok, cto, htab, tail, pmax)
-    if m < pmin or m == 0:
+    cnt, rcnt, rsum, cptr, ctok, cto = ix.cnt, ix.rcnt, ix.rsum, ix.cptr, ix.ctok, ix.cto
+    v, m = match_tail(ix, tail, rule.pmax)
+    if m < rule.pmin or m == 0:
         return 0
     prob = 1.0
     n = 0
@@ -305,7 +350,7 @@ def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_le
             rc = rcnt[t]
             hr = rc > 0
             mean = rsum[t] / rc if hr else 0.0
-            if best == -1 or _better(branch, hr, mean, c, ctok[k], bhr, bmean, bc, btok):
+            if best == -1 or _better(rule.branch, (hr, mean, c, ctok[k]), (bhr, bmean, bc, btok)):
                 best = t
                 bhr = hr
                 bmean = mean
@@ -314,7 +359,7 @@ def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_le
         if best == -1 or btok < 0:
             break
         p = prob * (bc / cnt[v])
-        if p < min_prob:
+        if p < rule.min_prob:
             break
         prob = p
         out[n] = btok
@@ -324,18 +369,18 @@ def draft_one(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, tail, max_le
 
 
 @numba.njit(cache=True, nogil=True)
-def draft_batch(length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab, slots, tails, max_lens,
-                branch, min_prob, pmax, pmin, out, lens):
-    """Drafts of B sequences. The first nine arguments are typed lists (item i = index i's array);
-    row b drafts from index ``slots[b]`` (-1: none) at most ``max_lens[b]`` tokens into
-    ``out[b]`` and writes its length to ``lens[b]``."""
+def draft_batch(pack, slots, tails, max_lens, rule, out, lens):
+    """Drafts of B sequences by ``rule`` (``DraftRule``). ``pack`` is a ``SamArrays`` of typed
+    lists (item i = index i's array); row b drafts from index ``slots[b]`` (-1: none) at most
+    ``max_lens[b]`` tokens of ``tails[b]`` into ``out[b]`` and writes its length to ``lens[b]``."""
     for b in range(tails.shape[0]):
         i = slots[b]
         if i < 0 or max_lens[b] <= 0:
             lens[b] = 0
             continue
-        lens[b] = draft_one(length[i], link[i], cnt[i], rcnt[i], rsum[i], cptr[i], ctok[i], cto[i],
-                            htab[i], tails[b], max_lens[b], branch, min_prob, pmax, pmin, out[b])
+        ix = SamArrays(pack.length[i], pack.link[i], pack.cnt[i], pack.rcnt[i], pack.rsum[i], pack.cptr[i],
+                       pack.ctok[i], pack.cto[i], pack.htab[i])
+        lens[b] = draft_one(ix, tails[b], max_lens[b], rule, out[b])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -360,7 +405,7 @@ def best_children(cnt, rcnt, rsum, cptr, ctok, cto, branch):
             rc = rcnt[t]
             hr = rc > 0
             mean = rsum[t] / rc if hr else 0.0
-            if best == -1 or _better(branch, hr, mean, c, ctok[k], bhr, bmean, bc, btok):
+            if best == -1 or _better(branch, (hr, mean, c, ctok[k]), (bhr, bmean, bc, btok)):
                 best, bhr, bmean, bc, btok = t, hr, mean, c, ctok[k]
         child[v] = best
         token[v] = btok if best != -1 else -1

@@ -30,20 +30,54 @@ calibrated estimate of (source, match length, depth, raw probability) (``calibra
 the candidate replaces the row's history candidate when its expected accepted length is larger
 (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, scores candidates the same way).
 Cost: O(1) expected per new token and O(CHAIN_MAX * (pattern_max + CHAIN_MAX)) per query.
+
+The kernels take the store as one ``StoreArrays`` record, the step's rows as
+``candidates.DraftRows``, the settings as ``sam_kernels.DraftRule`` and ``LookupSources``, and
+write into ``candidates.Candidates``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
 from jaxtyping import Int
 
 from rhyme_jax.spec import calibration as C
-from rhyme_jax.spec.candidates import MAX_DRAFT, MIN_CUM
+from rhyme_jax.spec.candidates import MAX_DRAFT, MIN_CUM, Draft
 
 CHAIN_MAX = 16  # occurrences of a gram examined per query (newest first)
 ALIGN = 8  # tokens compared when lining a tail up with the stored sequence
 _MASK = np.int64(0x3FFFFFFFFFFFFFFF)
+
+
+class StoreArrays(NamedTuple):
+    """A ``SequenceStore``'s arrays (its attributes; ``SequenceStore.arrays``), changed in place
+    by the kernels."""
+
+    seq: np.ndarray  # int32[R, cap] stored tokens (-1: segment separator)
+    prev: np.ndarray  # int32[R, cap, 2] previous occurrence (request, end) of each position's gram
+    slen: np.ndarray  # int64[R] stored tokens per request
+    seg: np.ndarray  # int64[R] start of each request's current segment
+    grams: np.ndarray  # int64[H, 2] (group, gram) key (-1 empty) and newest occurrence
+    used: np.ndarray  # int64[4] table slots in use, then the three alignment counts
+    groups: np.ndarray  # int64[R] GRPO group of each request
+
+
+class LookupSources(NamedTuple):
+    """Which lookup sources draft (``spec.self_lookup``, ``spec.siblings``)."""
+
+    self_lookup: bool
+    siblings: bool
+
+
+class Occurrences(NamedTuple):
+    """Scratch of ``_query_row``: up to ``CHAIN_MAX`` earlier occurrences of a row's end."""
+
+    req: np.ndarray  # int64[CHAIN_MAX] request holding the occurrence
+    end: np.ndarray  # int64[CHAIN_MAX] its end position (exclusive)
+    match: np.ndarray  # int64[CHAIN_MAX] tokens it shares with the row's end
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -71,13 +105,15 @@ def _slot(table, key):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _insert(seq, prev, table, used, r, e, pmin, group, seg):
+def _insert(store, r, e, pmin):
     """Enter the gram ending at ``seq[r, e - 1]`` into its group's occurrence chain (the table
-    row holds the key and the newest occurrence ``request << 32 | end``)."""
+    row holds the key and the newest occurrence ``request << 32 | end``); grams reaching before
+    the current segment are left out. ``store``: a ``StoreArrays``."""
+    prev, table, used = store.prev, store.grams, store.used
     prev[r, e - 1, 0] = -1
-    if e - pmin < seg:
+    if e - pmin < store.seg[r]:
         return
-    key = _gram_key(seq[r], e, pmin, group)
+    key = _gram_key(store.seq[r], e, pmin, store.groups[r])
     if key < 0:
         return
     h = _slot(table, key)
@@ -132,11 +168,12 @@ def _first_token(tail):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _new_tokens(seq, prev, slen, seg, grow, used, r, tail):
+def _new_tokens(store, grow, r, tail):
     """How many tokens at the end of request r's ``tail`` are new: ``grow[r]`` when the tail
     lines up with the stored sequence (the common case), else the smallest shift that lines up,
     else the whole tail after a new segment's separator (module docstring). Counts the case in
     ``used[1:]``."""
+    seq, prev, slen, seg, used = store.seq, store.prev, store.slen, store.seg, store.used
     n = slen[r]
     if n > 0 and _quick_lines_up(seq[r], n, seg[r], tail, grow[r]):
         used[1] += 1
@@ -157,16 +194,16 @@ def _new_tokens(seq, prev, slen, seg, grow, used, r, tail):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _extend_row(seq, prev, slen, seg, grow, table, used, r, tail, pmin, group):
-    """Append the new tokens of request r's ``tail`` and index their grams."""
+def _extend_row(store, grow, r, tail, pmin):
+    """Append the new tokens of request r's ``tail`` to ``store`` and index their grams."""
     w = tail.shape[0]
-    g = _new_tokens(seq, prev, slen, seg, grow, used, r, tail)
-    n = slen[r]
+    g = _new_tokens(store, grow, r, tail)
+    n = store.slen[r]
     for i in range(w - g, w):
-        seq[r, n] = tail[i]
+        store.seq[r, n] = tail[i]
         n += 1
-        _insert(seq, prev, table, used, r, n, pmin, group, seg[r])
-    slen[r] = n
+        _insert(store, r, n, pmin)
+    store.slen[r] = n
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -182,11 +219,14 @@ def _back_match(seq, s, e, r, n, pmax):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _score_into(seq, s, e, stop, m, q, once, source, max_len, table, best, out, out_est, out_cell):
-    """Candidate ``seq[s, e:stop]`` (up to a separator / ``max_len``) at match length m (raw
-    probability q, ``once``: the match occurred once; ``calibration.cell_of``): written
-    into ``out*`` when its expected accepted length beats ``best``; returns ``(n, score)`` or
-    ``(-1, best)`` when it does not."""
+def _score_into(seq, span, key, max_len, table, best, out):
+    """Candidate ``seq[s, e:stop]`` (``span = (s, e, stop)``; up to a separator / ``max_len``)
+    with cells ``calibration.cell_of(source, m, depth, q, once)`` (``key = (source, m, q,
+    once)``: match length m, raw probability q, whether the match occurred once): written into
+    ``out`` (``Draft``) when its expected accepted length beats ``best``; returns ``(n, score)``
+    or ``(-1, best)`` when it does not."""
+    s, e, stop = span
+    source, m, q, once = key
     cum = 1.0
     score = 0.0
     n = 0
@@ -198,19 +238,19 @@ def _score_into(seq, s, e, stop, m, q, once, source, max_len, table, best, out, 
         return -1, best
     for j in range(n):
         cl = C.cell_of(source, m, j, q, once)
-        out[j] = seq[s, e + j]
-        out_est[j] = table[cl]
-        out_cell[j] = cl
+        out.tokens[j] = seq[s, e + j]
+        out.est[j] = table[cl]
+        out.cell[j] = cl
     return n, score
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _mode(seq, rr, ee, mm, k, r, own):
-    """Among the occurrences ``rr[:k]``/``ee[:k]``/``mm[:k]`` (request, end, match length) of
-    request r itself (``own``) or of its siblings: the longest match m, one occurrence ``(s, e)``
-    whose next token is the most common among those matching m tokens (ties: the newest), that
-    token's share q and whether one occurrence matches. Returns ``(m, s, e, q, once)`` (m = 0:
-    none)."""
+def _mode(seq, occ, k, r, own):
+    """Among the first k of ``occ`` (``Occurrences``) of request r itself (``own``) or of its
+    siblings: the longest match m, one occurrence ``(s, e)`` whose next token is the most common
+    among those matching m tokens (ties: the newest), that token's share q and whether one
+    occurrence matches. Returns ``(m, s, e, q, once)`` (m = 0: none)."""
+    rr, ee, mm = occ
     m = 0
     for i in range(k):
         if (rr[i] == r) == own:
@@ -229,15 +269,18 @@ def _mode(seq, rr, ee, mm, k, r, own):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_sib, rr, ee, mm):
-    """Earlier matches (>= ``pmin`` tokens) of request r's end in itself and in its siblings: the
-    ``CHAIN_MAX`` newest occurrences of its last gram at most, into ``rr``/``ee``/``mm``
-    (request, end, match length). Returns how many."""
+def _query_row(store, r, rule, sources, occ):
+    """Earlier matches (>= ``rule.pmin`` tokens, counted up to ``rule.pmax``) of request r's end
+    in itself and in its siblings (as ``sources`` allow): the ``CHAIN_MAX`` newest occurrences of
+    its last gram at most, into ``occ`` (``Occurrences``). Returns how many."""
+    seq, prev, slen, seg, table = store.seq, store.prev, store.slen, store.seg, store.grams
+    pmin, pmax, use_self, use_sib = rule.pmin, rule.pmax, sources.self_lookup, sources.siblings
+    rr, ee, mm = occ
     n = slen[r]
     k = 0
     if n - seg[r] < pmin:
         return k
-    key = _gram_key(seq[r], n, pmin, group)
+    key = _gram_key(seq[r], n, pmin, store.groups[r])
     if key < 0:
         return k
     h = _slot(table, key)
@@ -257,30 +300,30 @@ def _query_row(seq, prev, slen, seg, table, r, group, pmin, pmax, use_self, use_
 
 
 @numba.njit(cache=True, nogil=True)
-def lookup_candidates(seq, prev, slen, seg, grow, grams, used, groups, reqs, tails, max_lens, pmin, pmax, use_self,
-                      use_sib, table, out, out_est, out_cell, lens, score):
-    """Extend every row's sequence with its tail, then let its best self / sibling candidate
-    replace its history candidate (``out*``, ``lens``, ``score`` from ``history_candidates``)
-    where that scores higher. Arrays as in ``SequenceStore``."""
-    for b in range(reqs.shape[0]):
-        r = reqs[b]
-        _extend_row(seq, prev, slen, seg, grow, grams, used, r, tails[b], pmin, groups[r])
-    rr = np.zeros(CHAIN_MAX, np.int64)
-    ee = np.zeros(CHAIN_MAX, np.int64)
-    mm = np.zeros(CHAIN_MAX, np.int64)
-    for b in range(reqs.shape[0]):
-        r = reqs[b]
-        ml = min(max_lens[b], MAX_DRAFT)
+def lookup_candidates(store, grow, rows, rule, sources, cal, best):
+    """Extend every row's sequence in ``store`` (``StoreArrays``) with its tail (``rows``:
+    ``candidates.DraftRows``; ``grow int64[R]`` tokens each request's tail gained, -1 unknown),
+    then let its best self / sibling candidate (``sources``: ``LookupSources``; match lengths by
+    ``rule``: ``sam_kernels.DraftRule``; estimates from ``cal``: ``calibration.Estimates``)
+    replace its history candidate in ``best`` (``candidates.Candidates`` from
+    ``history_candidates``) where that scores higher."""
+    seq, slen = store.seq, store.slen
+    for b in range(rows.reqs.shape[0]):
+        _extend_row(store, grow, rows.reqs[b], rows.tails[b], rule.pmin)
+    occ = Occurrences(np.zeros(CHAIN_MAX, np.int64), np.zeros(CHAIN_MAX, np.int64), np.zeros(CHAIN_MAX, np.int64))
+    for b in range(rows.reqs.shape[0]):
+        r = rows.reqs[b]
+        ml = min(rows.budgets[b], MAX_DRAFT)
         if ml <= 0:
             continue
-        k = _query_row(seq, prev, slen, seg, grams, r, groups[r], pmin, pmax, use_self, use_sib, rr, ee, mm)
+        k = _query_row(store, r, rule, sources, occ)
         for source in (C.SELF, C.SIBLING):
-            m, s, e, q, once = _mode(seq, rr, ee, mm, k, r, source == C.SELF)
+            m, s, e, q, once = _mode(seq, occ, k, r, source == C.SELF)
             if m > 0:
-                n, sc = _score_into(seq, s, e, slen[s], m, q, once, source, ml, table, score[b], out[b], out_est[b],
-                                    out_cell[b])
+                n, sc = _score_into(seq, (s, e, slen[s]), (source, m, q, once), ml, cal.table, best.score[b],
+                                    Draft(best.tokens[b], best.est[b], best.cell[b]))
                 if n >= 0:
-                    lens[b], score[b] = n, sc
+                    best.lens[b], best.score[b] = n, sc
 
 
 @numba.njit(cache=True, nogil=True)
@@ -300,12 +343,12 @@ def room_needed(slen, grow, reqs, tails):
 
 
 @numba.njit(cache=True, nogil=True)
-def has_room(seq, grams, used, slen, grow, reqs, tails):
-    """Whether the next extension of rows ``reqs`` by ``tails`` fits the store as it is (the rule
-    ``SequenceStore.reserve`` grows by: ``room_needed`` tokens per row, the gram table at most
-    half full)."""
-    most, new = room_needed(slen, grow, reqs, tails)
-    return most <= seq.shape[1] and (used[0] + new) * 2 <= grams.shape[0]
+def has_room(store, grow, reqs, tails):
+    """Whether the next extension of rows ``reqs`` by ``tails`` fits ``store`` (``StoreArrays``)
+    as it is (the rule ``SequenceStore.reserve`` grows by: ``room_needed`` tokens per row, the
+    gram table at most half full)."""
+    most, new = room_needed(store.slen, grow, reqs, tails)
+    return most <= store.seq.shape[1] and (store.used[0] + new) * 2 <= store.grams.shape[0]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -363,6 +406,11 @@ class SequenceStore:
             grams = np.full((size, 2), -1, np.int64)
             _rehash(self.grams, grams)
             self.grams = grams
+
+    def arrays(self) -> StoreArrays:
+        """The store's current arrays as one record (what the kernels take; no copy). Take it
+        again after ``reserve``, which may replace ``seq``, ``prev`` and ``grams``."""
+        return StoreArrays(self.seq, self.prev, self.slen, self.seg, self.grams, self.used, self.groups)
 
     def sequence(self, r: int) -> np.ndarray:
         """Stored tokens of request r (``int32[n]``; -1 between segments)."""

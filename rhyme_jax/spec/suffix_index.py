@@ -41,7 +41,7 @@ SEP = -1  # ends each response string
 END = -2  # ends the plain prompt string
 PROMPT_HEAD = 5  # prompt tokens prepended to each response string
 BRANCHES = {"reward": K.BRANCH_REWARD, "count": K.BRANCH_COUNT}
-_FIELDS = ("length", "link", "cnt", "rcnt", "rsum", "cptr", "ctok", "cto", "htab")
+_FIELDS = K.SamArrays._fields  # length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab
 
 
 def _tokens(name: str, a) -> np.ndarray:
@@ -80,8 +80,9 @@ def check_draft_args(branch: str, min_token_prob: float, pattern_max: int, patte
 
 
 class IndexPack:
-    """Several indexes handed to one batched numba call without copying them: one numba typed
-    list per field (``sam_kernels``), item i = ``indexes[i]``'s array. O(number of indexes)."""
+    """Several indexes handed to one batched numba call without copying them: ``lists`` is a
+    ``sam_kernels.SamArrays`` of numba typed lists, one per field, item i = ``indexes[i]``'s
+    array. O(number of indexes)."""
 
     def __init__(self, indexes: list["SuffixIndex"]):
         from numba.typed import List
@@ -89,7 +90,7 @@ class IndexPack:
         if not indexes:  # typed lists need an item to know their type; slots are all -1 then
             indexes = [_empty_index()]
         self.size = len(indexes)
-        self.lists = tuple(List([getattr(ix, f) for ix in indexes]) for f in _FIELDS)
+        self.lists = K.SamArrays(*(List([getattr(ix, f) for ix in indexes]) for f in _FIELDS))
 
     @classmethod
     def of(cls, indexes: list["SuffixIndex"]) -> "IndexPack":
@@ -281,6 +282,6 @@ def draft_batch(
     width = int(max(max_lens.max(initial=0), 0))
     out = np.zeros((b, width), np.int32)
     lens = np.zeros(b, np.int32)
-    K.draft_batch(*pack.lists, slots, tails, max_lens, code, float(min_token_prob), int(pattern_max),
-                  int(pattern_min), out, lens)
+    rule = K.DraftRule(code, float(min_token_prob), int(pattern_max), int(pattern_min))
+    K.draft_batch(pack.lists, slots, tails, max_lens, rule, out, lens)
     return out, lens
