@@ -79,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-device", default="cpu", choices=("cpu", "auto"),
                    help="cpu (default) or accelerate's default device")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--wait-minutes", type=float, default=0,
+                   help="with --rhyme-run-dir: wait up to this long for a named run still training to finish "
+                        "(its summary.json) before comparing it")
+    p.add_argument("--steps", type=int, default=0,
+                   help="with --rhyme-run-dir: compare the first N GRPO steps (TRL trains N; the rhyme-jax "
+                        "side is its run's first N steps, the same run's beginning under a constant schedule "
+                        "without warm-up; its held-out 'after' stays at the end of its run). 0 = all steps")
     return p.parse_args(argv)
 
 
@@ -97,9 +104,12 @@ def seed_runs(args) -> list[dict]:
         for d in dirs:
             if not (Path(d) / "config.yaml").is_file():
                 raise SystemExit(f"--rhyme-run-dir {d}: no config.yaml (not a rhyme-jax run directory)")
-            cfg = load_config(Path(d) / "config.yaml")
-            out.append({"seed": int(cfg.run.seed), "cfg": cfg, "rhyme_dir": Path(d)})
+            full = load_config(Path(d) / "config.yaml")
+            cfg = truncated(full, args.steps, d)
+            out.append({"seed": int(cfg.run.seed), "cfg": cfg, "rhyme_dir": Path(d), "eval_step": full.grpo.steps})
         return out
+    if args.steps:
+        raise SystemExit("--steps needs --rhyme-run-dir (a finished run whose first steps are compared)")
     base = load_config(args.config, args.overrides)
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     return [{"seed": s, "cfg": load_config(args.config, args.overrides + [
@@ -190,6 +200,26 @@ def unmatched(cfg, *, starts_from_sft: bool, overlong: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------- rhyme-jax side
+def truncated(cfg, steps: int, where: str):
+    """``cfg`` with ``grpo.steps = steps`` (0: unchanged), allowed only where a run of ``steps``
+    steps is the longer run's beginning: a constant learning rate without warm-up.
+
+    Raises:
+      SystemExit: ``steps`` out of range, or a schedule under which the runs would differ.
+    """
+    if not steps:
+        return cfg
+    g = cfg.grpo
+    if not 1 <= steps <= g.steps:
+        raise SystemExit(f"--steps {steps}: must be in [1, {g.steps}] (the steps of {where})")
+    if g.schedule != "constant" or g.warmup_steps:
+        raise SystemExit(f"--steps: {where} uses grpo.schedule={g.schedule}, warmup_steps={g.warmup_steps}; its "
+                         "first steps are a shorter run's only under a constant rate without warm-up")
+    import dataclasses
+
+    return dataclasses.replace(cfg, grpo=dataclasses.replace(g, steps=steps))
+
+
 def rhyme_run_dir(cfg) -> Path:
     """``<run.runs_dir>/<run.name>``."""
     return Path(cfg.run.runs_dir) / cfg.run.name
@@ -226,9 +256,10 @@ def run_rhyme(config: str, overrides: list[str], cfg) -> Path:
     return run_dir
 
 
-def read_rhyme(run_dir: Path, cfg) -> dict:
-    """Per-step rewards, seconds and prompts, and the before/after held-out results of a finished
-    rhyme-jax run.
+def read_rhyme(run_dir: Path, cfg, eval_step: int | None = None) -> dict:
+    """Per-step rewards, seconds and prompts of the first ``grpo.steps`` steps of a finished
+    rhyme-jax run, and its held-out results before and after ``eval_step`` steps (default
+    ``grpo.steps``).
 
     Raises:
       RuntimeError: a training step or an evaluation is missing.
@@ -240,7 +271,7 @@ def read_rhyme(run_dir: Path, cfg) -> dict:
     steps = list(range(1, cfg.grpo.steps + 1))
     if any(s not in train for s in steps):
         raise RuntimeError(f"{run_dir}: metrics.jsonl lacks train steps {[s for s in steps if s not in train]}")
-    ends = [eval_path(run_dir, 0), eval_path(run_dir, cfg.grpo.steps)]
+    ends = [eval_path(run_dir, 0), eval_path(run_dir, eval_step or cfg.grpo.steps)]
     if not all(p.is_file() for p in ends):
         raise RuntimeError(f"{run_dir}: missing held-out results {[str(p) for p in ends if not p.is_file()]}")
     before, after = (np.load(p)["correct"].astype(np.float64) for p in ends)
@@ -573,10 +604,12 @@ def seed_markdown(r: dict) -> list[str]:
         lines.append(f"| {k + 1} | {fmt(rh['reward_mean'][k])} | {fmt(tr['reward_mean'][k])} | "
                      f"{fmt(rh['rollout_s'][k], '.2f')} | {fmt(tr['rollout_s'][k], '.2f')} | "
                      f"{fmt(rh['update_s'][k], '.2f')} | {fmt(tr['update_s'][k], '.2f')} |")
-    lines += ["", "| held-out greedy | n | before | after | paired gain ± SE |", "|---|---|---|---|---|"]
+    after = ev.get("after_step", {"rhyme": r["steps"], "trl": r["steps"]})
+    lines += ["", "| held-out greedy | n | before | after | after step | paired gain ± SE |",
+              "|---|---|---|---|---|---|"]
     for side, name in (("rhyme", "rhyme-jax"), ("trl", "TRL")):
         e = ev[side]
-        lines.append(f"| {name} | {e['n']} | {fmt(e['before'])} | {fmt(e['after'])} | "
+        lines.append(f"| {name} | {e['n']} | {fmt(e['before'])} | {fmt(e['after'])} | {after[side]} | "
                      f"{e['gain']:+.3f} ± {e['gain_se']:.3f} |")
     lines += ["", f"Before-training greedy correctness agrees on {ev['before_agreement']:.1%} of the problems "
               "(same weights, two engines).", "",
@@ -607,6 +640,11 @@ def write_markdown(report: dict, path: Path) -> None:
              "Rollout seconds: rhyme-jax `time/rollout_s`; TRL the trainer's `_generate` (tokenise, `generate`, "
              "decode). Update seconds: rhyme-jax `time/train_s`; TRL the optimizer steps' wall time minus "
              "rollout and reward (it includes TRL's log-prob forward passes). Neither includes the reward.", "",
+             *([f"Compared: the first {report['compared_steps']} GRPO steps. TRL trains "
+                f"{report['compared_steps']} steps; the rhyme-jax side is the first {report['compared_steps']} steps "
+                "of its longer run (a constant learning rate without warm-up: the same run's beginning), and its "
+                "held-out 'after' is at the end of that run (the 'after step' column).", ""]
+               if report.get("compared_steps") else []),
              "## Summary", "",
              f"- Same prompts in the same order, every seed: {'yes' if s['prompts_same_order_all_seeds'] else 'NO'}; "
              f"same prompt tokens: {'yes' if s['prompt_tokens_identical_all_seeds'] else 'NO'}"]
@@ -655,16 +693,27 @@ def run_seed(args, item: dict, out: Path, window: int) -> dict:
     """Both sides of one seed (the rhyme-jax run first unless given) and their comparison."""
     cfg, seed = item["cfg"], item["seed"]
     rhyme_dir = item["rhyme_dir"] or run_rhyme(args.config, args.overrides, cfg)
-    rhyme = read_rhyme(rhyme_dir, cfg)
+    wait_for_summary(rhyme_dir, args.wait_minutes)
+    rhyme = read_rhyme(rhyme_dir, cfg, item.get("eval_step"))
     print(f"TRL GRPOTrainer: seed {seed}, {cfg.grpo.steps} steps", flush=True)
     trl_run = run_trl(cfg, out / "trl" / f"seed_{seed}", attn=args.attn, cpu=args.trl_device == "cpu",
                       eval_batch=args.eval_batch)
     trl = trl_steps(trl_run["recorder"], cfg.grpo.minibatches)
     record = compare_seed(seed, cfg, rhyme, trl, trl_run, rhyme_dir, window)
+    record["eval"]["after_step"] = {"rhyme": item.get("eval_step") or cfg.grpo.steps, "trl": cfg.grpo.steps}
     record["_units"] = {"rhyme": window_units(rhyme, window), "trl": window_units(trl, window)}
     record["_settings"] = trl_run["settings"]
     record["_starts_from_sft"] = bool(cfg.run.init_from) or (Path(rhyme_dir) / "sft" / "params").exists()
     return record
+
+
+def wait_for_summary(run_dir: Path, minutes: float) -> None:
+    """Poll (every 20 s, up to ``minutes``) until ``run_dir/summary.json`` exists: a run started
+    beside this one has finished. Returns at once when it exists or ``minutes`` is 0."""
+    deadline = time.time() + 60 * minutes
+    while not (Path(run_dir) / "summary.json").is_file() and time.time() < deadline:
+        print(f"waiting for {run_dir} to finish ...", flush=True)
+        time.sleep(20)
 
 
 def main(argv=None) -> int:
@@ -689,7 +738,7 @@ def main(argv=None) -> int:
     report = {
         "config": str(items[0]["rhyme_dir"] / "config.yaml") if items[0]["rhyme_dir"] else args.config,
         "overrides": [] if items[0]["rhyme_dir"] else args.overrides, "seeds": [i["seed"] for i in items],
-        "window_steps": window,
+        "window_steps": window, "compared_steps": args.steps,
         "machine": dict(machine(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
                         loadavg_start=load_start, loadavg_end=os.getloadavg()),
         "trl_settings": {k: v for k, v in runs[0]["_settings"].items() if k not in ("seed", "data_seed")},
