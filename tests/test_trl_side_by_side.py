@@ -153,3 +153,18 @@ def test_trl_model_dir_adds_architectures_without_touching_the_checkpoint(tmp_pa
     assert (view / "model.safetensors").resolve() == (src / "model.safetensors").resolve()
     assert json.loads((src / "config.json").read_text()) == {"model_type": "llama"}
     assert bench.trl_model_dir(str(view), tmp_path / "elsewhere") == str(view.resolve())  # already complete
+
+
+def test_steps_truncation_only_where_a_shorter_run_is_the_longer_ones_beginning(benchmark_module):
+    """``--steps N``: the first N steps of a run are an N-step run only under a constant rate
+    without warm-up; anything else is refused, and N must lie within the run."""
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "arith_smollm2_135m.yaml")
+    short = benchmark_module.truncated(cfg, 12, "run")
+    assert short.grpo.steps == 12 and short.grpo.learning_rate == cfg.grpo.learning_rate
+    assert benchmark_module.truncated(cfg, 0, "run") is cfg
+    for bad in (["grpo.schedule=cosine"], ["grpo.warmup_steps=2"]):
+        with pytest.raises(SystemExit, match="constant rate without warm-up"):
+            benchmark_module.truncated(load_config(root / "configs" / "arith_smollm2_135m.yaml", bad), 12, "run")
+    with pytest.raises(SystemExit, match=r"must be in \[1, 30\]"):
+        benchmark_module.truncated(cfg, 31, "run")
