@@ -159,12 +159,13 @@ def test_steps_truncation_only_where_a_shorter_run_is_the_longer_ones_beginning(
     """``--steps N``: the first N steps of a run are an N-step run only under a constant rate
     without warm-up; anything else is refused, and N must lie within the run."""
     root = Path(__file__).resolve().parents[1]
+    bench = benchmark_module("trl_side_by_side")
     cfg = load_config(root / "configs" / "arith_smollm2_135m.yaml")
-    short = benchmark_module.truncated(cfg, 12, "run")
+    short = bench.truncated(cfg, 12, "run")
     assert short.grpo.steps == 12 and short.grpo.learning_rate == cfg.grpo.learning_rate
-    assert benchmark_module.truncated(cfg, 0, "run") is cfg
+    assert bench.truncated(cfg, 0, "run") is cfg
     for bad in (["grpo.schedule=cosine"], ["grpo.warmup_steps=2"]):
         with pytest.raises(SystemExit, match="constant rate without warm-up"):
-            benchmark_module.truncated(load_config(root / "configs" / "arith_smollm2_135m.yaml", bad), 12, "run")
+            bench.truncated(load_config(root / "configs" / "arith_smollm2_135m.yaml", bad), 12, "run")
     with pytest.raises(SystemExit, match=r"must be in \[1, 30\]"):
-        benchmark_module.truncated(cfg, 31, "run")
+        bench.truncated(cfg, 31, "run")
