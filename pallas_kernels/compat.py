@@ -7,14 +7,13 @@ Kernels import ``pl``, ``pltpu``, ``pl_triton`` and the helpers below from here,
 jax 0.10.x (CPU CI, interpret mode) and 0.11.x (the GPU machine).
 
 Names that a JAX build lacks are ``None`` (e.g. ``pl_triton`` where the Triton backend was
-removed); ``available()`` reports which backends can be used.
+removed).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 from jax.experimental import pallas as pl
 
 try:  # Mosaic TPU (also provides the TPU interpreter that runs on CPU)
@@ -67,15 +66,5 @@ def tpu_interpret_races_found() -> bool | None:
     return None if races is None else bool(getattr(races, "races_found", False))
 
 
-def backend() -> str:
-    """The default JAX backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
-    return jax.default_backend()
-
-
-def available() -> dict[str, bool]:
-    """Which Pallas backends this JAX build ships (not whether a device is present)."""
-    return {"tpu": pltpu is not None, "triton": pl_triton is not None}
-
-
-__all__ = ["available", "backend", "pl", "pl_triton", "pltpu", "tpu_compiler_params",
-           "tpu_interpret_params", "tpu_interpret_races_found", "triton_compiler_params"]
+__all__ = ["pl", "pl_triton", "pltpu", "tpu_compiler_params", "tpu_interpret_params",
+           "tpu_interpret_races_found", "triton_compiler_params"]

@@ -1,4 +1,6 @@
-"""Lossless draft verification: emitted tokens follow the target distribution exactly.
+"""Lossless draft verification, dense reference (``tests/verify_reference.py``, the textbook rule
+that tests/test_verification_packed.py compares the engine's ``verify_packed`` with): emitted
+tokens follow the target distribution exactly.
 
 Fixed logits over a small vocabulary; many independent verifications (vmap over keys) are
 compared with the target by chi-square tests (fixed seeds). The joint law checked is that of the
@@ -14,7 +16,7 @@ import pytest
 from scipy import stats
 
 from rhyme_jax.rollout.sampling import processed_logprobs, sampling_mode
-from rhyme_jax.rollout.verification import verify
+from verify_reference import verify
 
 V, K = 6, 3
 N = 40_000

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rhyme_jax.rollout.sampling import sampling_mode
-from rhyme_jax.rollout.verification import verify, verify_packed
+from rhyme_jax.rollout.verification import verify_packed
+from verify_reference import verify
 from test_verification import K, LOGITS, N, V, _chi2_pvalue, _joint_check, _scored, _target
 
 LEAD = 2  # tokens of a row packed before the checked one

@@ -11,7 +11,7 @@ reshards between them (``parallel/reshard.py``).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -95,8 +95,3 @@ def rollout_meshes(tensor: int = 1, workers: int = 1,
     return [Mesh(np.array(devices[w * tensor:(w + 1) * tensor], dtype=object), ("tensor",))
             for w in range(workers)]
 
-
-def describe(mesh: Mesh) -> dict[str, Any]:
-    """``{"axes": {name: size}, "devices": n, "processes": p}`` for logs and run summaries."""
-    return {"axes": dict(mesh.shape), "devices": int(mesh.devices.size),
-            "processes": len({d.process_index for d in mesh.devices.flat})}

@@ -24,8 +24,9 @@ Emitted tokens carry the behaviour logprob plain sampling reports
 without the top-k / top-p filter (what the GRPO loss scores; not ``p_i`` and not the residual),
 and ``log_softmax(raw logits)`` when greedy.
 
-``verify`` (dense drafts) draws that way. ``verify_packed`` (what the engine runs) couples the
-same rule to plain sampling: it computes at every position the token plain decode would draw
+The dense reference that draws that way (drafts as a ``K`` dimension) lives with the tests
+(tests/verify_reference.py). ``verify_packed`` (what the engine runs) couples the same rule to
+plain sampling: it computes at every position the token plain decode would draw
 there (the position's own draw, ``sampling.position_uniforms``), accepts a draft token iff it is
 that token and emits that token at the first mismatch. A one-hot draft is accepted with
 probability ``p_i(x_i)`` either way and the emitted tokens are exactly plain sampling's, so a
@@ -42,29 +43,6 @@ from rhyme_jax.rollout.sampling import (MODES, SamplingError, _processed, behavi
                                         sample_tokens)
 
 
-def _by_mode(mode: str, temperature, sampled, greedy):
-    """``greedy`` under mode ``greedy``, ``sampled`` under the sampling modes, and per call by
-    ``temperature > 0`` under ``dynamic`` (the same rule as ``sampling.sample``)."""
-    if mode == "greedy":
-        return greedy
-    if mode == "dynamic":
-        return jnp.where(jnp.asarray(temperature) > 0, sampled, greedy)
-    return sampled
-
-
-def _residual(lp_last: Float[Array, "S V"], rejected, x_rej) -> Float[Array, "S V"]:
-    """Log-weights of the token after the accepted prefix: the residual (``p`` without the
-    rejected draft token ``x_rej``, unnormalised) where ``rejected``, else ``p`` (bonus token)."""
-    vocab_ids = jnp.arange(lp_last.shape[-1], dtype=jnp.int32)
-    remove = rejected[:, None] & (vocab_ids[None, :] == x_rej[:, None])
-    return jnp.where(remove, -jnp.inf, lp_last)
-
-
-def _correction(key, lp_last: Float[Array, "S V"], rejected, x_rej) -> Int[Array, "S"]:
-    """A draw from ``_residual`` with ``jax.random.categorical``."""
-    return jax.random.categorical(key, _residual(lp_last, rejected, x_rej), axis=-1).astype(jnp.int32)
-
-
 def _row_of(cu: Int[Array, "S1"], t_total: int) -> Int[Array, "T"]:
     """Row of every packed position: ``#{s : cu[s + 1] <= pos}`` clipped to ``[0, S - 1]`` (the
     same as ``searchsorted(cu[1:], pos, side="right")``, written as one compare-and-count so it
@@ -72,81 +50,6 @@ def _row_of(cu: Int[Array, "S1"], t_total: int) -> Int[Array, "T"]:
     pos = jnp.arange(t_total, dtype=jnp.int32)
     row = jnp.sum((cu[None, 1:] <= pos[:, None]).astype(jnp.int32), axis=1)
     return jnp.clip(row, 0, cu.shape[0] - 2).astype(jnp.int32)
-
-
-def verify(
-    logits: Float[Array, "S K1 V"],
-    draft_tokens: Int[Array, "S K"],
-    draft_lens: Int[Array, "S"],
-    key: PRNGKeyArray,
-    temperature,
-    top_k=0,
-    top_p=1.0,
-    *,
-    mode: str,
-) -> tuple[Int[Array, "S K1"], Float[Array, "S K1"], Int[Array, "S"]]:
-    """Accept/reject every sequence's draft against the target logits in one batched program.
-
-    Args:
-      logits: ``f32[S, K+1, V]`` raw target logits; row ``i`` is the distribution of the token
-        after draft token ``i - 1`` (row 0: after the pending token).
-      draft_tokens: ``i32[S, K]`` drafts (entries past ``draft_lens`` are ignored).
-      draft_lens: ``i32[S]`` in ``[0, K]``.
-      key: PRNG key of this forward pass.
-      temperature, top_k, top_p: sampling parameters (Python numbers or traced scalars).
-      mode: sampling program (``rhyme_jax.rollout.sampling.MODES``); static under jit.
-
-    Returns:
-      ``(tokens i32[S, K+1], logprobs f32[S, K+1], num_emitted i32[S])``: sequence ``s`` emits
-      ``tokens[s, :num_emitted[s]]`` (accepted draft tokens, then the correction or bonus token)
-      with behaviour logprobs ``logprobs[s, :num_emitted[s]]``; ``1 <= num_emitted <= lens + 1``.
-
-    Raises:
-      SamplingError: unknown ``mode`` or inconsistent shapes.
-    """
-    if mode not in MODES:
-        raise SamplingError(f"verify: mode must be one of {MODES}, got {mode!r}")
-    num_s, k1, vocab = logits.shape
-    k = k1 - 1
-    if draft_tokens.shape != (num_s, k) or draft_lens.shape != (num_s,):
-        raise SamplingError(
-            f"verify: draft_tokens must be [S={num_s}, K={k}] and draft_lens [S], got "
-            f"{draft_tokens.shape} and {draft_lens.shape}")
-    logits = logits.astype(jnp.float32)
-    flat = logits.reshape(num_s * k1, vocab)
-    lp = _processed(flat, temperature, top_k, top_p, mode).reshape(num_s, k1, vocab)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K+1]
-    key_u, key_tok = jax.random.split(key)
-
-    pos = jnp.arange(k, dtype=jnp.int32)
-    in_draft = pos[None, :] < draft_lens[:, None]  # [S, K]
-    drafts = jnp.where(in_draft, draft_tokens, 0).astype(jnp.int32)
-    lp_draft = jnp.take_along_axis(lp[:, :k], drafts[..., None], axis=-1)[..., 0]  # [S, K]
-    u = jax.random.uniform(key_u, (num_s, k))
-    accept_sampled = u < jnp.exp(lp_draft)
-    accept_greedy = drafts == argmax[:, :k]
-    accept = _by_mode(mode, temperature, accept_sampled, accept_greedy)
-    accept = accept & in_draft
-    # Accepted prefix length: index of the first non-accepted position.
-    num_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # [S]
-    rejected = num_acc < draft_lens
-
-    # Token at position num_acc: residual (draft token removed) on rejection, else bonus from p.
-    lp_last = jnp.take_along_axis(lp, num_acc[:, None, None], axis=1)[:, 0]  # [S, V]
-    x_rej = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), num_acc[:, None], axis=1)[:, 0]
-    sampled = _correction(key_tok, lp_last, rejected, x_rej)
-    greedy_last = jnp.take_along_axis(argmax, num_acc[:, None], axis=1)[:, 0]
-    last = _by_mode(mode, temperature, sampled, greedy_last)
-
-    full_pos = jnp.arange(k1, dtype=jnp.int32)
-    tokens = jnp.where(full_pos[None, :] < num_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
-    tokens = jnp.where(full_pos[None, :] == num_acc[:, None], last[:, None], tokens).astype(jnp.int32)
-    logprobs = behaviour_logprobs(flat, tokens.reshape(-1), temperature, mode=mode,
-                                  lp=lp.reshape(num_s * k1, vocab)).reshape(num_s, k1)
-    num_emitted = num_acc + 1
-    logprobs = jnp.where(full_pos[None, :] < num_emitted[:, None], logprobs, 0.0)
-    return tokens, logprobs, num_emitted
-
 
 
 def verify_packed(
@@ -176,14 +79,16 @@ def verify_packed(
     ``y_t`` is an exact draw from ``p_t`` with a draw that depends on nothing but the sequence and
     position, and a draft is a function of the tokens before it, so the emitted tokens are exactly
     those plain decode emits with the same key (speculative sampling with one-hot drafts, coupled
-    through the draw; acceptance probability ``p_t(x)`` as in ``verify``). Greedy: ``y`` is the
-    argmax of the raw logits.
+    through the draw; a one-hot draft ``x`` is accepted with probability ``p_t(x)``). Greedy:
+    ``y`` is the argmax of the raw logits.
 
     Args:
       logits: ``f32[T, V]`` raw target logits of every packed position (padding rows ignored).
       fed: ``i32[T]`` tokens fed to the forward pass.
       cu_q_lens: ``i32[S+1]`` cumulative query lengths (``cu[0] = 0``, nondecreasing).
-      key, temperature, top_k, top_p, mode: as in ``verify``.
+      key: PRNG key of this forward pass.
+      temperature, top_k, top_p: sampling parameters (Python numbers or traced scalars).
+      mode: sampling program (``rhyme_jax.rollout.sampling.MODES``); static under jit.
       streams: ``i32[T]`` sequence (request) of each packed token; default: its row.
       positions: ``i32[T]`` sequence position of each fed token; default: ``arange(T)``.
 
@@ -226,4 +131,4 @@ def verify_packed(
     return tokens, logprobs, num_emitted
 
 
-__all__ = ["verify", "verify_packed"]
+__all__ = ["verify_packed"]

@@ -89,11 +89,6 @@ class Plan:
         """Predicted seconds of the slowest worker."""
         return float(self.predicted_seconds.max()) if self.predicted_seconds.size else 0.0
 
-    def worker_prompts(self, worker: int) -> np.ndarray:
-        """Prompt indices of a worker's rows (each once, in row order)."""
-        p = self.worker_rows[worker] // self.n
-        return p[np.r_[True, p[1:] != p[:-1]]] if p.size else p
-
 
 def step_ascending(step: int) -> bool:
     """Tier-1 direction: odd steps ascending (short groups first), even steps descending."""

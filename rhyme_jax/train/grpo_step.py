@@ -234,9 +234,3 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     return jax.jit(step, donate_argnums=(0, 1),
                    in_shardings=(shardings.params, shardings.opt_state, shardings.batch),
                    out_shardings=(shardings.params, shardings.opt_state, replicated))
-
-
-def params_checksum(state: Any) -> float:
-    """Sum of |x| over all parameters (a cheap fingerprint for tests and logs)."""
-    leaves = jax.tree.leaves(state)
-    return float(sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves))
