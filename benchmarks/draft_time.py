@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
+from rhyme_jax.config import SpecSection
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 
@@ -51,8 +51,7 @@ def run(policy: str, prompts: int, group: int, seed: int, **extra) -> dict:
     store = HistoryStore()
     ids = np.repeat(np.arange(prompts), group)
     store.update(0, ids, [ps[p] for p in ids], [r for p in range(prompts) for r in hist[p]], rng.random(ids.size))
-    cfg = SimpleNamespace(**{**dict(branch="reward", window=policy, fixed_window=8, min_token_prob=0.1, pattern_max=7,
-                                    pattern_min=3, self_lookup=False, siblings=False), **extra})
+    cfg = SpecSection(window=policy, **extra)  # the paper's settings (the section's defaults) but the window
     seqs = [np.r_[ps[p], t] for p in range(prompts) for t in targets[p]]
     starts = np.array([ps[p].size for p in ids])
     done = starts + 1  # prefill emitted the first token

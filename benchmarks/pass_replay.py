@@ -46,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rhyme_jax.config import load_config  # noqa: E402
+from rhyme_jax.config import SpecSection, load_config  # noqa: E402
 from rhyme_jax.data import load_problems  # noqa: E402
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts  # noqa: E402
 from rhyme_jax.spec.drafter import Drafter  # noqa: E402
@@ -136,7 +136,8 @@ def replay_step(spec, max_new: int, prompts, pids, responses, rewards, history: 
 
 
 def oracle_passes(prompt: np.ndarray, response: np.ndarray, sources: list[np.ndarray], max_new: int,
-                  window: int, pattern_max: int = 7, pattern_min: int = 3) -> int:
+                  window: int, pattern_max: int = SpecSection.pattern_max,
+                  pattern_min: int = SpecSection.pattern_min) -> int:
     """Verify passes of one sequence if every pass accepted the longest match among all
     continuations (at most ``window`` tokens) of the context's longest suffix of
     ``pattern_max``..``pattern_min`` tokens found in ``sources`` (prompt + a history response) or in

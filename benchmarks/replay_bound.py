@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from pass_replay import best_continuation  # noqa: E402
 
 from rhyme_jax.measure.text_replay import read_cases, replay  # noqa: E402
-from rhyme_jax.config import load_config  # noqa: E402
+from rhyme_jax.config import SpecSection, load_config  # noqa: E402
 from rhyme_jax.model.tokenizer import Tokenizer  # noqa: E402
 from rhyme_jax.rollout import shapes  # noqa: E402
 from rhyme_jax.rollout.step_cost import StepCost  # noqa: E402
@@ -102,7 +102,7 @@ class PerfectDrafter:
     """Hands out ``PerfectBatch``es (or, with ``cases``, ``SourceOracleBatch``es) over
     consecutive groups of the corpus, in replay order."""
 
-    def __init__(self, targets: list[np.ndarray], cases=None, pattern_max: int = 7):
+    def __init__(self, targets: list[np.ndarray], cases=None, pattern_max: int = SpecSection.pattern_max):
         self.targets, self.next, self.cases, self.pattern_max = targets, 0, cases, pattern_max
 
     def __call__(self, spec, store):  # replay's make_drafter(spec, store)

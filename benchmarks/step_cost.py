@@ -35,6 +35,7 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rhyme_jax.config import RolloutSection  # noqa: E402
 from rhyme_jax.model.config import ModelConfig  # noqa: E402
 from rhyme_jax.model.transformer import Decoder  # noqa: E402
 from rhyme_jax.parallel.mesh import train_mesh  # noqa: E402
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     graphdef, state, _ = create_sharded(lambda: Decoder(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)),
                                         train_mesh(1, 1, 1))
-    eng = RolloutEngine(graphdef, cfg, max_slots=args.rows, page_size=16, num_pages=0,
+    eng = RolloutEngine(graphdef, cfg, max_slots=args.rows, page_size=RolloutSection.page_size, num_pages=0,
                         max_prompt_len=args.context, max_new_tokens=max(ks) + 2, eos_ids=[],
                         attention_impl=args.attention, max_verify_tokens=args.rows * (max(ks) + 1))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=max(ks) + 2)

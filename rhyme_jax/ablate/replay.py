@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rhyme_jax.config.sections import MAX_DRAFT
 from rhyme_jax.io.rollout_log import load_rollouts
-
-MAX_LEN = 32  # longest draft (rollout.shapes.MAX_DRAFT)
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ def _fit(plan, lens: np.ndarray, batch, left: np.ndarray) -> np.ndarray:
     from rhyme_jax.rollout import allocation
     from rhyme_jax.rollout.step_cost import StepCost
 
-    lens = np.minimum(np.minimum(lens, MAX_LEN), np.maximum(left - 1, 0))
+    lens = np.minimum(np.minimum(lens, MAX_DRAFT), np.maximum(left - 1, 0))
     choice, _ = allocation.choose_step(plan, lens, batch.estimates, StepCost.prior(), batch.priorities)
     return choice.draft_lens
 
@@ -101,7 +100,7 @@ def _group(targets, group: list[int], drafter, plan, tot: dict) -> None:
         tot["hits"] += int((lens > 0).sum())
         tot["drafted"] += int(lens.sum())
         tot["accepted"] += int(acc.sum())
-        tot["draft_hist"] += np.bincount(lens, minlength=MAX_LEN + 1)[: MAX_LEN + 1]
+        tot["draft_hist"] += np.bincount(lens, minlength=MAX_DRAFT + 1)[: MAX_DRAFT + 1]
 
 
 def replay(spec_cfg, store, targets: list[Target], plan, rows: int) -> dict:
@@ -116,7 +115,7 @@ def replay(spec_cfg, store, targets: list[Target], plan, rows: int) -> dict:
     """
     from rhyme_jax.spec.drafter import Drafter
 
-    tot = dict(passes=0, eligible=0, hits=0, drafted=0, accepted=0, draft_hist=np.zeros(MAX_LEN + 1, np.int64))
+    tot = dict(passes=0, eligible=0, hits=0, drafted=0, accepted=0, draft_hist=np.zeros(MAX_DRAFT + 1, np.int64))
     with Drafter(spec_cfg, store) as drafter:
         drafter.rebuild(sorted({t.pid for t in targets}))
         for start in range(0, len(targets), rows):

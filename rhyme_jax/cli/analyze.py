@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from rhyme_jax.cli.common import add_command, report
+from rhyme_jax.config import SpecSection
 
 
 def register(sub) -> None:
@@ -14,9 +15,9 @@ def register(sub) -> None:
                      "rollouts", run, config=False,
                      examples=("rhyme-jax analyze runs/demo", "rhyme-jax analyze runs/demo --window fixed"))
     an.add_argument("run_dir", help="run directory holding rollouts/step_*.npz")
-    an.add_argument("--branch", choices=("reward", "count"), default="reward",
+    an.add_argument("--branch", choices=("reward", "count"), default=SpecSection.branch,
                     help="draft branch rule (default: %(default)s)")
-    an.add_argument("--window", choices=("aimd", "mimd", "fixed"), default="aimd",
+    an.add_argument("--window", choices=("aimd", "mimd", "fixed"), default=SpecSection.window,
                     help="draft window policy (default: %(default)s)")
 
 

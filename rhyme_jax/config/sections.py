@@ -29,7 +29,7 @@ SchedMode = Literal["fifo", "histopipe"]
 SchedPipeline = Literal["sync", "one_step_off"]
 LengthStat = Literal["mean", "max", "p90"]
 
-MAX_DRAFT = 32  # longest draft window (rollout/shapes.py MAX_DRAFT; the window policies cap there)
+MAX_DRAFT = 32  # longest draft of one row in one step: the single source (rollout.shapes, spec.window, spec.drafter)
 MAX_PATTERN = 256  # longest matched suffix: the drafter's self-lookup context (spec/drafter.py)
 SEED_LIMIT = 2 ** 32  # jax.random.key keeps 32 bits of a seed without x64
 

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rhyme_jax.config.sections import MAX_DRAFT  # longest draft of one row in one step (re-exported)
 
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 MIN_PREFILL_BUCKET = 64  # a shorter prefill costs about the same padded to 64
 MIN_PREFILL_Q = 16
 MIN_DECODE_WIDTH = 8
-MAX_DRAFT = 32  # longest draft of one row in one step (drafter windows cap at 32)
 DRAFT_ROOM = 2  # a verify program's Q - 1 is at most this many times its packed tokens per row
 DEFAULT_PREFILL_TOKENS = 2048
 

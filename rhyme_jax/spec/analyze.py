@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rhyme_jax.config.sections import SpecSection
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, draft_batch
 from rhyme_jax.spec.window import initial_window, next_window
 from rhyme_jax.io.atomic import atomic_write
@@ -44,9 +45,10 @@ class AnalyzeError(ValueError):
 
 
 def simulate_rhyme(
-    pack: IndexPack, slots: np.ndarray, responses: list[np.ndarray], *, branch: str = "reward",
-    window: str = "aimd", fixed_window: int = 8, min_token_prob: float = 0.1,
-    pattern_max: int = 7, pattern_min: int = 3,
+    pack: IndexPack, slots: np.ndarray, responses: list[np.ndarray], *, branch: str = SpecSection.branch,
+    window: str = SpecSection.window, fixed_window: int = SpecSection.fixed_window,
+    min_token_prob: float = SpecSection.min_token_prob, pattern_max: int = SpecSection.pattern_max,
+    pattern_min: int = SpecSection.pattern_min,
 ) -> np.ndarray:
     """Teacher-forced drafting of many responses at once (O5; see module docstring).
 
@@ -54,9 +56,15 @@ def simulate_rhyme(
       pack: indexes of the previous rollouts (``IndexPack.of``), built with ``MARKER`` as prompt.
       slots: ``int[B]`` pack slot of each response (-1: no history, nothing predicted).
       responses: B actual ``int[L_b]`` token arrays.
+      branch, window, fixed_window, min_token_prob, pattern_max, pattern_min: drafting settings,
+        as the ``spec`` config keys of the same names (defaults: ``SpecSection``'s, the paper's).
 
     Returns:
       ``int64[B]`` predicted (accepted) tokens per response.
+
+    Raises:
+      ValueError: an unknown ``branch`` / ``window`` or out-of-range settings (``draft_batch``,
+        ``initial_window``).
     """
     b = len(responses)
     lengths = np.array([r.size for r in responses], dtype=np.int64)
@@ -101,10 +109,17 @@ def length_percentiles(mean_lengths: np.ndarray) -> np.ndarray:
     return (below + 0.5 * equal) / (p - 1)
 
 
-def analyze(run_dir: str | Path, *, branch: str = "reward", window: str = "aimd",
-            fixed_window: int = 8, min_token_prob: float = 0.1, pattern_max: int = 7,
-            pattern_min: int = 3, rank_shift: float = 0.1) -> dict:
+def analyze(run_dir: str | Path, *, branch: str = SpecSection.branch, window: str = SpecSection.window,
+            fixed_window: int = SpecSection.fixed_window, min_token_prob: float = SpecSection.min_token_prob,
+            pattern_max: int = SpecSection.pattern_max, pattern_min: int = SpecSection.pattern_min,
+            rank_shift: float = 0.1) -> dict:
     """O5/O6 per epoch from a run's saved rollouts (module docstring).
+
+    Args:
+      run_dir: run directory holding ``rollouts/step_*.npz``.
+      branch, window, fixed_window, min_token_prob, pattern_max, pattern_min: drafting settings
+        of the simulated drafter, as in ``simulate_rhyme``.
+      rank_shift: length-rank change that counts as a shift (O6).
 
     Returns:
       ``{"settings": {...}, "epochs": [{"epoch", "prompts", "responses", "tokens", "predicted",

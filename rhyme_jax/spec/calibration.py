@@ -49,6 +49,8 @@ import numba
 import numpy as np
 from jaxtyping import Float, Int
 
+from rhyme_jax.config.sections import MAX_DRAFT
+
 SOURCES = ("history", "self", "sibling")
 HISTORY, SELF, SIBLING = 0, 1, 2
 # match length m (tokens) -> bucket; m >= 64 shares the last bucket
@@ -56,7 +58,7 @@ MATCH_EDGES = (1, 2, 3, 4, 5, 7, 10, 16)  # bucket k holds MATCH_EDGES[k] <= m <
 DEPTH_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24)  # draft position j (0-based), same rule
 NUM_PROB = 12  # raw probability q: bucket floor(10 q) for q < 1, 10 for q == 1, 11 one occurrence
 SINGLE = NUM_PROB - 1  # the bucket of a match that occurred once
-MAX_DEPTH = 32  # longest draft (the engine's shapes.MAX_DRAFT)
+MAX_DEPTH = MAX_DRAFT  # longest draft (config.sections.MAX_DRAFT, the engine's shapes.MAX_DRAFT)
 S0 = 4.0  # pseudo-trials of a coarse cell's prior
 S1 = 8.0  # pseudo-trials of a fine cell's prior (centred on its coarse cell)
 S2 = 4.0  # pseudo-accepted tokens of a middle cell's prior factor

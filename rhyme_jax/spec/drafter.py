@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.config.sections import MAX_DRAFT
 from rhyme_jax.spec.calibration import Calibration
 from rhyme_jax.spec.candidates import HistoryPack
 from rhyme_jax.spec.goodput import GoodputDrafts
 from rhyme_jax.spec.history import HistoryEntry, HistoryStore
 from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
-from rhyme_jax.spec.window import MAX_WINDOW, initial_window, next_window
+from rhyme_jax.spec.window import initial_window, next_window
 
 if TYPE_CHECKING:
     from rhyme_jax.config import SpecSection
@@ -204,7 +205,7 @@ class DraftBatch:
         self._emitted = np.zeros(slots.size, np.int64)
         self._goodput: GoodputDrafts | None = None
         if parent.goodput:  # no window: drafts up to 32 tokens, the engine sizes them
-            self._window = np.full(slots.size, MAX_WINDOW, np.int32)
+            self._window = np.full(slots.size, MAX_DRAFT, np.int32)
             groups = np.arange(slots.size, dtype=np.int64) if groups is None else groups
             self._goodput = GoodputDrafts(parent, pack, slots, groups)
         else:
@@ -269,7 +270,7 @@ class DraftBatch:
             miss = np.flatnonzero((lens == 0) & (max_lens > 0))
             if miss.size:
                 own, own_lens = self_lookup_drafts(tails[miss], max_lens[miss], pattern_max=p.pattern_max,
-                                                   pattern_min=p.pattern_min, max_draft=MAX_WINDOW)
+                                                   pattern_min=p.pattern_min, max_draft=MAX_DRAFT)
                 width = max(out.shape[1], int(own_lens.max(initial=0)))
                 if width > out.shape[1]:
                     out = np.concatenate([out, np.zeros((out.shape[0], width - out.shape[1]), out.dtype)], axis=1)

@@ -14,6 +14,8 @@ import numba
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.config.sections import MAX_DRAFT
+
 
 @numba.njit(cache=True, nogil=True)
 def _lookup(ctx, max_lens, pattern_max, pattern_min, out, lens):  # pragma: no cover - numba
@@ -51,7 +53,7 @@ def self_lookup_drafts(
     *,
     pattern_max: int,
     pattern_min: int,
-    max_draft: int = 32,
+    max_draft: int = MAX_DRAFT,
 ) -> tuple[Int[np.ndarray, "B D"], Int[np.ndarray, "B"]]:
     """Drafts of B sequences from their own earlier tokens.
 

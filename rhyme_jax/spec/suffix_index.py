@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 from jaxtyping import Float, Int
 
+from rhyme_jax.config.sections import SpecSection
 from rhyme_jax.spec import sam_kernels as K
 
 SEP = -1  # ends each response string
@@ -213,8 +214,8 @@ class SuffixIndex:
         *,
         branch: str,
         min_token_prob: float,
-        pattern_max: int = 7,
-        pattern_min: int = 3,
+        pattern_max: int = SpecSection.pattern_max,
+        pattern_min: int = SpecSection.pattern_min,
     ) -> Int[np.ndarray, "n"]:
         """Draft continuation of one running sequence (rule in the module docstring).
 
@@ -250,8 +251,8 @@ def draft_batch(
     *,
     branch: str,
     min_token_prob: float,
-    pattern_max: int = 7,
-    pattern_min: int = 3,
+    pattern_max: int = SpecSection.pattern_max,
+    pattern_min: int = SpecSection.pattern_min,
 ) -> tuple[Int[np.ndarray, "B W"], Int[np.ndarray, "B"]]:
     """Batched drafting: row b drafts from index ``slots[b]`` of ``pack`` (-1: no index).
 

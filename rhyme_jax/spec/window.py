@@ -15,21 +15,22 @@ from __future__ import annotations
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.config.sections import MAX_DRAFT, SpecSection
+
 POLICIES = ("aimd", "mimd", "fixed")
 START = 2
 AIMD_STEP, AIMD_CAP = 2, 32
 MIMD_CAP = 16
-MAX_WINDOW = 32  # longest draft window (the engine caps drafts at shapes.MAX_DRAFT = 32 too)
 
 
 def _check(policy: str, fixed: int) -> None:
     if policy not in POLICIES:
         raise ValueError(f"window: expected one of {POLICIES}, got {policy!r}")
-    if policy == "fixed" and not 0 <= int(fixed) <= MAX_WINDOW:
-        raise ValueError(f"fixed_window: expected an integer in [0, {MAX_WINDOW}], got {fixed}")
+    if policy == "fixed" and not 0 <= int(fixed) <= MAX_DRAFT:
+        raise ValueError(f"fixed_window: expected an integer in [0, {MAX_DRAFT}], got {fixed}")
 
 
-def initial_window(policy: str, n: int, fixed: int = 8) -> Int[np.ndarray, "n"]:
+def initial_window(policy: str, n: int, fixed: int = SpecSection.fixed_window) -> Int[np.ndarray, "n"]:
     """``int32[n]`` starting windows (2, or ``fixed`` for the fixed policy).
 
     Raises:
@@ -46,7 +47,7 @@ def next_window(
     window: Int[np.ndarray, "B"],
     drafted: Int[np.ndarray, "B"],
     accepted: Int[np.ndarray, "B"],
-    fixed: int = 8,
+    fixed: int = SpecSection.fixed_window,
 ) -> Int[np.ndarray, "B"]:
     """Windows after one verify step.
 
