@@ -143,14 +143,13 @@ def warm_up(setup: Setup, args) -> tuple[float, int]:
     """Compile every prefill / decode / verify program (``engine.programs(spec=True)``) once per sampling
     program the temperatures use; returns ``(seconds, shapes)``."""
     from rhyme_jax.rollout.engine import SamplingParams
-    from rhyme_jax.rollout.sampling import sampling_mode
 
     t0, shapes, modes = time.perf_counter(), 0, set()
     for temp in args.temperatures:
-        if sampling_mode(temp, 0, 1.0) in modes:
-            continue
-        modes.add(sampling_mode(temp, 0, 1.0))
         sp = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
+        if sp.mode in modes:
+            continue
+        modes.add(sp.mode)
         shapes += setup.engine.warmup(setup.state, sp, spec=True,
                                       compile_threads=args.compile_threads)
     return time.perf_counter() - t0, shapes

@@ -41,7 +41,6 @@ from rhyme_jax.rollout.step_cost import cache_path as step_cost_cache_path
 from rhyme_jax.rollout.batching import StepInputs
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
-from rhyme_jax.rollout.sampling import sampling_mode
 from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
 from rhyme_jax.rollout.step_runner import StepRunner
@@ -264,7 +263,7 @@ class RolloutEngine:
             raise EngineConfigError(
                 f"{_WHERE}: SamplingParams.max_new_tokens={sampling.max_new_tokens} must be in "
                 f"[1, engine max_new_tokens={self.max_new_tokens}]")
-        sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)  # validates
+        sampling.mode  # validates temperature / top_k / top_p (SamplingError)
         out = []
         vocab = self.model_cfg.vocab_size
         for i, p in enumerate(prompts):
@@ -464,7 +463,7 @@ class _Passes:
 
     def __init__(self, engine: RolloutEngine, flat_state, key: jax.Array, sampling: SamplingParams):
         self.engine, self.flat_state, self.key, self.sampling = engine, flat_state, key, sampling
-        self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        self.mode = sampling.mode
 
     def __call__(self, inp: StepInputs):
         """``RolloutEngine._run`` of ``inp`` as the next live pass."""

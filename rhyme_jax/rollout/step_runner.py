@@ -9,7 +9,6 @@ from typing import Any
 import jax
 
 from rhyme_jax.rollout import batching
-from rhyme_jax.rollout.sampling import sampling_mode
 from rhyme_jax.rollout.types import SamplingParams
 
 
@@ -31,7 +30,7 @@ class StepRunner:
 
     def __init__(self, engine, state, sampling: SamplingParams, *, key=None, allocate: bool = True):
         self.engine, self.sampling = engine, sampling
-        self.mode = sampling_mode(sampling.temperature, sampling.top_k, sampling.top_p)
+        self.mode = sampling.mode
         self.key = jax.random.key(0) if key is None else key
         if allocate:
             engine._ensure_pool(state)

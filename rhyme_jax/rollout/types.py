@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.rollout.sampling import sampling_mode
+
 if TYPE_CHECKING:
     from rhyme_jax.config import RolloutSection
 
@@ -31,6 +33,17 @@ class SamplingParams:
         this override)."""
         return cls(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
                    max_new_tokens=rollout.max_new_tokens if max_new_tokens is None else int(max_new_tokens))
+
+    @property
+    def mode(self) -> str:
+        """The sampling program these settings compile to (``rhyme_jax.rollout.sampling.MODES``:
+        ``"greedy"`` at temperature 0, ``"filtered"`` with top-k or top-p on, else ``"plain"``;
+        ``"dynamic"`` if a setting is a traced array), via ``sampling.sampling_mode``.
+
+        Raises:
+          SamplingError: temperature < 0, top_k < 0 or top_p outside (0, 1].
+        """
+        return sampling_mode(self.temperature, self.top_k, self.top_p)
 
 
 class PromptTooLongError(ValueError):
