@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-device", default="cpu", choices=("cpu", "auto"),
                    help="cpu (default) or accelerate's default device")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--merge", default="", metavar="DIRS",
+                   help="comma-separated report directories of earlier runs of this script (one seed each, "
+                        "run side by side): write their combined report under --out; nothing is trained")
     p.add_argument("--wait-minutes", type=float, default=0,
                    help="with --rhyme-run-dir: wait up to this long for a named run still training to finish "
                         "(its summary.json) before comparing it")
@@ -716,9 +719,47 @@ def wait_for_summary(run_dir: Path, minutes: float) -> None:
         time.sleep(20)
 
 
+def merge_reports(dirs: list[str], out: Path) -> dict:
+    """One report from several ``report.json`` (the same config, other seeds): runs concatenated,
+    the summary recomputed over all of them (final-window units: per-step reward means).
+
+    Raises:
+      SystemExit: a report is missing or the reports disagree on config, steps or window.
+    """
+    reports = []
+    for d in dirs:
+        path = Path(d) / "report.json"
+        if not path.is_file():
+            raise SystemExit(f"--merge: {path} not found")
+        reports.append(json.loads(path.read_text()))
+    first = reports[0]
+    for r in reports[1:]:
+        for key in ("window_steps", "compared_steps", "trl_settings"):
+            if r.get(key) != first.get(key):
+                raise SystemExit(f"--merge: the reports differ in {key}")
+    window = first["window_steps"]
+    runs = [dict(run) for r in reports for run in r["runs"]]
+    for run in runs:
+        run["_units"] = {side: run[side]["reward_mean"][-window:] for side in ("rhyme", "trl")}
+    report = dict(first, seeds=[run["seed"] for run in runs], summary=summarize(runs, window),
+                  runs=[{k: v for k, v in run.items() if not k.startswith("_")} for run in runs],
+                  merged_from=[str(d) for d in dirs])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    write_markdown(report, out / "report.md")
+    plot_rewards(report, out / "rewards.png")
+    return report
+
+
 def main(argv=None) -> int:
-    """Run both sides for every seed and write report.md, report.json and rewards.png under --out."""
+    """Run both sides for every seed and write report.md, report.json and rewards.png under --out
+    (or, with --merge, combine earlier reports)."""
     args = parse_args(argv)
+    if args.merge:
+        report = merge_reports([d for d in args.merge.split(",") if d.strip()], Path(args.out))
+        print(f"wrote {Path(args.out) / 'report.md'} from {args.merge}", flush=True)
+        s = report["summary"]
+        return 0 if s["prompts_same_order_all_seeds"] and s["prompt_tokens_identical_all_seeds"] else 1
     if "torch" not in sys.modules:  # libgomp reads it when torch loads
         # Spinning OpenMP workers slow torch 15-40x on a CPU shared with other jobs (measured on 2
         # busy cores: 16 new tokens x 4 rows of SmolLM2-135M, 24-54 s spinning vs 1.5 s passive).
