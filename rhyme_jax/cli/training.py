@@ -28,7 +28,8 @@ def register(sub) -> None:
                                "rhyme-jax train --config configs/gsm8k_qwen2.5_1.5b.yaml --dry-run"))
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config, the memory plan and the "
-                    "rollout program count, then stop (nothing is trained or written)")
+                    "rollout program count, then stop (nothing is trained; a known model named in the config "
+                    "is imported into the cache on first use)")
     ev = add_command(sub, "eval", "greedy held-out accuracy of a run's newest checkpoint", run,
                      examples=("rhyme-jax eval --config configs/arith_smollm2_135m.yaml",
                                "rhyme-jax eval --config configs/arith_smollm2_135m.yaml --checkpoint initial "
@@ -90,7 +91,7 @@ def dry_run(cfg: RunConfig) -> int:
         kinds[prog.kind] = kinds.get(prog.kind, 0) + 1
     print(f"\n# rollout step programs: {len(programs)} ("
           + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + "); `rhyme-jax compile-report` times them")
-    print("dry run: nothing trained or written")
+    print("dry run: nothing trained")
     return 0
 
 

@@ -19,6 +19,7 @@ stacked into one ``[L, ...]`` subtree (params and the optimizer's moments alike)
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -334,10 +335,15 @@ def load_params(path: str | Path, params_like: Any) -> Any:
     if legacy is not None:  # written before the blocks were stacked: converted on the host
         return legacy
     ckptr = ocp.StandardCheckpointer()
+    absl = logging.getLogger("absl")
+    level = absl.level
+    # A params item inside a managed step has its metadata one level up: orbax warns, harmlessly.
+    absl.setLevel(logging.ERROR)
     try:
         nested = ckptr.restore(path, _restore_args(params_like))
     except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
         raise CheckpointError(f"checkpoint: cannot restore {path} into the given structure: {exc}") from exc
     finally:
+        absl.setLevel(level)
         ckptr.close()
     return _from_nested(nested, params_like, str(path))
