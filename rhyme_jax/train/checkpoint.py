@@ -33,6 +33,22 @@ _EMPTY = "__empty__"
 _COMMIT_FILE = "commit_success.txt"  # orbax atomicity.COMMIT_SUCCESS_FILE
 
 
+def is_complete(step_dir: Path) -> bool:
+    """Whether a checkpoint step directory is complete: orbax's commit marker (written just before
+    the atomic rename) and every item are there; a stray or hand-made directory is not."""
+    return (step_dir / _COMMIT_FILE).is_file() and all((step_dir / item).is_dir() for item in _ITEMS)
+
+
+def complete_steps(checkpoint_dir: str | Path) -> list[int]:
+    """Complete checkpoint steps under ``checkpoint_dir`` (``<run>/checkpoints``), ascending, read
+    without opening a ``CheckpointManager`` (which may clean up the temporary directory of a save
+    in progress): safe beside a run that is still training."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    return sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and is_complete(d))
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, or does not match the structure it is restored into."""
 
@@ -218,12 +234,7 @@ class Checkpointer:
         the atomic rename) and every item; a stray or hand-made directory is ignored.
         """
         self._mgr.reload()
-        out = []
-        for step in self._mgr.all_steps():
-            d = self.directory / str(step)
-            if (d / _COMMIT_FILE).is_file() and all((d / item).is_dir() for item in _ITEMS):
-                out.append(int(step))
-        return sorted(out)
+        return sorted(int(step) for step in self._mgr.all_steps() if is_complete(self.directory / str(step)))
 
     def latest_step(self) -> int | None:
         """Newest complete step, or None when there is none."""

@@ -127,20 +127,6 @@ def run_source(run_dir: Path) -> RunSource:
     return RunSource(cfg, model_cfg, model_dir, tok_file, dtype)
 
 
-def complete_steps(checkpoint_dir: Path) -> list[int]:
-    """Complete checkpoint steps under ``<run>/checkpoints``, ascending, read-only.
-
-    The criterion of ``checkpoint.Checkpointer.all_steps`` (orbax's commit marker and every item
-    present), without opening a ``CheckpointManager``."""
-    if not Path(checkpoint_dir).is_dir():
-        return []
-    out = []
-    for d in Path(checkpoint_dir).iterdir():
-        if d.name.isdigit() and (d / ckpt._COMMIT_FILE).is_file() and all((d / i).is_dir() for i in ckpt._ITEMS):
-            out.append(int(d.name))
-    return sorted(out)
-
-
 def params_location(run_dir: Path, source: RunSource, step: int | str | None) -> tuple[Path | None, str]:
     """The params directory to export and a label for it.
 
@@ -162,7 +148,7 @@ def params_location(run_dir: Path, source: RunSource, step: int | str | None) ->
         origin = str(source.model_dir) if source.model_dir else f"tiny model, seed {source.cfg.run.seed}"
         return warm, f"initial ({warm or origin})"
     ckpt_dir = run_dir / "checkpoints"
-    steps = complete_steps(ckpt_dir)
+    steps = ckpt.complete_steps(ckpt_dir)
     if not steps:
         raise ExportError(f"{ckpt_dir}: no complete checkpoint (step='initial' exports the starting model)")
     if step is None:
