@@ -12,7 +12,7 @@ Three modes:
 
 ``--mode replay`` replays the response lengths a real run saved
 (``<run_dir>/rollouts/step_*.npz``, ``train/rollout_log.py``) through the planner
-(``rhyme_jax/sched/planner.py``) and simulates the rollout workers with the cost model; no model,
+(``rhyme_jax/sched/planner.py``; the replay is ``rhyme_jax/sched/replay.py``) and simulates the rollout workers with the cost model; no model,
 no device. Per step: each prompt's length is predicted from the lengths of the previous time the
 prompt was seen (``length_predictor``; the demo cycles 160 prompts, 16 per step, so a prompt recurs
 once per 10-step epoch), the step is planned under each configuration, and every worker is
@@ -48,12 +48,12 @@ profiled; pass ``--cost-model PATH`` (``CostModel.save`` JSON) for measured valu
 
 Usage::
 
-    python benchmarks/schedule.py                          # replay runs/demo, W = 4
-    python benchmarks/schedule.py --workers 8 --stat p90
-    python benchmarks/schedule.py --synthetic              # no run dir needed
-    python benchmarks/schedule.py --mode profile           # -> benchmarks/results/cost_model.json
+    python -m benchmarks.schedule                          # replay runs/demo, W = 4
+    python -m benchmarks.schedule --workers 8 --stat p90
+    python -m benchmarks.schedule --synthetic              # no run dir needed
+    python -m benchmarks.schedule --mode profile           # -> benchmarks/results/cost_model.json
     export XLA_FLAGS=--xla_force_host_platform_device_count=4   # CPU: one fake device per worker
-    python benchmarks/schedule.py --mode workers --workers 4 --cost-model benchmarks/results/cost_model.json
+    python -m benchmarks.schedule --mode workers --workers 4 --cost-model benchmarks/results/cost_model.json
 
 Replay writes ``benchmarks/results/schedule.json`` (and Gantt PNGs with ``--gantt``), profile
 ``benchmarks/results/cost_model.json``, workers ``benchmarks/results/schedule_workers.json`` (and
@@ -63,18 +63,50 @@ Replay writes ``benchmarks/results/schedule.json`` (and Gantt PNGs with ``--gant
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rhyme_jax.bench.schedule_real import run_profile, run_workers_mode
+from rhyme_jax.io.atomic import atomic_write
+from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel, CostModelError
+from rhyme_jax.sched.profile import BenchSetupError
+from rhyme_jax.sched.replay import FULL, format_table, load_steps, replay, synthetic_steps
+from rhyme_jax.sched.timeline import plot_gantt
 
-from rhyme_jax.sched.cost_model import CostModelError  # noqa: E402
-# The modes live in two modules; their public names are re-exported here.
-from schedule_real import (BenchSetupError, fit_report, format_profile_table, format_workers_table,  # noqa: E402,F401
-                           profile_grid, run_profile, run_workers_mode, summarize_workers, worker_steps)
-from schedule_replay import (CONFIGS, StepLengths, format_table, load_steps, one_step_off, replay,  # noqa: E402,F401
-                             run_replay, simulate, synthetic_steps)
+
+def run_replay(args) -> int:
+    """``--mode replay``: load (or synthesise) the lengths, replay, print and save."""
+    cost = CostModel.load(args.cost_model) if args.cost_model else DEFAULT_COST_MODEL
+    if args.synthetic:
+        steps, max_new = synthetic_steps(args.seed)
+        source = "synthetic length distribution (--synthetic)"
+    else:
+        steps, max_new = load_steps(args.run_dir)
+        source = f"{args.run_dir} ({len(steps)} saved steps)"
+    res = replay(steps, num_workers=args.workers, cost=cost, stat=args.stat, num_groups=args.groups,
+                 growth=args.growth, tail=args.tail, max_new_tokens=max_new, include_cold=args.include_cold,
+                 train_share=args.train_share)
+    cm = f"a={cost.a:g} s, b={cost.b:g} s, c={cost.c:g} s" + ("" if args.cost_model else " (placeholder defaults)")
+    print(f"HistoPipe replay: {source}; W={args.workers}, groups={args.groups or 'auto'}, stat={args.stat}, "
+          f"growth={args.growth}, tail={args.tail}; cost model {cm}")
+    print(f"replayed {res['replayed_steps']} steps ({res['rows']} rows); {res['cold_steps_skipped']} cold-start "
+          f"steps without history skipped; one-step-off columns assume {res['train_s']:.4f} s per training step\n")
+    print(format_table(res))
+    out = Path(args.out or "benchmarks/results/schedule.json")
+    doc = {k: v for k, v in res.items() if k != "intervals"}
+    doc["settings"] = {"source": source, "workers": args.workers, "groups": args.groups, "stat": args.stat,
+                       "growth": args.growth, "tail": args.tail, "cost_model": {"a": cost.a, "b": cost.b, "c": cost.c},
+                       "cost_model_placeholder": not args.cost_model, "max_new_tokens": max_new}
+    with atomic_write(out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"\nwrote {out}")
+    if args.gantt:
+        for name in ("fifo", FULL):
+            png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_')}.png")
+            plot_gantt(res["intervals"][name], png, num_workers=args.workers, title=f"{name} (simulated)")
+            print(f"wrote {png}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -135,7 +167,7 @@ def main(argv=None) -> int:
             return run_workers_mode(args)
         return run_replay(args)
     except (BenchSetupError, CostModelError) as exc:
-        print(f"benchmarks/schedule.py: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.schedule: {exc}", file=sys.stderr)
         return 2
 
 

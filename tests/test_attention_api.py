@@ -71,7 +71,7 @@ _SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pallas_kernels.ragged_paged_attention import api, reference
-    from ragged_cases import random_case
+    from pallas_kernels.ragged_paged_attention.cases import random_case
     assert len(jax.devices()) == 8
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
     case = random_case(np.random.default_rng(0), [1, 9, 3, 1], num_heads=8, num_kv_heads=4,

@@ -19,7 +19,7 @@ from pallas_kernels.compat import pl_triton
 from pallas_kernels.ragged_paged_attention import pallas_gpu, reference
 from pallas_kernels.ragged_paged_attention.pallas_gpu import GPUBlockSizes
 from pallas_kernels.ragged_paged_attention.reference import RaggedAttentionInputError
-from ragged_cases import TOLERANCE, random_case
+from pallas_kernels.ragged_paged_attention.cases import TOLERANCE, random_case
 
 PAGE_SIZE = 16
 PAGES_PER_SEQ = 5  # capacity 80 tokens: lengths cross page boundaries, q_len 64 fits

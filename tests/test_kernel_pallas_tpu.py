@@ -18,7 +18,7 @@ import pytest
 from pallas_kernels.compat import tpu_interpret_params, tpu_interpret_races_found
 from pallas_kernels.ragged_paged_attention import pallas_tpu, reference
 from pallas_kernels.ragged_paged_attention.reference import RaggedAttentionInputError
-from ragged_cases import TOLERANCE, random_case
+from pallas_kernels.ragged_paged_attention.cases import TOLERANCE, random_case
 
 _STATIC = ("sm_scale", "max_q_len", "soft_cap", "sliding_window", "block_sizes", "interpret")
 _kernel = jax.jit(pallas_tpu.ragged_paged_attention, static_argnames=_STATIC)

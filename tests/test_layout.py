@@ -4,13 +4,15 @@ The function-length rule covers ``rhyme_jax/``, ``pallas_kernels/`` and ``benchm
 (``LENGTH_RULE_TREES``); a function's length counts its whole ``def`` including the docstring.
 
 Layer order (ground floor first): ``io`` / ``config``; ``model``, ``data``, ``parallel``;
-``rollout``; ``spec``; ``sched``; ``measure``; ``train``; ``ablate``; the CLI package
-(``rhyme_jax/cli/``) on top. ``config`` imports only the standard library, YAML/OmegaConf and
+``rollout``; ``spec``; ``sched``; ``measure``; ``train``; ``ablate`` and ``bench`` (what the
+benchmark entry points measure; neither imports the other); the CLI package (``rhyme_jax/cli/``)
+on top. ``config`` imports only the standard library, YAML/OmegaConf and
 itself; no module edits ``sys.path``.
 The rules checked are those the architecture issue fixed: ``model``, ``rollout``, ``spec``,
 ``parallel`` and ``data`` never import ``train``; ``sched`` never imports ``train``; ``spec``
 never imports ``rollout`` (the engine owns draft bucketing); the ground floor imports nothing of
-rhyme_jax above it. Imports inside functions count too (they are still dependencies).
+rhyme_jax above it; nothing below the top floor imports ``bench``, and ``bench`` never imports
+the CLI. Imports inside functions count too (they are still dependencies).
 """
 
 from __future__ import annotations
@@ -27,17 +29,19 @@ LENGTH_RULE_TREES = ("rhyme_jax", "pallas_kernels", "benchmarks")
 
 # package -> packages it must never import
 FORBIDDEN = {
-    "io": {"config", "model", "data", "parallel", "rollout", "spec", "sched", "train"},
-    "model": {"rollout", "spec", "sched", "train"},
-    "data": {"rollout", "spec", "sched", "train"},
-    "parallel": {"rollout", "spec", "sched", "train"},
-    "rollout": {"spec", "sched", "train"},
-    "spec": {"rollout", "sched", "train"},
-    "sched": {"train"},
-    "measure": {"train", "ablate", "cli"},
-    "train": {"ablate", "cli", "measure"},
+    "io": {"config", "model", "data", "parallel", "rollout", "spec", "sched", "train", "bench"},
+    "model": {"rollout", "spec", "sched", "train", "bench"},
+    "data": {"rollout", "spec", "sched", "train", "bench"},
+    "parallel": {"rollout", "spec", "sched", "train", "bench"},
+    "rollout": {"spec", "sched", "train", "bench"},
+    "spec": {"rollout", "sched", "train", "bench"},
+    "sched": {"train", "bench"},
+    "measure": {"train", "ablate", "cli", "bench"},
+    "train": {"ablate", "cli", "measure", "bench"},
+    "ablate": {"bench"},
+    "bench": {"ablate", "cli"},
     "config": {"io", "model", "data", "parallel", "rollout", "spec", "sched", "train", "measure", "ablate",
-               "cli", "compile_cache", "compile_count"},
+               "cli", "compile_cache", "compile_count", "bench"},
 }
 
 # what ``rhyme_jax/config`` may import at all: a YAML file loads with nothing but these

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rhyme_jax.sched import replay as replay_bench
 from rhyme_jax.sched.cost_model import CostModel, CostModelError
 from rhyme_jax.sched.length_predictor import predict_lengths
 from rhyme_jax.sched.planner import (
@@ -236,9 +237,9 @@ def test_gantt_png_written(tmp_path):
     assert not [p for p in out.parent.iterdir() if p.name != "gantt.png"]  # no temp files left
 
 
-# ----------------------------------------------------------------------------- replay benchmark
-def test_replay_simulation_with_migration(schedule_bench):
-    bench = schedule_bench
+# ----------------------------------------------------------------------------- replay (benchmarks.schedule)
+def test_replay_simulation_with_migration():
+    bench = replay_bench
     pred = np.array([2.0, 2.0])
     plan = plan_step(1, pred, 10, 2, COST, mode="fifo")
     lengths = np.array([2] * 9 + [10] + [2] * 10)
@@ -255,8 +256,8 @@ def test_replay_simulation_with_migration(schedule_bench):
     assert pipe["span_s"] == 9.0 and pipe["bubble_fraction"] == pytest.approx(1 - 14 / 18)
 
 
-def test_replay_synthetic_runs(schedule_bench):
-    bench = schedule_bench
+def test_replay_synthetic_runs():
+    bench = replay_bench
     steps, max_new = bench.synthetic_steps(seed=0, num_prompts=32, prompts_per_step=8, n=4, steps=12)
     res = bench.replay(steps, num_workers=4, max_new_tokens=max_new)
     assert res["replayed_steps"] == 8 and res["cold_steps_skipped"] == 4 and res["rows"] == 8 * 32

@@ -1,28 +1,30 @@
-"""Smoke checks of benchmarks/schedule.py's profile and workers modes: the pure helpers (grid,
-fit report, history per step, medians) and the set-up errors. No model is built and nothing is
-timed (timings belong in the benchmark itself)."""
+"""Smoke checks of ``python -m benchmarks.schedule``'s profile and workers modes: the pure helpers
+of ``rhyme_jax.sched.profile`` (grid, fit report, history per step, medians) and the set-up errors
+of the command (a subprocess from the repository root). No model is built and nothing is timed
+(timings belong in the benchmark itself)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rhyme_jax.sched.cost_model import CostModel
 from rhyme_jax.io.rollout_log import save_rollouts
+from rhyme_jax.sched import profile as bench
+from rhyme_jax.sched.cost_model import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_profile_grid_is_capped_by_the_engine(schedule_bench):
-    bench = schedule_bench
+def test_profile_grid_is_capped_by_the_engine():
     assert bench.profile_grid(128, 64) == ([1, 4, 16, 64], [16, 48, 64])
     assert bench.profile_grid(8, 96) == ([1, 4, 8], [16, 48, 96])
 
 
-def test_fit_report_recovers_an_exact_cost_model(schedule_bench):
-    bench = schedule_bench
+def test_fit_report_recovers_an_exact_cost_model():
     true = CostModel(a=2e-3, b=1e-4, c=5e-3)
     samples = [(t, b, true(t, b)) for b in (1, 4, 16, 64) for t in (16, 48, 64)]
     cm, rows = bench.fit_report(samples)
@@ -47,8 +49,7 @@ def _save_run(run_dir: Path, steps: int = 4, per_step: int = 2, num_prompts: int
     return ids
 
 
-def test_worker_steps_history_is_the_previous_occurrence(tmp_path, schedule_bench):
-    bench = schedule_bench
+def test_worker_steps_history_is_the_previous_occurrence(tmp_path):
     ids = _save_run(tmp_path)
     out = bench.worker_steps(tmp_path, 3, 2)
     assert [st.step for st, _ in out] == [3, 4]
@@ -62,8 +63,7 @@ def test_worker_steps_history_is_the_previous_occurrence(tmp_path, schedule_benc
         bench.worker_steps(tmp_path / "empty", 1, 1)
 
 
-def test_summarize_workers_medians_and_ratio(schedule_bench):
-    bench = schedule_bench
+def test_summarize_workers_medians_and_ratio():
 
     def row(bubble, mig=0.0, span=1.0):
         return {"sched/bubble_fraction": bubble, "sched/earliest_finisher_idle": 2 * bubble,
@@ -82,14 +82,19 @@ def test_summarize_workers_medians_and_ratio(schedule_bench):
     assert "| tier1 | 15.0% | 2.00x | 25.0% | 30.0% |" in table and "| tier1+tier2+migration | 0.0% | - |" in table
 
 
-def test_workers_mode_without_enough_devices_says_how_to_start(capsys, schedule_bench):
-    bench = schedule_bench
-    assert bench.main(["--mode", "workers", "--workers", "4096", "--jax-cache", ""]) == 2
-    err = capsys.readouterr().err
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=4096" in err
+def _schedule(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.schedule ARGV`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.schedule", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
 
 
-def test_profile_without_params_fails_clearly(tmp_path, capsys, schedule_bench):
-    bench = schedule_bench
-    assert bench.main(["--mode", "profile", "--init-from", str(tmp_path / "none"), "--jax-cache", ""]) == 2
-    assert "rhyme-jax sft" in capsys.readouterr().err
+def test_workers_mode_without_enough_devices_says_how_to_start():
+    out = _schedule("--mode", "workers", "--workers", "4096", "--jax-cache", "")
+    assert out.returncode == 2
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=4096" in out.stderr
+
+
+def test_profile_without_params_fails_clearly(tmp_path):
+    out = _schedule("--mode", "profile", "--init-from", str(tmp_path / "none"), "--jax-cache", "")
+    assert out.returncode == 2
+    assert "rhyme-jax sft" in out.stderr

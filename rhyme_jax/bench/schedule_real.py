@@ -1,59 +1,31 @@
-"""HistoPipe on a real model (``benchmarks/schedule.py --mode profile | workers``): one worker's
-cost model measured and saved, and the planner's configurations on W real rollout workers."""
+"""HistoPipe on a real model (``python -m benchmarks.schedule --mode profile | workers``): one
+rollout worker's cost model measured and saved (``run_profile``), and the planner's configurations
+on W real rollout workers (``run_workers_mode``). The model-free parts (grid, fit report, saved
+steps, medians, tables) are ``rhyme_jax.sched.profile``.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rhyme_jax.sched.cost_model import FORM, CostModel  # noqa: E402
-from rhyme_jax.sched.length_predictor import predict_lengths  # noqa: E402
-from rhyme_jax.sched.timeline import plot_gantt  # noqa: E402
-from rhyme_jax.io.atomic import atomic_write  # noqa: E402
-from schedule_replay import StepLengths, load_steps  # noqa: E402
-
-# ------------------------------------------------------------------ real model: profile / workers
-PROFILE_BATCHES = (1, 4, 16, 64)
-PROFILE_TOKENS = (16, 48, 96)
-
-# name -> ``--set`` overrides of the ``sched`` section (mode sync: migration inside the step)
-WORKER_CONFIGS: dict[str, list[str]] = {
-    "fifo": ["sched.mode=fifo"],
-    "tier1": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=false", "sched.migration=false"],
-    "tier1+tier2": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=true", "sched.migration=false"],
-    "tier1+tier2+migration": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=true",
-                              "sched.migration=true"],
-}
-WORKER_FULL = "tier1+tier2+migration"
-# Cross-step worker queues (sched.pipeline=one_step_off, sched.cross_step=true): steps chained,
-# each worker starting its part of step s + 1 when its part of step s is done. No migration: a
-# one_step_off tail would be deferred, and this benchmark does not train the carried groups.
-CROSS_STEP_CONFIGS: dict[str, list[str]] = {
-    "fifo cross-step": ["sched.mode=fifo", "sched.pipeline=one_step_off", "sched.cross_step=true"],
-    "tier1+tier2 cross-step": ["sched.mode=histopipe", "sched.tier1=true", "sched.tier2=true",
-                               "sched.migration=false", "sched.pipeline=one_step_off", "sched.cross_step=true"],
-}
-# RolloutScheduler metrics summarised per configuration (median over the steps)
-WORKER_METRICS = ("sched/bubble_fraction", "sched/earliest_finisher_idle", "time/rollout_makespan_s",
-                  "sched/migrated_share", "sched/predicted_makespan_s")
-
-
-class BenchSetupError(RuntimeError):
-    """A prerequisite of the profile/workers modes is missing (SFT params, tokenizer, saved
-    rollouts, devices); the message says what to run."""
+from rhyme_jax.io.atomic import atomic_write
+from rhyme_jax.sched.cost_model import CostModel
+from rhyme_jax.sched.length_predictor import predict_lengths
+from rhyme_jax.sched.profile import (CROSS_STEP_CONFIGS, WORKER_CONFIGS, WORKER_FULL, BenchSetupError, corr,
+                                     fit_report, format_profile_table, format_workers_table, profile_grid,
+                                     step_row, summarize_workers, worker_steps)
+from rhyme_jax.sched.timeline import plot_gantt
 
 
 def _enable_compile_cache(path: str) -> None:
-    """Persistent XLA compilation cache (as benchmarks/rollout.py; warm-up is never timed)."""
+    """Persistent XLA compilation cache at ``path`` ("" = off; as ``benchmarks.rollout``: warm-up is
+    never timed)."""
     import jax
 
     if path:
@@ -91,33 +63,10 @@ def load_policy(config: str, overrides: list[str], init_from: str, run_dir: str)
     return policy, load_params(init_from, state)
 
 
-def profile_grid(max_slots: int, max_new_tokens: int, batches=PROFILE_BATCHES,
-                 tokens=PROFILE_TOKENS) -> tuple[list[int], list[int]]:
-    """The profile grid: ``batches`` capped at ``rollout.max_slots`` and ``tokens`` capped at
-    ``rollout.max_new_tokens`` (duplicates after capping dropped), ascending."""
-    return (sorted({min(int(b), int(max_slots)) for b in batches}),
-            sorted({min(int(t), int(max_new_tokens)) for t in tokens}))
 
 
-def fit_report(samples) -> tuple[CostModel, list[dict]]:
-    """Fit the cost model to ``(tokens, batch, seconds)`` samples and the fit's relative error at
-    each sample: ``(T(tokens, batch) - seconds) / seconds``."""
-    cm = CostModel.fit(samples)
-    rows = [{"tokens": int(t), "batch": int(b), "measured_s": float(s), "fit_s": float(cm(t, b)),
-             "rel_error": float(cm(t, b) / s - 1.0) if s > 0 else float("nan")} for t, b, s in samples]
-    return cm, rows
 
 
-def format_profile_table(cm: CostModel, rows: list[dict]) -> str:
-    """Markdown table of the measured and fitted seconds per grid point."""
-    lines = [f"Fitted {FORM}: a = {cm.a:.4g} s, b = {cm.b:.4g} s, c = {cm.c:.4g} s", "",
-             "| batch | tokens | measured (s) | fit (s) | relative error |", "|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["batch"], r["tokens"])):
-        lines.append(f"| {r['batch']} | {r['tokens']} | {r['measured_s']:.4f} | {r['fit_s']:.4f} | "
-                     f"{r['rel_error']:+.1%} |")
-    worst = max(abs(r["rel_error"]) for r in rows)
-    lines += ["", f"largest |relative error|: {worst:.1%}"]
-    return "\n".join(lines)
 
 
 
@@ -177,7 +126,7 @@ def run_profile(args) -> int:
     print()
     print(format_profile_table(cm, rows))
     out = Path(args.out or "benchmarks/results/cost_model.json")
-    meta = {"source": "benchmarks/schedule.py --mode profile", "platform": dev.platform,
+    meta = {"source": "python -m benchmarks.schedule --mode profile", "platform": dev.platform,
             "device_kind": dev.device_kind, "jax_version": jax.__version__, "init_from": str(args.init_from),
             "config": str(args.config), "overrides": list(args.overrides),
             "model": {k: int(getattr(pol.model_cfg, k)) for k in
@@ -191,79 +140,16 @@ def run_profile(args) -> int:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     cm.save(out, meta=meta)
     print(f"\nwrote {out} ({time.perf_counter() - t_start:.0f} s in all); use it with "
-          f"`--set sched.cost_model={out}` (trainer) or `--cost-model {out}` (this script)")
+          f"`--set sched.cost_model={out}` (trainer) or `--cost-model {out}` (python -m benchmarks.schedule)")
     return 0
 
 
-def worker_steps(run_dir: str | Path, first: int, count: int) -> list[tuple[StepLengths, dict]]:
-    """Steps ``first .. first + count - 1`` of a run's saved rollouts, each with its history: a
-    mapping prompt id -> ``int32[n]`` lengths of that prompt's latest earlier occurrence (what the
-    trainer's history store holds at that step; ``length_predictor`` accepts the mapping).
-
-    Raises:
-      BenchSetupError: no usable saved rollouts, or a wanted step has none.
-    """
-    try:
-        steps, _ = load_steps(run_dir)
-    except ValueError as exc:  # no rollouts, or an unreadable / inconsistent file
-        raise BenchSetupError(str(exc)) from None
-    have = {st.step for st in steps}
-    wanted = list(range(int(first), int(first) + int(count)))
-    missing = [s for s in wanted if s not in have]
-    if missing:
-        raise BenchSetupError(f"{run_dir}: no saved rollouts for steps {missing} (saved: {min(have)}..{max(have)}); "
-                              f"use --start-step/--steps within them")
-    history: dict[int, np.ndarray] = {}
-    out = []
-    for st in sorted(steps, key=lambda s: s.step):
-        if st.step in wanted:
-            out.append((st, dict(history)))
-        for pid, lengths in zip(st.prompt_ids.tolist(), st.lengths):
-            history[int(pid)] = lengths
-    return out
 
 
-def _corr(x, y) -> float:
-    """Pearson correlation (nan when either side is constant)."""
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if x.size < 2 or x.std() == 0 or y.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
 
 
-def summarize_workers(per_step: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per configuration: the median over the steps of each ``WORKER_METRICS`` entry and of the
-    rollout wall time, plus ``bubble_ratio_vs_fifo`` = fifo's median bubble / this median bubble
-    (> 1: fewer bubbles than fifo; None without fifo or with a zero bubble), the pooled bubble
-    fraction (idle worker-seconds over all steps / worker-seconds of all step windows) and the
-    summed makespan."""
-    out = {}
-    for name, rows in per_step.items():
-        out[name] = {k: float(np.median([r[k] for r in rows])) for k in (*WORKER_METRICS, "wall_s")}
-        out[name]["steps"] = len(rows)
-        span = sum(r["time/rollout_makespan_s"] for r in rows)
-        out[name]["pooled_bubble_fraction"] = (sum(r["sched/bubble_fraction"] * r["time/rollout_makespan_s"]
-                                                   for r in rows) / span if span else 0.0)
-        out[name]["total_makespan_s"] = span
-    fifo = out.get("fifo", {}).get("sched/bubble_fraction")
-    for a in out.values():
-        b = a["sched/bubble_fraction"]
-        a["bubble_ratio_vs_fifo"] = fifo / b if fifo is not None and b > 0 else None
-    return out
 
 
-def format_workers_table(summary: dict[str, dict]) -> str:
-    """Markdown table of ``summarize_workers``'s medians."""
-    lines = ["| config | bubble fraction | fifo bubble / bubble | pooled bubble | earliest-finisher idle "
-             "| makespan (s) | summed makespan (s) | migrated share | predicted makespan (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, a in summary.items():
-        ratio = f"{a['bubble_ratio_vs_fifo']:.2f}x" if a["bubble_ratio_vs_fifo"] else "-"
-        lines.append(f"| {name} | {a['sched/bubble_fraction']:.1%} | {ratio} | {a['pooled_bubble_fraction']:.1%} | "
-                     f"{a['sched/earliest_finisher_idle']:.1%} | {a['time/rollout_makespan_s']:.3f} | "
-                     f"{a['total_makespan_s']:.3f} | {a['sched/migrated_share']:.2%} | "
-                     f"{a['sched/predicted_makespan_s']:.3f} |")
-    return "\n".join(lines)
 
 
 def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:
@@ -288,14 +174,6 @@ def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:
         return list(pool.map(one, range(len(engines))))
 
 
-def step_row(step: int, sr, wall: float, **extra) -> dict:
-    """One configuration's JSON row for a step: ``WORKER_METRICS``, wall seconds, generated
-    tokens, mean length, rows per worker, the worker intervals, plus ``extra``."""
-    lengths = np.array([len(t) for t in sr.result.tokens])
-    return {"step": step, "wall_s": wall, **{k: float(sr.metrics[k]) for k in WORKER_METRICS},
-            "generated_tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), **extra,
-            "worker_rows": [int(w.size) for w in sr.plan.worker_rows],
-            "intervals": [[iv.worker, iv.start, iv.end, iv.kind] for iv in sr.intervals]}
 
 
 def cross_step_chain(sch, batches, pol, states, sampling, cfg, *, train_s: float) -> tuple[list[dict], dict]:
@@ -350,7 +228,7 @@ def run_workers_mode(args) -> int:
         raise BenchSetupError(
             f"--mode workers --workers {W} needs {W} devices (one per worker); JAX sees {jax.device_count()} "
             f"({jax.default_backend()}). On CPU start it with one fake device per worker:\n"
-            f"  XLA_FLAGS=--xla_force_host_platform_device_count={W} python benchmarks/schedule.py --mode workers "
+            f"  XLA_FLAGS=--xla_force_host_platform_device_count={W} python -m benchmarks.schedule --mode workers "
             f"--workers {W}")
     if args.cost_model:
         CostModel.load(args.cost_model)  # fail early on a bad file
@@ -438,13 +316,13 @@ class _WorkersBench:
             pred = predict_lengths(hist, ids, cfg.sched.length_stat, default=max_new / 2)
             seen = sum(int(p) in hist for p in ids.tolist())
             print(f"step {st.step}: {len(ids)} prompts x {n} samples, {seen} with history; prediction vs the "
-                  f"demo run's own lengths at this step: r = {_corr(pred, st.lengths.mean(1)):.2f}", flush=True)
+                  f"demo run's own lengths at this step: r = {corr(pred, st.lengths.mean(1)):.2f}", flush=True)
             for name, sch in self.scheds.items():
                 t0 = time.perf_counter()
                 sr = sch.rollout(st.step, self.states, ids, prompts, n, self.sampling, key, history=hist)
                 wall = time.perf_counter() - t0
                 lengths = np.array([len(t) for t in sr.result.tokens])
-                row = step_row(st.step, sr, wall, prediction_corr=_corr(pred, lengths.reshape(-1, n).mean(1)))
+                row = step_row(st.step, sr, wall, prediction_corr=corr(pred, lengths.reshape(-1, n).mean(1)))
                 per_step[name].append(row)
                 intervals[name][st.step] = sr.intervals
                 print(f"  {name:22s} bubble {row['sched/bubble_fraction']:6.1%}  earliest-finisher idle "

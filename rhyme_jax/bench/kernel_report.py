@@ -1,4 +1,4 @@
-"""Reporting of ``kernels.py``: issue targets, the printed table, ``kernels.json`` / ``kernels.md``.
+"""Reporting of ``python -m benchmarks.kernels`` (``rhyme_jax.bench.kernels``): issue targets, the printed table, ``kernels.json`` / ``kernels.md``.
 
 A row is a dict: ``shape`` (batch, context, page_size, q_len), ``label``, ``impl``, ``status``
 (``ok``, ``FAILED(correctness)``, ``ERROR(...)``, ``SKIPPED(...)``, ``n/a ...``) and, when
@@ -52,15 +52,16 @@ def targets_title(summary: dict) -> str:
             f"decode >= {TARGET_ROOFLINE}% of roofline)")
 
 
-def _f(v, spec):
+def fmt_opt(v, spec) -> str:
+    """``v`` formatted with ``spec``, or "-" for None."""
     return "-" if v is None else format(v, spec)
 
 
 def fmt_row(r: dict) -> str:
-    ms = lambda k: _f(r.get(k) and 1e3 * r[k], ".3f")  # noqa: E731
-    return (f"{r['label']:<26} {r['impl']:<30} {r['status'][:34]:<34} {_f(r.get('max_abs_err'), '.1e'):>8} "
-            f"{_f(r.get('compile_s'), '.1f'):>7} {ms('median_s'):>9} {ms('pipelined_s'):>9} "
-            f"{_f(r.get('gbps'), '.0f'):>7} {_f(r.get('pct_roofline'), '.1f'):>6}")
+    ms = lambda k: fmt_opt(r.get(k) and 1e3 * r[k], ".3f")  # noqa: E731
+    return (f"{r['label']:<26} {r['impl']:<30} {r['status'][:34]:<34} {fmt_opt(r.get('max_abs_err'), '.1e'):>8} "
+            f"{fmt_opt(r.get('compile_s'), '.1f'):>7} {ms('median_s'):>9} {ms('pipelined_s'):>9} "
+            f"{fmt_opt(r.get('gbps'), '.0f'):>7} {fmt_opt(r.get('pct_roofline'), '.1f'):>6}")
 
 
 HEADER = (f"{'shape':<26} {'impl':<30} {'status':<34} {'max_err':>8} {'comp_s':>7} {'med_ms':>9} "
@@ -71,23 +72,23 @@ def markdown(meta: dict, rows: list[dict], summary: dict) -> str:
     """The results as a markdown report (run metadata, targets, full table)."""
     lines = ["# Ragged paged attention kernel benchmark", "",
              f"device `{meta['device_kind']}` ({meta['backend']}), jax {meta['jax']}, roofline "
-             f"{meta['hbm_tbps']} TB/s, measured copy {_f(meta.get('copy_tbps'), '.2f')} TB/s; "
+             f"{meta['hbm_tbps']} TB/s, measured copy {fmt_opt(meta.get('copy_tbps'), '.2f')} TB/s; "
              f"H={meta['heads']} KVH={meta['kv_heads']} hd={meta['head_dim']} {meta['dtype']}; "
              f"median of {meta['iters']} runs after {meta['warmup']} warm-ups; {meta['status']}.", "",
              f"## {targets_title(summary)}", "",
              "| impl | decode ms | verify ms | verify/decode | decode % roofline |", "|---|---|---|---|---|"]
     for name, e in summary["at_ratio_point"].items():
-        lines.append(f"| {name} | {_f(e['decode_ms'], '.3f')} | {_f(e.get('verify_ms'), '.3f')} | "
-                     f"{_f(e.get('verify_over_decode'), '.2f')} | {_f(e['decode_pct_roofline'], '.1f')} |")
+        lines.append(f"| {name} | {fmt_opt(e['decode_ms'], '.3f')} | {fmt_opt(e.get('verify_ms'), '.3f')} | "
+                     f"{fmt_opt(e.get('verify_over_decode'), '.2f')} | {fmt_opt(e['decode_pct_roofline'], '.1f')} |")
     lines += ["", "Best decode % of roofline: " + (", ".join(
         f"{k} {v:.1f}" for k, v in summary["best_decode_pct_roofline"].items()) or "-"), "",
         "## All shapes", "", "| shape | impl | status | max abs err | compile s | median ms | "
         "pipelined ms | GB/s | % roofline |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ms = lambda k: _f(r.get(k) and 1e3 * r[k], ".3f")  # noqa: E731,B023
-        lines.append(f"| {r['label']} | {r['impl']} | {r['status']} | {_f(r.get('max_abs_err'), '.1e')} | "
-                     f"{_f(r.get('compile_s'), '.1f')} | {ms('median_s')} | {ms('pipelined_s')} | "
-                     f"{_f(r.get('gbps'), '.0f')} | {_f(r.get('pct_roofline'), '.1f')} |")
+        ms = lambda k: fmt_opt(r.get(k) and 1e3 * r[k], ".3f")  # noqa: E731,B023
+        lines.append(f"| {r['label']} | {r['impl']} | {r['status']} | {fmt_opt(r.get('max_abs_err'), '.1e')} | "
+                     f"{fmt_opt(r.get('compile_s'), '.1f')} | {ms('median_s')} | {ms('pipelined_s')} | "
+                     f"{fmt_opt(r.get('gbps'), '.0f')} | {fmt_opt(r.get('pct_roofline'), '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

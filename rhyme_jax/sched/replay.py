@@ -1,23 +1,24 @@
-"""HistoPipe replay (``benchmarks/schedule.py --mode replay``): saved run lengths through the
-planner and a cost-model simulation of the workers; see ``benchmarks/schedule.py`` for the method."""
+"""HistoPipe replay: a run's saved response lengths through the planner and a cost-model
+simulation of the rollout workers; no model, no device (``python -m benchmarks.schedule --mode
+replay`` prints and saves it; its module docstring describes the method and the issue targets).
+
+Per step, each prompt's length is predicted from its previous occurrence (``length_predictor``),
+the step is planned under each of ``CONFIGS`` (``planner.plan_step``) and every worker is
+simulated decode step by decode step (``simulate``: ``sum_t (a + b * live_rows_t) + c * rows``,
+with optional tail migration); ``one_step_off`` chains the per-step worker times across steps.
+"""
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel  # noqa: E402
-from rhyme_jax.sched.length_predictor import predict_lengths  # noqa: E402
-from rhyme_jax.sched.planner import Plan, check_plan, plan_step  # noqa: E402
-from rhyme_jax.sched.timeline import WorkerInterval, bubble_metrics, plot_gantt  # noqa: E402
-from rhyme_jax.io.atomic import atomic_write  # noqa: E402
+from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel
+from rhyme_jax.sched.length_predictor import predict_lengths
+from rhyme_jax.sched.planner import Plan, check_plan, plan_step
+from rhyme_jax.sched.timeline import WorkerInterval, bubble_metrics
 
 # name -> (plan_step keyword arguments, simulate tail migration)
 CONFIGS: dict[str, tuple[dict, bool]] = {
@@ -268,37 +269,3 @@ def format_table(result: dict) -> str:
                   f"{f['bubble_fraction']:.1%} - {ok(h['bubble_fraction'] <= 0.5 * f['bubble_fraction'])}",
                   f"* migrated share <= 6%: {h['migrated_share']:.2%} - {ok(h['migrated_share'] <= 0.06)}"]
     return "\n".join(lines)
-
-
-def run_replay(args) -> int:
-    """``--mode replay``: load (or synthesise) the lengths, replay, print and save."""
-    cost = CostModel.load(args.cost_model) if args.cost_model else DEFAULT_COST_MODEL
-    if args.synthetic:
-        steps, max_new = synthetic_steps(args.seed)
-        source = "synthetic length distribution (--synthetic)"
-    else:
-        steps, max_new = load_steps(args.run_dir)
-        source = f"{args.run_dir} ({len(steps)} saved steps)"
-    res = replay(steps, num_workers=args.workers, cost=cost, stat=args.stat, num_groups=args.groups,
-                 growth=args.growth, tail=args.tail, max_new_tokens=max_new, include_cold=args.include_cold,
-                 train_share=args.train_share)
-    cm = f"a={cost.a:g} s, b={cost.b:g} s, c={cost.c:g} s" + ("" if args.cost_model else " (placeholder defaults)")
-    print(f"HistoPipe replay: {source}; W={args.workers}, groups={args.groups or 'auto'}, stat={args.stat}, "
-          f"growth={args.growth}, tail={args.tail}; cost model {cm}")
-    print(f"replayed {res['replayed_steps']} steps ({res['rows']} rows); {res['cold_steps_skipped']} cold-start "
-          f"steps without history skipped; one-step-off columns assume {res['train_s']:.4f} s per training step\n")
-    print(format_table(res))
-    out = Path(args.out or "benchmarks/results/schedule.json")
-    doc = {k: v for k, v in res.items() if k != "intervals"}
-    doc["settings"] = {"source": source, "workers": args.workers, "groups": args.groups, "stat": args.stat,
-                       "growth": args.growth, "tail": args.tail, "cost_model": {"a": cost.a, "b": cost.b, "c": cost.c},
-                       "cost_model_placeholder": not args.cost_model, "max_new_tokens": max_new}
-    with atomic_write(out, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"\nwrote {out}")
-    if args.gantt:
-        for name in ("fifo", FULL):
-            png = out.with_name(f"{out.stem}_gantt_{name.replace('+', '_')}.png")
-            plot_gantt(res["intervals"][name], png, num_workers=args.workers, title=f"{name} (simulated)")
-            print(f"wrote {png}")
-    return 0

@@ -1,12 +1,13 @@
-"""Correctness checks of a ragged paged attention kernel on the real backend (``kernels.py --check-only``).
+"""Correctness checks of a ragged paged attention kernel on the real backend
+(``python -m benchmarks.kernels --check-only``).
 
 Three groups, each printed as ``PASS``/``FAIL`` lines and written to ``<out>/checks.json``:
 
 1. ``ragged``: the kernel against the reference on random ragged batches
-   (``tests/ragged_cases.random_case``): q_len 1/3/9/33/64 mixes, GQA 1/4/8, head_dim 64/128,
+   (``pallas_kernels.ragged_paged_attention.cases.random_case``): q_len 1/3/9/33/64 mixes, GQA 1/4/8, head_dim 64/128,
    f32/bf16, soft cap, sliding window, pages of 16 and 64 tokens, the 8B-class head layout, two
    GPU tilings. The reference runs with ``default_matmul_precision("highest")`` (no TF32), so
-   f32 is held to 2e-5 and bf16 to 2e-2 (``ragged_cases.TOLERANCE``). GPU kernels run from a
+   f32 is held to 2e-5 and bf16 to 2e-2 (``cases.TOLERANCE``). GPU kernels run from a
    NaN-poisoned output buffer: a live row the kernel never writes fails the case.
 2. ``write_kv``: the GPU ``write_kv`` kernel against ``reference.write_kv`` (GPU kernels only).
 3. ``engine``: greedy generation of a tiny random model with the reference and with the kernel
@@ -31,13 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from pallas_kernels.ragged_paged_attention import api, pallas_gpu, reference  # noqa: E402
-from pallas_kernels.ragged_paged_attention.pallas_gpu import GPUBlockSizes  # noqa: E402
-from ragged_cases import TOLERANCE, random_case  # noqa: E402
+from pallas_kernels.ragged_paged_attention import api, pallas_gpu, reference
+from pallas_kernels.ragged_paged_attention.cases import TOLERANCE, random_case
+from pallas_kernels.ragged_paged_attention.pallas_gpu import GPUBlockSizes
 
 DEFAULT_KERNEL = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "pallas_gpu_interpret"}
 ENGINE_LOGPROB_TOL = 1e-3
@@ -206,7 +203,10 @@ def _print(res: dict) -> None:
 
 
 def run_checks(args) -> int:
-    """Entry point of ``kernels.py --check-only``; exit code 1 if any check fails."""
+    """``python -m benchmarks.kernels --check-only``: every check, printed and written to
+    ``<args.out>/checks.json``. Reads ``args.kernel_impl``, ``max_cases``, ``seed``,
+    ``no_engine``, ``engine_new_tokens``, ``out``. Returns the exit code: 0 all passed, 1 a check
+    failed, 2 an unknown ``--kernel-impl``."""
     from rhyme_jax.io.atomic import atomic_write
 
     backend = jax.default_backend()
@@ -214,7 +214,7 @@ def run_checks(args) -> int:
     try:
         api.resolve_name(kernel)
     except ValueError as exc:
-        print(f"benchmarks/kernels.py --check-only: --kernel-impl: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.kernels --check-only: --kernel-impl: {exc}", file=sys.stderr)
         return 2
     print(f"checking {kernel!r} on {jax.devices()[0].device_kind} ({backend}), jax {jax.__version__}", flush=True)
     t0 = time.perf_counter()

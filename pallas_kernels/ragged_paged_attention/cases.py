@@ -1,4 +1,5 @@
-"""Random ragged paged-attention batches shared by the kernel tests (not a test module).
+"""Random ragged paged-attention batches: the cases of the kernel tests and of
+``rhyme_jax.bench.kernel_checks`` (``python -m benchmarks.kernels --check-only``).
 
 ``random_case`` draws fresh q_lens / context lengths around the requested query lengths, with
 KV lengths that cross page boundaries, padding sequences after ``num_seqs`` and trailing padding
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
+# atol = rtol of a kernel against ``reference`` (the reference at matmul precision "highest")
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
@@ -41,7 +43,12 @@ def random_case(rng: np.random.Generator, q_lens, *, num_heads: int, num_kv_head
     """A batch with the given per-sequence query lengths and random context lengths.
 
     Context lengths are drawn so that ``kv_len = ctx + q_len <= pages_per_seq * page_size``;
-    ``num_padding_seqs`` extra rows follow the live ones (``cu_q_lens`` flat there, kv_lens 0).
+    ``num_padding_seqs`` extra rows follow the live ones (``cu_q_lens`` flat there, kv_lens 0);
+    ``pad_rows`` query rows follow the last live token. Arrays are float32 (q ``[T, H, hd]``,
+    pages ``[KVH, P, ps, hd]``, ``P = 1 + S * pages_per_seq``, page 0 unused) and int32 metadata.
+
+    Raises:
+      ValueError: a query length exceeds ``pages_per_seq * page_size``.
     """
     q_lens = [int(x) for x in q_lens]
     cap = pages_per_seq * page_size
