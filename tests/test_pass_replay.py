@@ -1,6 +1,7 @@
-"""benchmarks/pass_replay.py replays HistoSpec's forward passes exactly: a sampled rollout with the
-real drafter (suffix index over the previous rollout, AIMD window, self-lookup) needs exactly the
-verify passes the replay computes from the emitted tokens alone."""
+"""``rhyme_jax.measure.pass_replay`` (``python -m benchmarks.pass_replay``) replays HistoSpec's
+forward passes exactly: a sampled rollout with the real drafter (suffix index over the previous
+rollout, AIMD window, self-lookup) needs exactly the verify passes the replay computes from the
+emitted tokens alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from rhyme_jax.measure import pass_replay as replay
 from rhyme_jax.rollout.engine import SamplingParams
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
@@ -17,8 +19,7 @@ from test_rollout_engine import MAX_NEW, _engine, _model, _prompts
 
 
 @pytest.mark.parametrize("self_lookup", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time: True covers more
-def test_replay_reproduces_engine_passes(self_lookup, benchmark_module):
-    replay = benchmark_module("pass_replay")
+def test_replay_reproduces_engine_passes(self_lookup):
     cfg = SimpleNamespace(branch="reward", window="aimd", fixed_window=8, min_token_prob=0.1, pattern_max=7,
                           pattern_min=3, self_lookup=self_lookup)
     groups = _prompts(3, (6, 9, 5))
@@ -43,8 +44,7 @@ def test_replay_reproduces_engine_passes(self_lookup, benchmark_module):
     assert passes.sum() + pids.size == s["sequence_steps"]  # every sequence's verify passes + its prefill
 
 
-def test_oracle_passes_on_constructed_sequences(benchmark_module):
-    replay = benchmark_module("pass_replay")
+def test_oracle_passes_on_constructed_sequences():
     prompt = np.array([1, 2, 3, 4, 5], np.int32)
     seen = np.arange(10, 50, dtype=np.int32)  # 40 distinct tokens
     # the response repeats a history response: every pass accepts a whole window (+ 1 sampled token)

@@ -1,4 +1,5 @@
-"""benchmarks/replay_corpus.py: a drafter replay corpus from a run's saved rollouts (issue 16)."""
+"""``rhyme_jax.ablate.saved_runs.build`` / ``write_corpus`` (``python -m benchmarks.replay_corpus``): a
+drafter replay corpus from a run's saved rollouts (issue 16)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import json
 import numpy as np
 import pytest
 
+from rhyme_jax.ablate import saved_runs as rc
 from rhyme_jax.measure.text_replay import read_cases
 from rhyme_jax.config import load_config
 from rhyme_jax.config.loader import to_yaml
 from rhyme_jax.data import corpus, load_problems
 from rhyme_jax.io.rollout_log import save_rollouts
-from rhyme_jax.model.tokenizer import train_demo_tokenizer
+from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
 
 # 4 GRPO prompts, 2 per step: epoch 1 = steps 1-2, epoch 2 = steps 3-4
 OVERRIDES = ["grpo.num_prompts=4", "grpo.prompts_per_step=2", "grpo.samples_per_prompt=2", "grpo.minibatches=1"]
@@ -39,8 +41,7 @@ def run(tmp_path_factory):
     return run_dir, tok, cfg, train
 
 
-def test_history_is_epoch_one_and_targets_epoch_two_by_default(run, benchmark_module, capsys):
-    rc = benchmark_module("replay_corpus")
+def test_history_is_epoch_one_and_targets_epoch_two_by_default(run, capsys):
     run_dir, tok, cfg, train = run
     lines = rc.build(run_dir, tok)
     assert "retired_key" in capsys.readouterr().err  # dropped, named
@@ -54,24 +55,27 @@ def test_history_is_epoch_one_and_targets_epoch_two_by_default(run, benchmark_mo
     assert lines[0]["history"] == ["7 - 1 = 6", "7 - 2 = 5"] and lines[0]["history_rewards"] == [1.0, 0.0]
 
 
-def test_written_file_is_a_replay_corpus_and_subsets_are_seeded(run, benchmark_module, tmp_path):
-    rc = benchmark_module("replay_corpus")
-    run_dir, tok, _, _ = run
+def test_written_file_is_a_replay_corpus_and_subsets_are_seeded(run, tmp_path):
+    run_dir, _, _, _ = run
     out = tmp_path / "c.jsonl"
-    args = [str(run_dir), "--tokenizer", str(run_dir / "tokenizer.json"), "--out", str(out),
-            "--history-steps", "1-1", "--target-steps", "4", "--max-targets", "3", "--seed", "1"]
-    assert rc.main(args) == 0
+    tok = Tokenizer.from_file(run_dir / "tokenizer.json")  # the benchmark's --tokenizer
+
+    def write():  # the benchmark's --history-steps 1-1 --target-steps 4 --max-targets 3 --seed 1
+        built = rc.build(run_dir, tok, history_steps=rc.parse_steps("1-1", "--history-steps"),
+                         target_steps=rc.parse_steps("4", "--target-steps"), max_targets=3, seed=1)
+        return rc.write_corpus(out, built)
+
+    assert write().startswith(f"{out}: 3 targets")
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 3
     assert [x["target"] for x in lines] == [t for t in STEPS[4][1] if t in {x["target"] for x in lines}]  # order kept
     assert all(x["history"] == (["1 + 2 = 3", "1 + 2 = 4"] if x["target"].startswith("1") else []) for x in lines)
     cases = read_cases(out, tok.encode)
     assert [c.target.tolist() for c in cases] == [tok.encode(x["target"]) for x in lines]
-    assert rc.main(args) == 0 and [json.loads(x) for x in out.read_text().splitlines()] == lines
+    assert write() and [json.loads(x) for x in out.read_text().splitlines()] == lines
 
 
-def test_bad_steps_are_named(run, benchmark_module):
-    rc = benchmark_module("replay_corpus")
+def test_bad_steps_are_named(run):
     run_dir, tok, _, _ = run
     with pytest.raises(rc.CorpusError, match="no rollouts saved for step 7"):
         rc.build(run_dir, tok, history_steps=[1], target_steps=[7])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.cli import main
+from rhyme_jax.measure.oracle_drafters import KnownTargets
 from rhyme_jax.measure.text_replay import ReplayInputError, floor_step, read_cases, replay
 from rhyme_jax.config import load_config
 from rhyme_jax.model.tokenizer import train_demo_tokenizer
@@ -139,16 +140,17 @@ def test_cli_json_and_errors_name_the_line(tokenizer, tmp_path, capsys):
                                       "target": "a"}]), lambda s: [1, 2])
 
 
-def test_replay_bounds_always_right_above_best_source_above_the_drafter(tokenizer, tmp_path, benchmark_module):
-    """benchmarks/replay_bound.py: always-right drafts accept everything and beat the
-    best-in-hindsight drafts from the sources, which accept everything they send and predict at
-    least what the real drafter predicts (same steps, the analytical prior as step cost)."""
-    bound = benchmark_module("replay_bound")
+def test_replay_bounds_always_right_above_best_source_above_the_drafter(tokenizer, tmp_path):
+    """``oracle_drafters.KnownTargets`` (``python -m benchmarks.replay_bound``): always-right drafts
+    accept everything and beat the best-in-hindsight drafts from the sources, which accept
+    everything they send and predict at least what the real drafter predicts (same steps, the
+    analytical prior as step cost)."""
     tok, _ = tokenizer
     cases, spec = _changed_cases(tok, tmp_path)
     tokens = sum(c.target.size for c in cases)
-    perfect = replay(cases, spec, _plan(8), 8, make_drafter=bound.PerfectDrafter([c.target for c in cases]))
-    oracle = replay(cases, spec, _plan(8), 8, make_drafter=bound.PerfectDrafter([c.target for c in cases], cases))
+    prompts, targets = [c.prompt for c in cases], [c.target for c in cases]
+    perfect = replay(cases, spec, _plan(8), 8, make_drafter=KnownTargets(prompts, targets))
+    oracle = replay(cases, spec, _plan(8), 8, make_drafter=KnownTargets(prompts, targets, [c.history for c in cases]))
     real = replay(cases, spec, _plan(8), 8)
     assert perfect["acceptance"] == oracle["acceptance"] == 1.0
     assert perfect["sequence_passes"] + perfect["accepted_tokens"] == tokens

@@ -15,7 +15,7 @@ draft from) with their rewards, and the response to replay. Every prompt's histo
   targets of the same prompt text share a prompt id (a GRPO group: ``spec.siblings``);
   with ``--accept-floor F`` instead, no step shape: each row sends the draft tokens whose
   estimated probability of acceptance (the product of the estimates up to that token) is at
-  least F, as the suffix-tree peer's replay drafts (``benchmarks/replay_peer.py``: no batching,
+  least F, as the suffix-tree peer's replay drafts (``measure.peer_replay``: no batching,
   a path-probability floor), which traces share against drafts per forward without the filler
   drafts a padded step shape takes for free;
 * a draft token is accepted iff it equals the target's next token (the verification of a
@@ -38,6 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from rhyme_jax.measure.draft_replay import floor_step, replay_targets
+
+__all__ = ["ReplayCase", "ReplayInputError", "accept_floor_error", "floor_step", "priced_cost", "read_cases",
+           "replay"]
+
 
 class ReplayInputError(ValueError):
     """A line of the replay file is malformed (message names the file and line)."""
@@ -96,95 +102,11 @@ def read_cases(path: Path, encode) -> list[ReplayCase]:
     return cases
 
 
-def _tails(cases, live, done, width: int) -> np.ndarray:
-    """``int32[n, width]`` last tokens of prompt + target so far of the live cases, -1 padded."""
-    out = np.full((len(live), width), -1, np.int32)
-    for i, c in enumerate(live):
-        seq = np.concatenate([cases[c].prompt, cases[c].target[: done[c]]])[-width:]
-        out[i, width - seq.size:] = seq
-    return out
-
-
-def floor_step(lens: np.ndarray, estimates: np.ndarray | None, floor: float, rows: int):
-    """The unshaped step of ``--accept-floor``: row i sends its first ``d_i`` draft tokens, those
-    whose cumulative acceptance estimate ``prod_{k <= j} estimates[i, k]`` is at least ``floor``
-    (a prefix: the product only falls). ``lens int64[n]``: the drafts' lengths; ``estimates
-    float32[n, K]``: the goodput drafter's; ``rows``: the step's row bucket (what the step
-    costs). Returns ``(StepChoice, curve)`` as ``allocation.choose_step`` (tokens = rows + sum d,
-    the n rows' exact packed tokens plus the bucket's padding rows; q_len = 1 + max d).
-
-    Raises:
-      ValueError: no estimates (the drafter is not ``spec.window=goodput``).
-    """
-    from rhyme_jax.rollout import allocation
-
-    if estimates is None:
-        raise ValueError("--accept-floor needs the goodput drafter's estimates (spec.window=goodput)")
-    curve = allocation.accept_curve(np.asarray(estimates)[:, : int(np.max(lens, initial=0))], lens)
-    take = (curve >= floor) & (curve > 0)  # the curve is 0 past each draft's length
-    sent = take.sum(axis=1).astype(np.int64)
-    return allocation.StepChoice(rows, rows + int(sent.sum()), 1 + int(sent.max(initial=0)), sent,
-                                 lens.size + float(curve[take].sum())), curve
-
-
-def _replay_group(cases, group: list[int], pids: list[int], drafter, plan, cost, totals: dict,
-                  floor: float | None = None) -> None:
-    """Replay the targets ``group`` (live together; prompt ids ``pids``) to the end; adds to
-    ``totals`` (passes, drafts, acceptances and the modelled seconds of the steps); ``floor``:
-    ``floor_step`` instead of the engine's step choice."""
-    from rhyme_jax.rollout import allocation, shapes
-
-    batch = drafter.batch(pids)
-    done = {c: 0 for c in group}
-    while True:
-        reqs = np.array([j for j, c in enumerate(group) if done[c] < cases[c].target.size], np.int64)
-        if not reqs.size:
-            return
-        live = [group[j] for j in reqs]
-        left = np.array([cases[c].target.size - done[c] for c in live], np.int64)
-        budgets = np.maximum(left - 1, 0)
-        drafts, lens = batch.draft(reqs, _tails(cases, live, done, batch.context_width), budgets)
-        lens = np.minimum(np.minimum(np.asarray(lens, np.int64), budgets), shapes.MAX_DRAFT)
-        if floor is None:
-            choice, curve = allocation.choose_step(plan, lens, getattr(batch, "estimates", None), cost,
-                                                   getattr(batch, "priorities", None))
-        else:
-            choice, curve = floor_step(lens, getattr(batch, "estimates", None), floor,
-                                       shapes.seq_bucket(lens.size, plan.max_slots))
-        lens = choice.draft_lens
-        totals["predicted"] += allocation.expected_accepted(curve, lens)
-        accepted = np.zeros(len(live), np.int64)
-        for i, c in enumerate(live):
-            want = cases[c].target[done[c]: done[c] + lens[i]]
-            match = drafts[i, : lens[i]] == want
-            accepted[i] = lens[i] if match.all() else int(np.argmin(match))
-            done[c] += int(accepted[i]) + 1
-        batch.observe(reqs, lens, accepted)
-        totals["passes"] += len(live)
-        totals["drafted"] += int(lens.sum())
-        totals["accepted"] += int(accepted.sum())
-        totals["seconds"] += cost(choice.rows, choice.tokens, choice.q_len)
-
-
 def priced_cost(price: float):
     """The ``--draft-price`` cost: ``rows + price * (tokens - rows)`` row decodes per step."""
     def cost(rows: int, tokens: int, q_len: int) -> float:
         return rows + price * (tokens - rows)
     return cost
-
-
-def _plain_seconds(lengths: list[int], plan, cost) -> float:
-    """Modelled seconds of plain decode (one token per row per step) of targets of ``lengths``
-    tokens live together."""
-    from rhyme_jax.rollout.shapes import seq_bucket
-
-    lengths = np.sort(np.asarray(lengths))
-    total, prev = 0.0, 0
-    for i, n in enumerate(lengths):
-        rows = seq_bucket(lengths.size - i, plan.max_slots)
-        total += (int(n) - prev) * cost(rows, rows, 1)
-        prev = int(n)
-    return total
 
 
 def _fill_store(cases: list[ReplayCase]) -> tuple[object, list[int], list[int]]:
@@ -207,11 +129,12 @@ def _fill_store(cases: list[ReplayCase]) -> tuple[object, list[int], list[int]]:
 
 def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_drafter=None,
            accept_floor: float | None = None) -> dict[str, float]:
-    """Draft along every case's target, ``rows`` at a time (see the module docstring), with the
-    engine's step choice under ``cost`` (``StepCost``; default the prior) or, with
-    ``accept_floor``, ``floor_step`` (no step shapes; steps still cost ``cost``).
-    ``make_drafter(spec, store)``: the drafter (default ``rhyme_jax.spec.drafter.Drafter``;
-    benchmarks/replay_bound.py passes one that knows the targets, for upper bounds).
+    """Draft along every case's target, ``rows`` at a time (see the module docstring;
+    ``draft_replay.replay_targets``), with the engine's step choice under ``cost``
+    (``StepCost``; default the prior) or, with ``accept_floor``, ``floor_step`` (no step shapes;
+    steps still cost ``cost``). ``make_drafter(spec, store)``: the drafter (default
+    ``rhyme_jax.spec.drafter.Drafter``; ``oracle_drafters.KnownTargets`` drafts the targets
+    themselves, for upper bounds).
 
     Returns:
       ``predicted_share``, ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance``,
@@ -224,23 +147,20 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_draft
 
     cost = cost or StepCost.prior()
     store, pids, with_history = _fill_store(cases)
-    totals = dict(passes=0, drafted=0, accepted=0, predicted=0.0, seconds=0.0)
-    plain = 0.0
     with (make_drafter or Drafter)(spec, store) as drafter:
         drafter.rebuild(with_history)
-        for start in range(0, len(cases), rows):
-            group = list(range(start, min(start + rows, len(cases))))
-            _replay_group(cases, group, [pids[c] for c in group], drafter, plan, cost, totals, accept_floor)
-            plain += _plain_seconds([cases[c].target.size for c in group], plan, cost)
+        tally, steps, plain = replay_targets(drafter, [c.prompt for c in cases], [c.target for c in cases], pids,
+                                             plan, rows, cost, accept_floor)
     tokens = sum(c.target.size for c in cases)
-    return {"predicted_share": totals["accepted"] / tokens,
-            "tokens_per_forward": tokens / totals["passes"],
-            "drafted_per_forward": totals["drafted"] / totals["passes"],
-            "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
-            "predicted_acceptance": totals["predicted"] / totals["drafted"] if totals["drafted"] else 0.0,
-            "modelled_speedup": plain / totals["seconds"] if totals["seconds"] else 1.0,
-            "target_tokens": tokens, "sequence_passes": totals["passes"],
-            "drafted_tokens": totals["drafted"], "accepted_tokens": totals["accepted"]}
+    drafted = tally.drafted
+    return {"predicted_share": tally.accepted / tokens,
+            "tokens_per_forward": tokens / tally.passes,
+            "drafted_per_forward": drafted / tally.passes,
+            "acceptance": tally.accepted / drafted if drafted else 0.0,
+            "predicted_acceptance": steps.predicted / drafted if drafted else 0.0,
+            "modelled_speedup": plain / steps.seconds if steps.seconds else 1.0,
+            "target_tokens": tokens, "sequence_passes": tally.passes,
+            "drafted_tokens": drafted, "accepted_tokens": tally.accepted}
 
 
 def accept_floor_error(floor: float | None, window: str) -> str:
