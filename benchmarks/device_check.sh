@@ -98,7 +98,7 @@ export PY
 phase env "$T_ENV" bash -c env_report
 PHASES=" ${PHASES:-check rollout bench} "
 want() { [[ $PHASES == *" $1 "* ]]; }
-want check && phase check "$T_CHECK" "$PY" benchmarks/kernels.py --check-only --out "$OUT" "${CHECK_ARGS[@]}"
+want check && phase check "$T_CHECK" "$PY" -m benchmarks.kernels --check-only --out "$OUT" "${CHECK_ARGS[@]}"
 
 # Rollout: the model's attention runs through the kernel when the checks passed, else the jnp
 # reference (both rollouts of a pair use the same one, so the ratio stays like for like).
@@ -135,7 +135,7 @@ else
     rollout_phase "$ATTN" "$T_ROLLOUT" _extra "${extra[@]}"
   fi
 fi
-want bench && phase bench "$T_BENCH" "$PY" benchmarks/kernels.py --out "$OUT" "${BENCH_ARGS[@]}"
+want bench && phase bench "$T_BENCH" "$PY" -m benchmarks.kernels --out "$OUT" "${BENCH_ARGS[@]}"
 # Issue 14: one GRPO update of Qwen2.5-1.5B shapes (random bf16 weights) at the recipe's sizes:
 # a minibatch of 128 rows x 1536 tokens on one device, micro-batches of 12,288 tokens, logits in
 # chunks of 1024, remat; peak device memory and step time (needs optax + omegaconf: carry .whl).

@@ -1,4 +1,5 @@
-"""Tunix sampler worker for ``peers.py``: runs in Tunix's own venv (``.venv-tunix``), never imports rhyme_jax.
+"""Tunix sampler worker for ``python -m benchmarks.peers``: runs in Tunix's own venv (``.venv-tunix``) as
+``python -m benchmarks.peer_tunix_worker`` from the repository root; never imports rhyme_jax.
 
 Reads one JSON request on stdin (``model_dir``, ``prompt_ids`` (one list of token ids per row),
 ``batch``, ``max_new_tokens``, ``temperatures``, ``seed``, ``eos_id``, ``check``) and prints one JSON
@@ -12,7 +13,7 @@ categorical sampling; ``max_generation_steps``; KV cache of ``CacheConfig.cache_
 Tunix 0.1.7's Llama3 attention calls ``apply_rope`` without the config's ``rope_theta`` (so every
 model gets theta 1e6); this worker binds the checkpoint's theta (SmolLM2: 1e5), and ``check``
 reports next-token log-probabilities of the first prompt with and without that fix, for
-``peers.py`` to compare against transformers.
+``benchmarks.peers`` to compare against transformers.
 
 The prompts arrive as token ids; a small tokenizer object hands them to the ``Sampler`` unchanged
 (no BOS added) and pads with id 0 (``<|endoftext|>``, absent from the prompts; the EOS id 2 occurs

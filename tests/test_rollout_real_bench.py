@@ -1,4 +1,5 @@
-"""Smoke check of benchmarks/rollout_real.py on the real SmolLM2-135M checkpoint: one --quick run
+"""Smoke check of ``python -m benchmarks.rollout_real`` (a subprocess from the repository root) on
+the real SmolLM2-135M checkpoint: one --quick run
 without warm-up and with 12 new tokens (each of the few step shapes it meets compiles in ~15-25 s
 on 2 CPU cores, which bounds the test's time), then the report's counts are checked against the
 rollouts it saved. Nothing is timed here (timings belong in the benchmark)."""
@@ -6,11 +7,17 @@ rollouts it saved. Nothing is timed here (timings belong in the benchmark)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from rhyme_jax.bench.rollout_real import QUICK
 from rhyme_jax.io.rollout_log import load_rollouts
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NEW_TOKENS = 12
 
@@ -19,12 +26,13 @@ def _total_length(run_dir, step: int) -> int:
     return int(load_rollouts(run_dir, step)["lengths"].sum())
 
 
-def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, benchmark_module, smollm2_dir):
-    bench = benchmark_module("rollout_real")
-    assert bench.main(["--quick", "--no-warmup", "--max-new-tokens", str(NEW_TOKENS), "--compile-cache", "",
-                       "--repeats", "2", "--out", str(tmp_path)]) == 0
+def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, smollm2_dir):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.rollout_real", "--quick", "--no-warmup",
+                          "--max-new-tokens", str(NEW_TOKENS), "--compile-cache", "", "--repeats", "2",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "rollout_real.json").read_text())
-    q = bench.QUICK
+    q = QUICK
     rows = q["prompts"] * q["samples"]
     assert report["meta"]["rows"] == rows and report["meta"]["attention_impl"]
     (row,) = report["temperatures"]

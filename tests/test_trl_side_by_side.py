@@ -1,9 +1,10 @@
-"""benchmarks/trl_side_by_side.py end to end on a tiny random Llama (issue 31, item 2).
+"""``python -m benchmarks.trl_side_by_side`` end to end on a tiny random Llama (issue 31, item 2).
 
-The whole benchmark runs once: ``rhyme-jax train`` (a subprocess) and TRL's ``GRPOTrainer`` on the
+The whole benchmark runs once (a subprocess from the repository root): ``rhyme-jax train`` (a subprocess) and TRL's ``GRPOTrainer`` on the
 same config (configs/arith_smollm2_135m.yaml with the model swapped for a tiny random Llama that
 carries the demo tokenizer, 2 GRPO steps of 2 prompts x 2 samples, 2 minibatches, 8 new tokens).
-Checked: the report's structure, the TRL settings mapped from the config, and that both trainers
+Checked: the report's structure, the TRL settings mapped from the config
+(``rhyme_jax.bench.trl_mapping``), and that both trainers
 saw the same prompts in the same order (TRL's recorded generation batches against the rhyme-jax
 run's ``rollouts/step_*.npz`` and the prompt schedule). Nothing is timed here. About 35 s on 2
 CPU cores (XLA compiles, TRL start-up), so it is not marked slow.
@@ -12,6 +13,8 @@ CPU cores (XLA compiles, TRL start-up), so it is not marked slow.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,7 @@ pytest.importorskip("trl", reason="the TRL side-by-side benchmark needs trl 1.x 
 torch = pytest.importorskip("torch", reason="the TRL side-by-side benchmark needs torch (the `test` extra)")
 
 from _hf_fixtures import hf_config  # noqa: E402
+from rhyme_jax.bench import trl_mapping  # noqa: E402
 from rhyme_jax.config import load_config  # noqa: E402
 from rhyme_jax.data import load_problems  # noqa: E402
 from rhyme_jax.data.synthetic import corpus  # noqa: E402
@@ -28,7 +32,8 @@ from rhyme_jax.io.rollout_log import load_rollouts  # noqa: E402
 from rhyme_jax.model.tokenizer import train_demo_tokenizer  # noqa: E402
 from rhyme_jax.train.prompts import num_grpo_prompts, prompt_schedule  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "arith_smollm2_135m.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "arith_smollm2_135m.yaml"
 STEPS, PROMPTS, SAMPLES, MINIBATCHES, NEW_TOKENS, NUM_EVAL = 2, 2, 2, 2, 8, 6
 RUN = ["data.num_train=40", f"data.num_eval={NUM_EVAL}", f"grpo.steps={STEPS}",
        f"grpo.prompts_per_step={PROMPTS}", f"grpo.samples_per_prompt={SAMPLES}", f"grpo.minibatches={MINIBATCHES}",
@@ -54,16 +59,17 @@ def _tiny_llama(directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def side_by_side(tmp_path_factory, benchmark_module):
+def side_by_side(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl_side_by_side")
     _tiny_llama(root / "model")
     sets = RUN + [f"model.path={root / 'model'}", f"run.runs_dir={root / 'runs'}"]
-    bench = benchmark_module("trl_side_by_side")
     argv = ["--config", str(CONFIG), "--seeds", "3", "--out", str(root / "out")]
     for item in sets:
         argv += ["--set", item]
-    rc = bench.main(argv)
-    return rc, root, load_config(CONFIG, sets + ["run.seed=3"]), bench
+    run = subprocess.run([sys.executable, "-m", "benchmarks.trl_side_by_side", *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode in (0, 1), run.stderr[-3000:]
+    return run.returncode, root, load_config(CONFIG, sets + ["run.seed=3"]), run
 
 
 def test_report_files_and_structure(side_by_side):
@@ -118,17 +124,16 @@ def test_both_sides_saw_the_same_prompts_in_the_same_order(side_by_side):
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_mapped_lr_schedule_is_ours_per_optimizer_step(schedule, benchmark_module):
+def test_mapped_lr_schedule_is_ours_per_optimizer_step(schedule):
     """TRL's scheduler built from the mapped settings gives, at every optimizer step, the rate of
     rhyme-jax's optax schedule (counted in optimizer steps: steps x minibatches, warmup too)."""
     from transformers import get_scheduler
 
     from rhyme_jax.train.optim import grpo_schedule_steps, make_schedule
 
-    bench = benchmark_module("trl_side_by_side")
     cfg = load_config(CONFIG, [f"grpo.schedule={schedule}", "grpo.steps=6", "grpo.warmup_steps=2",
                                "grpo.minibatches=2", "grpo.learning_rate=1e-3"])
-    s = bench.trl_settings(cfg)
+    s = trl_mapping.trl_settings(cfg)
     total, warmup = grpo_schedule_steps(cfg.grpo)
     assert (s["max_steps"], s["warmup_steps"]) == (total, warmup) == (12, 4)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=s["learning_rate"])
@@ -141,31 +146,29 @@ def test_mapped_lr_schedule_is_ours_per_optimizer_step(schedule, benchmark_modul
         sched.step()
 
 
-def test_trl_model_dir_adds_architectures_without_touching_the_checkpoint(tmp_path, benchmark_module):
-    bench = benchmark_module("trl_side_by_side")
+def test_trl_model_dir_adds_architectures_without_touching_the_checkpoint(tmp_path):
     src = tmp_path / "ckpt"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (src / "model.safetensors").write_bytes(b"weights")
-    view = Path(bench.trl_model_dir(str(src), tmp_path / "out"))
+    view = Path(trl_mapping.trl_model_dir(str(src), tmp_path / "out"))
     assert view == tmp_path / "out" / "model"
     assert json.loads((view / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert (view / "model.safetensors").resolve() == (src / "model.safetensors").resolve()
     assert json.loads((src / "config.json").read_text()) == {"model_type": "llama"}
-    assert bench.trl_model_dir(str(view), tmp_path / "elsewhere") == str(view.resolve())  # already complete
+    assert trl_mapping.trl_model_dir(str(view), tmp_path / "elsewhere") == str(view.resolve())  # already complete
 
 
-def test_steps_truncation_only_where_a_shorter_run_is_the_longer_ones_beginning(benchmark_module):
+def test_steps_truncation_only_where_a_shorter_run_is_the_longer_ones_beginning():
     """``--steps N``: the first N steps of a run are an N-step run only under a constant rate
     without warm-up; anything else is refused, and N must lie within the run."""
-    root = Path(__file__).resolve().parents[1]
-    bench = benchmark_module("trl_side_by_side")
+    root = ROOT
     cfg = load_config(root / "configs" / "arith_smollm2_135m.yaml")
-    short = bench.truncated(cfg, 12, "run")
+    short = trl_mapping.truncated(cfg, 12, "run")
     assert short.grpo.steps == 12 and short.grpo.learning_rate == cfg.grpo.learning_rate
-    assert bench.truncated(cfg, 0, "run") is cfg
+    assert trl_mapping.truncated(cfg, 0, "run") is cfg
     for bad in (["grpo.schedule=cosine"], ["grpo.warmup_steps=2"]):
-        with pytest.raises(SystemExit, match="constant rate without warm-up"):
-            bench.truncated(load_config(root / "configs" / "arith_smollm2_135m.yaml", bad), 12, "run")
-    with pytest.raises(SystemExit, match=r"must be in \[1, 30\]"):
-        bench.truncated(cfg, 31, "run")
+        with pytest.raises(trl_mapping.SideBySideError, match="constant rate without warm-up"):
+            trl_mapping.truncated(load_config(root / "configs" / "arith_smollm2_135m.yaml", bad), 12, "run")
+    with pytest.raises(trl_mapping.SideBySideError, match=r"must be in \[1, 30\]"):
+        trl_mapping.truncated(cfg, 31, "run")

@@ -1,4 +1,5 @@
-"""The real-model rollout workload shared by the real-model benchmarks (rollout_real.py, peers.py).
+"""The real-model rollout workload shared by the real-model benchmarks
+(``python -m benchmarks.rollout_real``, ``python -m benchmarks.peers``).
 
 SmolLM2-135M-Instruct on GSM8K questions in the model's chat template (the prompt template of
 ``configs/gsm8k_smollm2_135m.yaml``), so every engine compared sees the same prompt tokens.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (configs/ lives there)
 RECIPE = ROOT / "configs" / "gsm8k_smollm2_135m.yaml"
 MODEL = "smollm2-135m-instruct"
 # The workload both benchmarks default to (rows = prompts x samples), and their --quick smoke size.
