@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
+
+from rhyme_jax.bench.kernels import wall_times
 
 # (S rows, T packed tokens, Q max_q_len) of the demo's decode / verify / prefill plans
 SHAPES = ((128, 128, 1), (128, 192, 7), (128, 320, 11), (128, 512, 17), (128, 4224, 33), (256, 2048, 16),
@@ -45,10 +45,5 @@ def layout_ms(rng: np.random.Generator, k_pages, shape: tuple[int, int, int], *,
     for name, fn in (("sequence", ref._attend_by_sequence), ("token", ref._attend_by_token)):
         step = jax.jit(lambda *a, fn=fn: fn(*a, sm_scale=0.1, max_q_len=q, soft_cap=None, sliding_window=None))
         step(*args).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step(*args).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        ms[name] = 1e3 * float(np.median(times))
+        ms[name] = 1e3 * float(np.median(wall_times(step, args, repeats)))
     return ms

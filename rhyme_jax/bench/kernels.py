@@ -153,17 +153,24 @@ def compare(out, ref, tol: float) -> tuple[float, bool]:
     return float(np.nanmax(err)) if err.size else 0.0, ok
 
 
+def wall_times(fn, args, iters: int) -> list[float]:
+    """Seconds of ``iters`` calls ``fn(*args)``, each ended by ``block_until_ready`` (``fn``
+    returns one array; compile it, or call it once, before)."""
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def time_compiled(compiled, args, warmup: int, iters: int) -> dict:
     """Wall-clock a compiled call: ``warmup`` runs, then ``iters`` runs each ended by
     ``block_until_ready`` (median, min, max) and ``iters`` back-to-back runs with one sync at the
     end (``pipelined``: mean, launch gaps hidden). Seconds."""
     for _ in range(warmup):
         compiled(*args).block_until_ready()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        compiled(*args).block_until_ready()
-        times.append(time.perf_counter() - t)
+    times = wall_times(compiled, args, iters)
     t = time.perf_counter()
     outs = [compiled(*args) for _ in range(iters)]
     outs[-1].block_until_ready()
