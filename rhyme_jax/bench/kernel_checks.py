@@ -128,6 +128,7 @@ class OracleDrafter:
         self.calls = 0
 
     def draft(self, reqs, tails, budgets):
+        """``(int32[R, k] drafts, int32[R] lengths)``: each request's next known tokens, at most its budget."""
         drafts = np.zeros((len(reqs), self.k), np.int32)
         lens = np.zeros(len(reqs), np.int32)
         for i, r in enumerate(np.asarray(reqs)):
@@ -140,6 +141,7 @@ class OracleDrafter:
         return drafts, lens
 
     def observe(self, reqs, drafted, accepted):
+        """Nothing to learn: the oracle's drafts do not adapt."""
         pass
 
 

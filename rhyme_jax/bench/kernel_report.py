@@ -47,6 +47,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def targets_title(summary: dict) -> str:
+    """The targets' heading for ``summarize``'s result (its ratio point and the issue targets)."""
     p = summary["ratio_point"]
     return (f"Targets at batch {p['batch']}, context {p['context']} (verify/decode <= {TARGET_RATIO}, "
             f"decode >= {TARGET_ROOFLINE}% of roofline)")
@@ -58,6 +59,7 @@ def fmt_opt(v, spec) -> str:
 
 
 def fmt_row(r: dict) -> str:
+    """One printed row under ``HEADER`` (milliseconds, GB/s, % of roofline; "-" where unmeasured)."""
     ms = lambda k: fmt_opt(r.get(k) and 1e3 * r[k], ".3f")  # noqa: E731
     return (f"{r['label']:<26} {r['impl']:<30} {r['status'][:34]:<34} {fmt_opt(r.get('max_abs_err'), '.1e'):>8} "
             f"{fmt_opt(r.get('compile_s'), '.1f'):>7} {ms('median_s'):>9} {ms('pipelined_s'):>9} "

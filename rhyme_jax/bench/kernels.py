@@ -44,9 +44,11 @@ class Shape:
 
     @property
     def pages_per_seq(self) -> int:
+        """Pages one sequence of ``context`` tokens needs."""
         return -(-self.context // self.page_size)
 
     def label(self) -> str:
+        """``"B<batch> ctx<context> ps<page_size> q<q_len>"``."""
         return f"B{self.batch} ctx{self.context} ps{self.page_size} q{self.q_len}"
 
 

@@ -307,6 +307,7 @@ def tunix_notes(report: dict) -> list[str]:
 
 
 def write_report(report: dict, out: Path) -> str:
+    """``out``/peers.json and ``out``/peers.md (created); returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps(report, indent=1, default=float))
     text = format_tables(report)

@@ -265,6 +265,8 @@ class _WorkersBench:
 
     @classmethod
     def build(cls, args, W: int, steps: list[int]) -> "_WorkersBench":
+        """Policy, W one-device engines and their params, one scheduler per ``WORKER_CONFIGS``
+        entry, every engine warmed up (``warm_up``). Raises ``BenchSetupError`` as ``load_policy``."""
         import jax
 
         from rhyme_jax.parallel.mesh import rollout_meshes
@@ -347,6 +349,7 @@ class _WorkersBench:
         return rows, ivs
 
     def close(self) -> None:
+        """Stop the schedulers' and the rollout parts' threads."""
         for sch in self.scheds.values():
             sch.close()
         self.rollout.close()
