@@ -10,8 +10,8 @@ each program on dummy inputs, the median of ``--repeats`` runs after two untimed
 
 Usage::
 
-    python benchmarks/prefill.py                                        # the demo (configs/default.yaml)
-    python benchmarks/prefill.py --config configs/gsm8k_smollm2_135m.yaml --tokens 512,1024
+    python -m benchmarks.prefill                                        # the demo (configs/default.yaml)
+    python -m benchmarks.prefill --config configs/gsm8k_smollm2_135m.yaml --tokens 512,1024
 
 Prints a markdown table (milliseconds per prefill step). Nothing is written.
 """
@@ -20,29 +20,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rhyme_jax.measure.timing import median_seconds
 
 
 def time_program(runner, shape, repeats: int) -> float:
     """Median seconds of one prefill program on dummy inputs (two untimed runs first);
     ``runner``: the engine's ``StepRunner``."""
     inp = runner.inputs(shape)
-    for _ in range(2):
-        runner.run(inp)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.run(inp)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median_seconds(lambda: runner.run(inp), repeats, warmup=2)
 
 
 def main(argv=None) -> int:
+    """Command line (module docstring); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--tokens", default="", help="comma-separated prefill buckets T (default: the plan's two largest)")

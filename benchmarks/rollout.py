@@ -14,9 +14,9 @@ the steps done) and name the backend, device and attention implementation.
 Usage (CPU demo settings; start from the demo's SFT weights)::
 
     rhyme-jax sft                                  # once, if runs/demo/sft/params is missing
-    python benchmarks/rollout.py --init-from runs/demo/sft --steps 50
-    python benchmarks/rollout.py --init-from runs/demo/sft --steps 24 --oracle   # the bound of any drafter
-    python benchmarks/rollout.py --init-from runs/demo/sft --steps 24 --oracle sources
+    python -m benchmarks.rollout --init-from runs/demo/sft --steps 50
+    python -m benchmarks.rollout --init-from runs/demo/sft --steps 24 --oracle   # the bound of any drafter
+    python -m benchmarks.rollout --init-from runs/demo/sft --steps 24 --oracle sources
 
 ``--oracle``: the HistoSpec side drafts the plain rollout's own tokens (``AlwaysRightDrafter``:
 every draft accepted, sized by the engine's goodput allocation), so its tokens/s bound what any
@@ -27,84 +27,24 @@ far or the row's own context hold after an occurrence of the row's last token
 is reported beside it (``spec_tokens_per_s_without_drafting``: generated tokens over rollout
 seconds minus host drafting seconds), since a bound should not pay for its hindsight.
 
-Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` and prints the table.
+Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` (``rhyme_jax.measure.paired_report``)
+and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rhyme_jax.ablate.paired import ORACLES, paired_rollouts  # noqa: E402  (moved into the package; re-exported)
-
-
-def _ratios(rs) -> dict:
-    """Plain vs HistoSpec figures over the steps ``rs`` (each ``{"plain": stats, "spec": stats}``)."""
-    def tot(kind, key):
-        return float(sum(r[kind][key] for r in rs))
-    entry = {}
-    for kind in ("plain", "spec"):
-        entry[f"{kind}_tokens_per_s"] = tot(kind, "generated_tokens") / tot(kind, "seconds")
-        entry[f"{kind}_passes_per_token"] = tot(kind, "forward_passes") / tot(kind, "generated_tokens")
-        entry[f"{kind}_tokens_per_seq_forward"] = tot(kind, "generated_tokens") / tot(kind, "sequence_steps")
-    entry["speedup"] = entry["spec_tokens_per_s"] / entry["plain_tokens_per_s"]
-    entry["spec_tokens_per_s_without_drafting"] = tot("spec", "generated_tokens") / (
-        tot("spec", "seconds") - tot("spec", "drafting_seconds"))
-    entry["speedup_without_drafting"] = entry["spec_tokens_per_s_without_drafting"] / entry["plain_tokens_per_s"]
-    entry["passes_ratio"] = entry["plain_passes_per_token"] / entry["spec_passes_per_token"]
-    entry["acceptance"] = tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0)
-    entry["drafting_share"] = tot("spec", "drafting_seconds") / tot("spec", "seconds")
-    entry["compiles"] = tot("plain", "compiles") + tot("spec", "compiles")
-    return entry
-
-
-def write_report(rows, out: Path, final: bool, meta: dict) -> None:
-    """Per-epoch table of ``rows`` (plain vs HistoSpec stats per step) into ``out``/rollout_benchmark.{md,json}."""
-    by_epoch = defaultdict(list)
-    for row in rows:
-        by_epoch[row["epoch"]].append(row)
-    table = [{"epoch": epoch, "steps": len(rs), **_ratios(rs)} for epoch, rs in sorted(by_epoch.items())]
-    late = [r for r in rows if r["epoch"] >= 3]
-    summary = {}
-    if late:
-        both = _ratios(late)
-        summary = {k: both[k] for k in ("speedup", "passes_ratio", "drafting_share", "speedup_without_drafting",
-                                        "acceptance")}
-    lines = ["| epoch | steps | plain tok/s | HistoSpec tok/s | speedup | passes/token plain | "
-             "passes/token spec | fewer passes | tokens/seq-forward | acceptance | drafting share | "
-             "speedup without drafting | compiles in timed rollouts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for e in table:
-        lines.append(f"| {e['epoch']} | {e['steps']} | {e['plain_tokens_per_s']:.0f} | {e['spec_tokens_per_s']:.0f} "
-                     f"| {e['speedup']:.2f}x | {e['plain_passes_per_token']:.4f} | {e['spec_passes_per_token']:.4f} "
-                     f"| {e['passes_ratio']:.2f}x | {e['spec_tokens_per_seq_forward']:.2f} | {e['acceptance']:.2f} "
-                     f"| {100 * e['drafting_share']:.1f}% | {e['speedup_without_drafting']:.2f}x | {e['compiles']:.0f} |")
-    if summary:
-        lines.append(f"\nEpoch 3 on: {summary['speedup']:.2f}x rollout tokens/s, {summary['passes_ratio']:.2f}x "
-                     f"fewer forward passes per generated token, acceptance {summary['acceptance']:.2f}, "
-                     f"host drafting {100 * summary['drafting_share']:.1f}% of rollout time "
-                     f"({summary['speedup_without_drafting']:.2f}x without it).")
-    lines.insert(0, f"{meta}\n")
-    text = "\n".join(lines)
-    if final:
-        print(text)
-    (out / "rollout_benchmark.md").write_text(text + "\n")
-    (out / "rollout_benchmark.json").write_text(json.dumps({"meta": meta, "epochs": table, "epoch3_on": summary,
-                                                            "steps": rows}, indent=1, default=float))
-    if final:
-        print(f"written: {out / 'rollout_benchmark.md'}")
+from rhyme_jax.ablate.paired import ORACLES, paired_rollouts
+from rhyme_jax.measure.paired_report import write_report
 
 
 def main(argv=None) -> int:
+    """Command line (module docstring); returns the exit status (2: no SFT params)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--init-from", default="runs/demo/sft", help="SFT params (run `rhyme-jax sft` first)")
@@ -119,7 +59,7 @@ def main(argv=None) -> int:
                          "sibling and self sources hold (sources: the bound of any drafter over them)")
     args = ap.parse_args(argv)
     if not Path(args.init_from).exists():
-        print(f"benchmarks/rollout.py: no SFT params at {args.init_from}; run `rhyme-jax sft` first",
+        print(f"benchmarks.rollout: no SFT params at {args.init_from}; run `rhyme-jax sft` first",
               file=sys.stderr)
         return 2
 

@@ -1,20 +1,20 @@
 """HistoSpec vs plain decode across live-row counts: is the drafting policy ever slower?
 
-For each ``--rows`` R, ``benchmarks/rollout.py`` runs the CPU demo's GRPO loop with R decode
+For each ``--rows`` R, ``python -m benchmarks.rollout`` runs the CPU demo's GRPO loop with R decode
 slots (``rollout.max_slots=R``) and one prompt set of ``max(1, R / 8)`` prompts x 8 samples
 repeated every step (``grpo.num_prompts = grpo.prompts_per_step``: step s is epoch s), the
 learning rate at ``--lr`` (default ~0, so the policy barely moves and epoch 2 rhymes with
 epoch 1 as much as sampling allows); every step's rollout runs twice on the same weights, prompts
 and key, plain and with HistoSpec (``--policy``: ``goodput`` = the goodput policy of
-``benchmarks/rollout_real.py``'s ``GOODPUT``; ``paper`` = the paper defaults). Reported per R:
+``benchmarks.rollout_real``'s ``GOODPUT``; ``paper`` = the paper defaults). Reported per R:
 tokens/s of each over the steps from epoch 2 on, their ratio, tokens per sequence forward pass,
 acceptance and the host drafting share. The "never slower" target is ratio >= 0.98 at every R.
 
 Usage::
 
-    python benchmarks/spec_sweep.py --init-from runs/demo/sft                 # R = 1, 8, 32, 128, 256
-    python benchmarks/spec_sweep.py --init-from runs/demo/sft --policy paper
-    python benchmarks/spec_sweep.py --init-from runs/demo/sft --rows 128 --set rollout.temperature=0.05
+    python -m benchmarks.spec_sweep --init-from runs/demo/sft                 # R = 1, 8, 32, 128, 256
+    python -m benchmarks.spec_sweep --init-from runs/demo/sft --policy paper
+    python -m benchmarks.spec_sweep --init-from runs/demo/sft --rows 128 --set rollout.temperature=0.05
 
 Writes ``runs/spec_sweep_<policy>/sweep.{json,md}``.
 """
@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rhyme_jax.measure.paired_report import paired_ratios
+
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {
     "goodput": ["spec.window=goodput", "spec.pattern_min=1", "spec.self_lookup=true", "spec.siblings=true",
@@ -37,34 +39,29 @@ POLICIES = {
 
 
 def run_rows(rows: int, args) -> dict:
-    """One ``benchmarks/rollout.py`` run with ``rows`` slots; returns its ``epoch3_on``-style
-    totals over the steps from epoch 2 on."""
+    """One ``python -m benchmarks.rollout`` run with ``rows`` slots; returns its figures
+    (``measure.paired_report.paired_ratios``) over the steps from epoch 2 on."""
     prompts = max(1, rows // 8)
     name = f"spec_sweep_{args.policy}_R{rows}"
     sets = [*POLICIES[args.policy], f"rollout.max_slots={rows}", f"grpo.prompts_per_step={prompts}",
             f"grpo.num_prompts={prompts}", "grpo.samples_per_prompt=8", f"grpo.learning_rate={args.lr}",
             "grpo.minibatches=1", *args.overrides]
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "rollout.py"), "--init-from", args.init_from,
+    cmd = [sys.executable, "-m", "benchmarks.rollout", "--init-from", args.init_from,
            "--steps", str(args.steps), "--name", name, "--compile-threads", "2"]
     for s in sets:
         cmd += ["--set", s]
     subprocess.run(cmd, check=True, cwd=ROOT)
     report = json.loads((ROOT / "runs" / name / "rollout_benchmark.json").read_text())
     late = [r for r in report["steps"] if r["epoch"] >= 2]
-
-    def tot(kind, key):
-        return float(sum(r[kind][key] for r in late))
-
-    return {"rows": rows, "steps": len(late),
-            "plain_tokens_per_s": tot("plain", "generated_tokens") / tot("plain", "seconds"),
-            "spec_tokens_per_s": tot("spec", "generated_tokens") / tot("spec", "seconds"),
-            "tokens_per_seq_forward": tot("spec", "generated_tokens") / tot("spec", "sequence_steps"),
-            "acceptance": tot("spec", "accepted_tokens") / max(tot("spec", "drafted_tokens"), 1.0),
-            "drafted_per_token": tot("spec", "drafted_tokens") / tot("spec", "generated_tokens"),
-            "drafting_share": tot("spec", "drafting_seconds") / tot("spec", "seconds")}
+    e = paired_ratios(late)
+    return {"rows": rows, "steps": len(late), "plain_tokens_per_s": e["plain_tokens_per_s"],
+            "spec_tokens_per_s": e["spec_tokens_per_s"], "tokens_per_seq_forward": e["spec_tokens_per_seq_forward"],
+            "acceptance": e["acceptance"], "drafted_per_token": e["spec_drafted_per_token"],
+            "drafting_share": e["drafting_share"]}
 
 
 def main(argv=None) -> int:
+    """Command line (module docstring); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--init-from", default="runs/demo/sft", help="SFT params (run `rhyme-jax sft` first)")
     ap.add_argument("--rows", default="1,8,32,128,256", help="comma-separated slot counts")

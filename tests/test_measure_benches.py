@@ -1,0 +1,86 @@
+"""The library behind the thin benchmark entry points (issue 33): the suffix-tree peer's replay
+(``measure.peer_replay``, ``python -m benchmarks.replay_peer``) on a stand-in peer, the paired
+plain/HistoSpec report (``measure.paired_report``, ``benchmarks.rollout`` / ``spec_sweep``), the
+drafting-time walk (``measure.draft_cost``, ``benchmarks.draft_time``) and the timing harness."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rhyme_jax.measure import draft_cost, paired_report, peer_replay, timing
+from rhyme_jax.measure.text_replay import ReplayCase
+
+
+class _Tree:
+    """Stand-in for arctic-inference's ``SuffixTree``: drafts the continuation after the last
+    earlier occurrence of the context's last token in its sequences (a path draft)."""
+
+    def __init__(self, depth: int):
+        self.seqs: dict[int, list[int]] = {}
+
+    def extend_ndarray(self, seq: int, tokens: np.ndarray) -> None:
+        self.seqs.setdefault(seq, []).extend(int(t) for t in tokens)
+
+    def speculate_ndarray(self, context, limit, factor, offset, min_prob, tree):
+        best: list[int] = []
+        for s in self.seqs.values():
+            for j in range(len(s) - 1):
+                if s[j] == context[-1] and len(s[j + 1: j + 1 + limit]) > len(best):
+                    best = s[j + 1: j + 1 + limit]
+        return SimpleNamespace(token_ids=best, parents=list(range(-1, len(best) - 1)), score=float(len(best)))
+
+
+def test_peer_replay_counts_every_target_token_once():
+    peer = SimpleNamespace(SuffixTree=_Tree)
+    a = np.arange(10, 30, dtype=np.int32)
+    cases = [ReplayCase(np.array([1, 2], np.int32), [a], np.ones(1), a.copy()),  # the history repeats
+             ReplayCase(np.array([3], np.int32), [], np.zeros(0), np.arange(40, 50, dtype=np.int32))]
+    out = peer_replay.replay(peer, cases, peer_replay.PeerOptions())
+    assert out["target_tokens"] == 30
+    assert out["sequence_passes"] + out["accepted_tokens"] == 30  # each pass: accepted + 1
+    # the first pass has no match for the prompt's last token; then a's other 19 tokens in one pass
+    # (its draft cut to the tokens left - 1); nothing to copy for the second target
+    assert out["acceptance"] == 1.0 and out["accepted_tokens"] == 18
+    assert out["sequence_passes"] == 2 + 10
+
+
+def test_load_peer_names_the_build_script(tmp_path):
+    with pytest.raises(peer_replay.PeerUnavailable, match="build_suffix_peer.sh"):
+        peer_replay.load_peer(tmp_path)
+
+
+def _stats(tokens, seconds, passes, drafted=0, accepted=0, drafting=0.0):
+    return dict(generated_tokens=tokens, seconds=seconds, forward_passes=passes, sequence_steps=passes * 2,
+                drafted_tokens=drafted, accepted_tokens=accepted, drafting_seconds=drafting, compiles=0)
+
+
+def test_paired_ratios_and_report(tmp_path, capsys):
+    rows = [{"epoch": e, "plain": _stats(100, 1.0, 100), "spec": _stats(100, 0.5, 40, 80, 60, 0.05)}
+            for e in (1, 3)]
+    r = paired_report.paired_ratios(rows)
+    assert r["speedup"] == pytest.approx(2.0) and r["passes_ratio"] == pytest.approx(2.5)
+    assert r["acceptance"] == pytest.approx(0.75) and r["spec_drafted_per_token"] == pytest.approx(0.8)
+    assert r["drafting_share"] == pytest.approx(0.1) and r["speedup_without_drafting"] == pytest.approx(200 / 90)
+    assert r["spec_tokens_per_seq_forward"] == pytest.approx(100 / 80)
+    paired_report.write_report(rows, tmp_path, final=True, meta={"backend": "cpu"})
+    body = json.loads((tmp_path / "rollout_benchmark.json").read_text())
+    assert [e["epoch"] for e in body["epochs"]] == [1, 3] and body["epoch3_on"]["speedup"] == pytest.approx(2.0)
+    assert "2.00x rollout tokens/s" in capsys.readouterr().out
+
+
+def test_draft_times_walk_the_workload():
+    r = draft_cost.draft_times("goodput", 2, 2, 0, self_lookup=True)
+    assert r["policy"] == "goodput+self_lookup" and r["steps"] > 1
+    assert 0 < r["accepted_share"] < 1 and r["draft_us_median"] > 0
+
+
+def test_timing_harness_counts_calls():
+    calls = []
+    assert len(timing.seconds_of(lambda: calls.append(1), 3, warmup=2)) == 3 and len(calls) == 5
+    assert timing.median_seconds(lambda: None, 1) >= 0
+    with pytest.raises(ValueError):
+        timing.seconds_of(lambda: None, 0)
