@@ -1,9 +1,6 @@
 """Shared fixtures."""
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import jax
 import pytest
@@ -42,27 +39,3 @@ def smollm2_dir():
     from rhyme_jax.model import hub
 
     return hub.get("smollm2-135m-instruct", log=None)
-
-
-def load_benchmark(stem: str):
-    """``benchmarks/<stem>.py`` as a module (benchmarks/ is not a package), loaded once."""
-    name = f"bench_{stem}"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-@pytest.fixture(scope="session")
-def schedule_bench():
-    """benchmarks/schedule.py as a module."""
-    return load_benchmark("schedule")
-
-
-@pytest.fixture(scope="session")
-def benchmark_module():
-    """``load_benchmark``: ``benchmark_module("step_cost")`` is benchmarks/step_cost.py."""
-    return load_benchmark
