@@ -7,6 +7,8 @@ imports it, and it never imports ``rhyme_jax.cli``).
   HistoSpec on it, and peer engines on it (``benchmarks.rollout_real``, ``benchmarks.peers``);
 * ``kernels``, ``kernel_checks``, ``kernel_report``: the ragged paged attention sweep, its
   correctness checks and its report (``benchmarks.kernels``);
+* ``attention_layout``: the reference's per-sequence vs per-token layout timed per step shape
+  (``benchmarks.attention_layout``);
 * ``trl_mapping``, ``trl_run``, ``trl_report``: TRL's GRPOTrainer on a rhyme-jax config
   (``benchmarks.trl_side_by_side``; TRL, torch and transformers are imported only inside the
   functions that run them).
