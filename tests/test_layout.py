@@ -7,7 +7,8 @@ Layer order (ground floor first): ``io`` / ``config``; ``model``, ``data``, ``pa
 ``rollout``; ``spec``; ``sched``; ``measure``; ``train``; ``ablate`` and ``bench`` (what the
 benchmark entry points measure; neither imports the other); the CLI package (``rhyme_jax/cli/``)
 on top. ``config`` imports only the standard library, YAML/OmegaConf and
-itself; no module edits ``sys.path``.
+itself; no module edits ``sys.path`` (nor does a benchmark entry point), and no test loads a
+benchmark file.
 The rules checked are those the architecture issue fixed: ``model``, ``rollout``, ``spec``,
 ``parallel`` and ``data`` never import ``train``; ``sched`` never imports ``train``; ``spec``
 never imports ``rollout`` (the engine owns draft bucketing); the ground floor imports nothing of
@@ -156,10 +157,33 @@ SYS_PATH_ALLOWED = {"data/custom_reward.py"}
 
 
 def test_no_sys_path_edits_in_the_package():
-    bad = [f"rhyme_jax/{p.relative_to(PKG)}" for p in _modules()
-           if p.relative_to(PKG).as_posix() not in SYS_PATH_ALLOWED and _edits_sys_path(ast.parse(p.read_text()))]
+    """Neither the package nor a benchmark entry point (``python -m benchmarks.NAME``) edits
+    ``sys.path``."""
+    files = [p for p in _modules() if p.relative_to(PKG).as_posix() not in SYS_PATH_ALLOWED]
+    files += sorted((ROOT / "benchmarks").glob("*.py"))
+    bad = [str(p.relative_to(ROOT)) for p in files if _edits_sys_path(ast.parse(p.read_text()))]
     assert not bad, "modules touching sys.path: " + ", ".join(bad)
     assert _edits_sys_path(ast.parse("import sys\nsys.path.insert(0, 'x')\n"))
+
+
+def _loads_a_benchmark(tree: ast.AST) -> bool:
+    """The tree imports ``benchmarks`` or loads a file by path (``spec_from_file_location``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "benchmarks" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "benchmarks":
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "spec_from_file_location":
+            return True
+    return False
+
+
+def test_tests_import_the_library_not_benchmark_files():
+    """Tests import library code; a whole benchmark runs only as ``python -m benchmarks.NAME``."""
+    bad = [p.name for p in sorted((ROOT / "tests").glob("*.py")) if _loads_a_benchmark(ast.parse(p.read_text()))]
+    assert not bad, "tests loading benchmark files: " + ", ".join(bad)
+    assert _loads_a_benchmark(ast.parse("from benchmarks import schedule\n"))
+    assert _loads_a_benchmark(ast.parse("import importlib.util\nimportlib.util.spec_from_file_location('b', 'x')\n"))
 
 
 def _engine_private_names() -> set[str]:
