@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the suffix-tree peer for benchmarks/replay_peer.py: ArcticInference's SuffixDecoding
+# Build the suffix-tree peer for python -m benchmarks.replay_peer: ArcticInference's SuffixDecoding
 # (the drafter behind vLLM's `suffix` speculative method), C++ core only.
 #
 # Downloads the arctic-inference 0.3.0 sdist and the nanobind 2.9.2 wheel from PyPI with pip,
@@ -9,7 +9,7 @@
 # PYTHONPATH for the cmake step.
 #
 #   bash benchmarks/build_suffix_peer.sh            # PYTHON=/path/to/python to choose the interpreter
-#   python benchmarks/replay_peer.py CORPUS.jsonl --tokenizer PATH
+#   python -m benchmarks.replay_peer CORPUS.jsonl --tokenizer PATH
 #
 # Needs: network access to PyPI (pip download), cmake >= 3.18, a C++20 compiler, the Python headers
 # of the interpreter (python3.X-dev). Rerunning rebuilds from scratch.

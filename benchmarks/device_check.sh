@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check: environment; correctness of the ragged paged attention kernels on the real
 # backend (interpret off, issue 3); plain decode vs HistoSpec rollouts of the demo model along a
-# 30-step GRPO run (benchmarks/rollout.py, issue 4); then kernel timings. Everything goes to $OUT
+# 30-step GRPO run (python -m benchmarks.rollout, issue 4); then kernel timings. Everything goes to $OUT
 # (log, checks.json, rollout_device.{json,md}, kernels.json, kernels.md), written as it goes, so a
 # timeout still brings results back.
 #
@@ -110,7 +110,7 @@ rollout_phase() {  # rollout_phase ATTN SECONDS [NAME_SUFFIX EXTRA_ARGS...]
   shift $(($# < 3 ? $# : 3))
   local name=bench_rollout_device$suffix
   rm -rf "runs/$name"
-  phase "rollout$suffix[$attn]" "$secs" "$PY" benchmarks/rollout.py --init-from runs/demo/sft --name "$name" \
+  phase "rollout$suffix[$attn]" "$secs" "$PY" -m benchmarks.rollout --init-from runs/demo/sft --name "$name" \
     --set "rollout.attention_impl=$attn" "${ROLLOUT_ARGS[@]}" "$@"
   for f in runs/"$name"/rollout_benchmark.*; do [ -f "$f" ] && cp "$f" "$OUT/${name#bench_}.${f##*.}"; done
 }
@@ -142,7 +142,7 @@ want bench && phase bench "$T_BENCH" "$PY" -m benchmarks.kernels --out "$OUT" "$
 if want update; then
   if [ "$SMOKE" = 1 ]; then UPD=(--rows 2 --tokens 64 --steps 1 --config configs/tiny_test.yaml)
   else UPD=(--config configs/gsm8k_qwen2.5_1.5b.yaml --model-config configs/models/qwen2.5-1.5b --rows 128 --steps 2); fi
-  phase update "${T_UPDATE:-200}" "$PY" benchmarks/update_step.py "${UPD[@]}" --out "$OUT/update_step.json"
+  phase update "${T_UPDATE:-200}" "$PY" -m benchmarks.update_step "${UPD[@]}" --out "$OUT/update_step.json"
 fi
 
 {

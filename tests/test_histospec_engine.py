@@ -150,7 +150,7 @@ def test_sampled_rollout_with_drafts_draws_plain_tokens_with_the_same_key(corrup
 
 
 def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
-    """``ablate.paired.AlwaysRightDrafter`` (the ``--oracle`` bound of benchmarks/rollout.py):
+    """``measure.oracle_drafters.AlwaysRightDrafter`` (the ``--oracle`` bound of ``benchmarks.rollout``):
     drafting the plain rollout's own tokens, every draft token is accepted, the tokens are plain
     decode's and the rollout needs at most half the passes."""
     from rhyme_jax.ablate.paired import AlwaysRightDrafter
@@ -170,7 +170,7 @@ def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
 
 
 def test_held_run_is_the_longest_continuation_after_the_last_token():
-    """``ablate.paired.held_run``: sources, siblings and self-lookup; a source's end stops a run."""
+    """``measure.oracle_drafters.held_run``: sources, siblings and self-lookup; a source's end stops a run."""
     from rhyme_jax.ablate.paired import held_run
 
     a = lambda *x: np.array(x)  # noqa: E731
@@ -182,7 +182,7 @@ def test_held_run_is_the_longest_continuation_after_the_last_token():
 
 
 def test_source_bound_drafts_only_what_the_sources_hold():
-    """``ablate.paired.SourceBound`` (``--oracle sources``): on the first rollout of distinct
+    """``measure.oracle_drafters.SourceBound`` (``--oracle sources``): on the first rollout of distinct
     prompts only self-lookup can draft, so it drafts less than always-right; on a repeat with
     that rollout as history every draft is accepted and the rollout needs at most half the
     passes. The tokens stay plain decode's."""

@@ -141,7 +141,7 @@ def test_training_update_in_a_window_is_not_a_bubble():
 
 def test_wrap_generate_hook_sees_every_engine_call():
     """``RolloutScheduler(wrap_generate=)`` puts a hook around each worker's engine calls (what
-    benchmarks/rollout.py pairs plain and HistoSpec rollouts with): it gets the call's arguments
+    ``benchmarks.rollout`` pairs plain and HistoSpec rollouts with): it gets the call's arguments
     and its return value is the rollout."""
     calls = []
 

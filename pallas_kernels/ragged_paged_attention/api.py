@@ -55,7 +55,7 @@ class BlockSizes:
 
 
 # Query rows per GPU program when a step carries more than one query token per sequence (verify,
-# prefill). Measured on one H200 (jax 0.11.2, benchmarks/kernels.py, 2026-11-30): for q_len 9,
+# prefill). Measured on one H200 (jax 0.11.2, python -m benchmarks.kernels, 2026-11-30): for q_len 9,
 # block_q 64 ran 1.6-2.2x faster than 16 at each of the 7 shapes timed (batch 64-256, context
 # 2K-16K, pages 16/64); for decode (q_len 1) 16 was faster.
 GPU_MULTI_QUERY_BLOCK_Q = 64

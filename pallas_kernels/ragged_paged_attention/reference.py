@@ -177,7 +177,7 @@ def token_layout(t_total: int, num_seqs: int, max_q_len: int) -> bool:
     pages once and scores ``num_seqs x max_q_len`` padded query slots): when there are at most
     two packed tokens per sequence (decode, and verify steps with a few drafts per row). On the
     2-core CPU, one layer of the demo model's shapes
-    (``benchmarks/attention_layout.py``): per token 2.6 vs 4.9 ms at (S 128, T 128, Q 1), 4.0 vs
+    (``python -m benchmarks.attention_layout``): per token 2.6 vs 4.9 ms at (S 128, T 128, Q 1), 4.0 vs
     4.2 ms at (128, 192, 7); per sequence 7.0 vs 14.9 ms at (128, 512, 17), 10.4 vs 134 ms at
     (128, 4224, 33) and 10.9 vs 63 ms for a (256, 2048, 16) prefill."""
     return t_total <= 2 * num_seqs

@@ -80,7 +80,7 @@ def verify_pairs(num_rows: int, budget: int, spec: bool = True) -> tuple[tuple[i
     that grows with ``S * Q``. On the 2-core CPU one demo layer at ``(S, T) = (128, 512)`` took
     4.1 ms at ``Q = 9`` and 8.0 ms at ``Q = 17``; that whole program ran at 26.5 ms where it had
     been profiled at 32.5 ms, and it emitted 17.1 tokens per ms against 10.7 for plain decode
-    (``benchmarks/attention_layout.py``; issue 16 note)."""
+    (``python -m benchmarks.attention_layout``; issue 16 note)."""
     s = int(num_rows)
     pairs = [(s, 1)]
     cap = max(s, min(int(budget), s * (MAX_DRAFT + 1)))

@@ -164,5 +164,5 @@ class CostModel:
 
 
 # Placeholder values until a device is profiled (seconds): 1 ms per decode step, 20 us per
-# sequence per step, 1 ms per sequence. benchmarks/schedule.py uses these without --cost-model.
+# sequence per step, 1 ms per sequence. python -m benchmarks.schedule uses these without --cost-model.
 DEFAULT_COST_MODEL = CostModel(a=1e-3, b=2e-5, c=1e-3)
