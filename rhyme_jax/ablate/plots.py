@@ -6,7 +6,9 @@
   paired run, A3's run), with the paper's 65-79% band;
 * ``draft_lengths.png``: draft-length histograms of the replayed drafters (K2 windows, K4);
 * ``gantt_<unit>.png``: rollout workers' busy intervals per step of the end-to-end runs
-  (``sched.timeline.plot_gantt``).
+  (``sched.timeline.plot_gantt``);
+* ``learning_<id>.png`` (L1, L2): HistoSpec's rollout speed-up and the oracle bound against epoch
+  and against entropy, beside the plain run's reward curve.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def write_plots(out: Path, results: dict[str, dict], units: dict[str, dict]) -> 
     jobs = (("speedup_bars", lambda: speedup_bars(results, out / "speedup_bars.png")),
             ("acceptance_per_step", lambda: acceptance_per_step(units, out / "acceptance_per_step.png")),
             ("draft_lengths", lambda: draft_lengths(results, out / "draft_lengths.png")),
-            ("gantt", lambda: gantt(units, out)))
+            ("gantt", lambda: gantt(units, out)),
+            ("learning", lambda: learning_curves(results, units, out)))
     for name, job in jobs:
         try:
             got = job()
@@ -154,3 +157,37 @@ def write_plots(out: Path, results: dict[str, dict], units: dict[str, dict]) -> 
             continue
         paths += got if isinstance(got, list) else [got] if got else []
     return paths, errors
+
+
+def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path) -> list[Path]:
+    """``learning_<id>.png`` of L1 / L2: speed-up and bound per epoch, against entropy, and the
+    plain run's train reward per step."""
+    paths = []
+    for aid, plain in (("L1", "learn_plain"), ("L2", "learn_real_plain")):
+        r = results.get(aid, {})
+        if r.get("status") != "ok" or not r.get("epochs"):
+            continue
+        fig = _figure(15, 4.2)
+        ax, ax2, ax3 = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
+        for name, rows in r["epochs"].items():
+            label = name.rsplit("_", 1)[-1]
+            ep = [x["epoch"] for x in rows]
+            ax.plot(ep, [x["rollout_ratio"] for x in rows], marker="o", label=f"{label}: rollout")
+            ax.plot(ep, [x["e2e_ratio"] for x in rows], marker="s", ls=":", label=f"{label}: end to end")
+            ent = [(x["entropy"], x["rollout_ratio"]) for x in rows if x["entropy"] is not None]
+            ax2.plot([e for e, _ in ent], [v for _, v in ent], marker="o", label=f"{label}: rollout")
+        bound = [(x["epoch"], x["entropy"], x["bound"]) for x in next(iter(r["epochs"].values())) if x["bound"]]
+        if bound:
+            ax.plot([b[0] for b in bound], [b[2] for b in bound], color="k", ls="--", label="oracle bound")
+            ax2.plot([b[1] for b in bound if b[1] is not None], [b[2] for b in bound if b[1] is not None],
+                     color="k", ls="--", marker="x", label="oracle bound")
+        for a in (ax, ax2):
+            a.axhline(1.0, color="gray", lw=0.8)
+            a.legend(fontsize="x-small")
+        ax.set(xlabel="epoch of the prompt schedule", ylabel="speed-up vs plain", title=f"{aid}: HistoSpec per epoch")
+        ax2.set(xlabel="entropy (nats per sampled token)", ylabel="rollout speed-up", title="against entropy")
+        steps = units.get(plain, {}).get("steps", [])
+        ax3.plot([s["step"] for s in steps], [s.get("reward/mean", 0.0) for s in steps], marker=".")
+        ax3.set(xlabel="GRPO step", ylabel="train reward (mean)", title="reward (every run: the same tokens)")
+        paths.append(_save(fig, out / f"learning_{aid}.png"))
+    return paths

@@ -90,7 +90,23 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "GRPO, 1 worker, every rollout plain and HistoSpec on the same weights/prompts/key"),
     Unit("real_session", "session", _cfg("histospec_real"),
          what="SmolLM2-135M-Instruct on GSM8K: plain epochs, live HistoSpec, temperature and batch sweeps"),
+    Unit("learn_plain", "learn", _cfg("learn_plain"), 1, ("demo_sft",),
+         "GRPO learning run of the demo, prompts recurring each 10 steps, sync, plain decode"),
+    Unit("learn_aimd", "learn", _cfg("learn_aimd"), 1, ("demo_sft",), "learn_plain + HistoSpec, paper drafter (AIMD)"),
+    Unit("learn_goodput", "learn", _cfg("learn_goodput"), 1, ("demo_sft",),
+         "learn_plain + HistoSpec, goodput drafter"),
+    Unit("learn_one_step_off", "learn", _cfg("learn_one_step_off"), 1, ("demo_sft",),
+         "learn_plain with rollout s+1 overlapping update s (staleness 1)"),
+    Unit("learn_cross_step", "learn", _cfg("learn_cross_step"), 1, ("demo_sft",),
+         "learn_one_step_off with per-worker cross-step queues"),
+    Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
+         what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
+    Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
+    Unit("learn_real_goodput", "learn_real", _cfg("learn_real_goodput"),
+         what="learn_real_plain + HistoSpec (goodput)"),
 )}
+
+LEARN_KINDS = ("learn", "learn_real")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
 
 _E2E = ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration", "e2e_histospec")
 
@@ -124,12 +140,23 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              ("real_session", "e2e_histospec")),
     Ablation("O6", "epoch e vs e+1", "share of prompts with a large length-rank shift", "2-4%",
              ("e2e_histospec", "real_session")),
+    Ablation("L1", "HistoSpec off / AIMD / goodput over a learning run (demo)",
+             "per epoch: entropy, acceptance, tokens per sequence pass, rollout and end-to-end ratios vs plain, "
+             "oracle bound; identical tokens and rewards", "rollout speed-up grows as rollouts rhyme (up to 1.86x)",
+             ("learn_plain", "learn_aimd", "learn_goodput")),
+    Ablation("L2", "HistoSpec off / AIMD / goodput over a learning run (SmolLM2-135M-Instruct)",
+             "as L1", "as L1", ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")),
+    Ablation("L3", "sync vs one-step-off vs cross-step queues on the learning run (demo)",
+             "end-to-end ratio vs sync; final-window reward within 2 SE",
+             "off-policy lag keeps accuracy (verl / AReaL practice)",
+             ("learn_plain", "learn_one_step_off", "learn_cross_step")),
 )}
 
 SUITES: dict[str, tuple[str, ...]] = {
-    "paper": tuple(ABLATIONS),
+    "paper": tuple(a for a in ABLATIONS if not a.startswith("L")),
     "histopipe": ("A1", "A2", "A6", "O6"),
     "histospec": ("A3", "A4", "A5", "A10", "K1", "K2", "K3", "K4", "K6", "O5"),
+    "learning": ("L1", "L2", "L3"),
 }
 
 
@@ -167,9 +194,11 @@ class Scale:
       name: ``full``, ``quick`` or ``tiny``.
       overrides: unit kind -> ``--set`` strings.
       session: the ``SessionPlan``.
-      session_config: replaces the session unit's config when set (``tiny``: the test model).
-      config_dir: where the units' configs live instead of ``configs/ablations`` (same file names;
-        ``gpu``: ``configs/ablations/gpu``, the real-scale recipe).
+      config_by_kind: unit kind -> the config that replaces its units' configs (``tiny``: the
+        session's test model).
+      config_dir: where the paper units' configs live instead of ``configs/ablations`` (same file
+        names; ``gpu``: ``configs/ablations/gpu``, the real-scale recipe). The learning runs
+        (``LEARN_KINDS``) keep their configs: they are the recipes a GPU runs as they are.
       e2e_steps_skipped: first GRPO steps left out of the end-to-end figures (they compile).
       warmup: compile every rollout program of the GRPO units before step 1 (``e2e.warm_up``);
         off for the tests (they time nothing and compile only what they run).
@@ -178,13 +207,15 @@ class Scale:
     name: str
     overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)
     session: SessionPlan = SessionPlan()
-    session_config: str = ""
+    config_by_kind: dict[str, str] = field(default_factory=dict)
     config_dir: str = ""
     e2e_steps_skipped: int = 1
     warmup: bool = True
 
 
 _QUICK_DEMO = ("grpo.steps=6", "grpo.prompts_per_step=8", "grpo.num_prompts=16")
+_QUICK_LEARN = {"learn": ("grpo.steps=12", "grpo.num_prompts=32"),  # 2 steps per epoch, 6 epochs
+                "learn_real": ("grpo.steps=8", "grpo.num_prompts=8")}  # 2 steps per epoch, 4 epochs
 _TINY_DEMO = _TINY_MODEL + ("rollout.max_new_tokens=8", "rollout.max_slots=4", "sft.steps=1", "sft.batch_size=4",
                             "sft.warmup_steps=0", "grpo.steps=2", "grpo.prompts_per_step=2",
                             "grpo.samples_per_prompt=2", "grpo.num_prompts=2")
@@ -192,13 +223,17 @@ _TINY_DEMO = _TINY_MODEL + ("rollout.max_new_tokens=8", "rollout.max_slots=4", "
 SCALES: dict[str, Scale] = {s.name: s for s in (
     Scale("full"),
     Scale("quick", {"sft": ("sft.steps=100", "data.num_eval=16"), "e2e": _QUICK_DEMO, "paired": _QUICK_DEMO,
-                    "session": ("grpo.num_prompts=4", "rollout.max_new_tokens=48", "rollout.max_slots=16")},
+                    "session": ("grpo.num_prompts=4", "rollout.max_new_tokens=48", "rollout.max_slots=16"),
+                    **_QUICK_LEARN},
           SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 4), live_windows=("aimd", "goodput"))),
     Scale("tiny", {"sft": _TINY_DEMO, "e2e": _TINY_DEMO + ("parallel.rollout_workers=2",), "paired": _TINY_DEMO,
                    "session": ("grpo.num_prompts=2", "grpo.samples_per_prompt=2", "rollout.max_new_tokens=8",
-                               "rollout.max_slots=4")},
+                               "rollout.max_slots=4"),
+                   "learn": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
+                   "learn_real": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1")},
           SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 2), live_windows=("aimd", "goodput")),
-          session_config=_cfg("histospec_tiny"), e2e_steps_skipped=0, warmup=False),
+          config_by_kind={"session": _cfg("histospec_tiny")},
+          e2e_steps_skipped=0, warmup=False),
     Scale("gpu", session=SessionPlan(batch_prompts=(8, 16, 32)), config_dir=f"{ABLATION_DIR}/gpu"),
 )}
 
@@ -236,10 +271,9 @@ def units_of(ids: list[str]) -> list[str]:
 def unit_config(unit: Unit, scale: Scale) -> tuple[str, tuple[str, ...]]:
     """``(config path, overrides)`` of ``unit`` at ``scale`` (path repository-relative)."""
     path = unit.config
-    if scale.config_dir:
+    if scale.config_dir and unit.kind not in LEARN_KINDS:
         path = f"{scale.config_dir}/{Path(path).name}"
-    if unit.kind == "session" and scale.session_config:
-        path = scale.session_config
+    path = scale.config_by_kind.get(unit.kind, path)
     return path, scale.overrides.get(unit.kind, ())
 
 

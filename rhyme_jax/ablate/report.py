@@ -18,7 +18,8 @@ def _cell(text: str) -> str:
 
 
 def table_md(suite: str, results: dict[str, dict], meta: dict, plots: list[Path]) -> str:
-    """The markdown report: a header with the run's setting, one row per id, the plots."""
+    """The markdown report: a header with the run's setting, one row per id, each id's
+    ``details`` (multi-line markdown, e.g. L1's per-epoch tables), the plots."""
     lines = [f"# Paper ablations: rhyme-jax beside RhymeRL (suite `{suite}`, scale `{meta['scale']}`)", "",
              " | ".join(f"{k}: {v}" for k, v in meta.items()), "",
              "Ours: CPU scale (the demo model on 4 rollout workers over fake CPU devices, and "
@@ -31,6 +32,9 @@ def table_md(suite: str, results: dict[str, dict], meta: dict, plots: list[Path]
         ours = r["ours"] if r["status"] == "ok" else f"n/a: {r['reason']}"
         lines.append(f"| {aid} | {_cell(a.varied)} | {_cell(a.measured)} | {_cell(ours)} | {_cell(a.paper)} | "
                      f"{_cell(r.get('notes', ''))} |")
+    for aid, r in results.items():  # per-epoch tables and the like (multi-line markdown)
+        if r["status"] == "ok" and r.get("details"):
+            lines += ["", f"## {aid}: {ABLATIONS[aid].varied}", "", r["details"]]
     if plots:
         lines += ["", "Plots: " + ", ".join(f"[{p.name}]({p.name})" for p in plots)]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,280 @@
+"""Suite ``learning`` (ids L1-L3): HistoSpec and the schedulers on GRPO runs that learn.
+
+L1 / L2 train one learning run three times with the same seed: HistoSpec off, the paper's AIMD
+drafter and the goodput drafter. Every token's draw is keyed by its request and position, and a
+verify pass accepts a draft token exactly when it is the token the plain draw gives there, so the
+three runs sample the same tokens, get the same rewards and train the same weights: one workload,
+timed three ways. ``identity`` checks that on the saved rollouts (``rollouts/step_*.npz``) and
+names the first divergence if there is one (a float difference between the decode and the verify
+program can flip a draw that lies on a boundary of the sampling distribution).
+
+Per epoch of the prompt schedule (``rollout/epoch``; HistoSpec drafts from epoch 2 on) it reports:
+the mean per-token entropy of the sampled tokens (estimated as their mean negative behaviour
+log-prob, in nats, from the plain run), acceptance, tokens per sequence pass, batch passes, the
+rollout and end-to-end ratios against plain (same tokens: plain seconds / HistoSpec seconds) and,
+where the plain run's rollouts allow it, the oracle bound (``oracle``). The first ``skip`` steps
+(compiles) are left out of the timed figures.
+
+L3 compares the sync run with one-step-off and cross-step queues: end-to-end ratio against sync
+and the final-window reward (the last quarter of the steps) with its standard error: the lag
+must not cost learning (difference within 2 standard errors).
+
+Source: the issue "speed where training really happens" (scope 1-3); RhymeRL (arXiv 2508.18588)
+s.6.3 (HistoSpec speed-up over training steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from rhyme_jax.ablate.measures import Inputs, MissingInput, figure, timed_steps
+from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
+
+SPEC_UNITS = {"L1": ("learn_plain", "learn_aimd", "learn_goodput"),
+              "L2": ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")}
+SCHED_UNITS = ("learn_plain", "learn_one_step_off", "learn_cross_step")
+# H200 cost of one demo-model pass at 128 rows by drafts per row (0 = decode): 1.838 ms and 1.01x,
+# 1.21x, 1.23x for 1, 3, 7 drafts (benchmarks/step_cost.py on one H200, 2026-11-30; docs/results.md
+# "GPU kernels and pass costs"). Used for L1's projection only: no H200 profile of SmolLM2 exists.
+H200_DEMO_PASS_S = ((0, 1.838e-3), (1, 1.838e-3 * 1.01), (3, 1.838e-3 * 1.21), (7, 1.838e-3 * 1.23))
+TARGET_RATIO = 0.98  # goodput >= 0.98x plain in every epoch (rollout and end to end)
+TARGET_OF_BOUND = 0.90  # >= 90% of the oracle's rollout bound
+LOW_ENTROPY, TARGET_LOW_ENTROPY = 0.5, 1.5  # below 0.5 nats per token: rollout >= 1.5x
+
+
+def identity(base_dir: str | Path, other_dir: str | Path) -> dict:
+    """Compare the saved rollouts of two runs step by step.
+
+    Returns:
+      ``{"steps": compared steps, "identical": steps whose prompt ids, responses and rewards
+      agree exactly, "tokens": tokens compared, "first_divergence": "" or where the first
+      difference is (step, row, token position)}``.
+
+    Raises:
+      MissingInput: a run has no saved rollouts.
+    """
+    a_steps, b_steps = list_rollout_steps(base_dir), list_rollout_steps(other_dir)
+    if not a_steps or not b_steps:
+        raise MissingInput(f"no saved rollouts under {base_dir if not a_steps else other_dir}")
+    same, tokens, first = 0, 0, ""
+    steps = [s for s in a_steps if s in set(b_steps)]
+    for step in steps:
+        a, b = load_rollouts(base_dir, step), load_rollouts(other_dir, step)
+        where = _first_difference(a, b)
+        tokens += int(np.sum(a["lengths"]))
+        if where:
+            first = first or f"step {step}: {where}"
+        else:
+            same += 1
+    return {"steps": len(steps), "identical": same, "tokens": tokens, "first_divergence": first}
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    """Where two steps' rollouts first differ ("" when they agree)."""
+    if not np.array_equal(a["prompt_ids"], b["prompt_ids"]):
+        return "prompt ids differ"
+    for i, (x, y) in enumerate(zip(a["responses"], b["responses"])):
+        if not np.array_equal(x, y):
+            n = min(len(x), len(y))
+            pos = int(np.argmax(x[:n] != y[:n])) if np.any(x[:n] != y[:n]) else n
+            return f"row {i}, token {pos} (lengths {len(x)} / {len(y)})"
+    if not np.array_equal(a["rewards"], b["rewards"]):
+        return "rewards differ"
+    return ""
+
+
+def entropy_by_step(run_dir: str | Path) -> dict[int, float]:
+    """Mean negative behaviour log-prob of the sampled tokens per step (nats per token): an
+    unbiased estimate of the per-token entropy of the sampling distribution. Steps without
+    saved log-probs are left out."""
+    out = {}
+    for step in list_rollout_steps(run_dir):
+        r = load_rollouts(run_dir, step)
+        lps = r.get("behaviour_logprobs")
+        if lps:
+            flat = np.concatenate([np.asarray(x, np.float64) for x in lps]) if lps else np.zeros(0)
+            if flat.size:
+                out[step] = float(-flat.mean())
+    return out
+
+
+def by_epoch(r: dict) -> dict[int, list[dict]]:
+    """A GRPO unit's timed steps grouped by ``rollout/epoch``."""
+    out: dict[int, list[dict]] = {}
+    for s in timed_steps(r):
+        out.setdefault(int(s.get("rollout/epoch", 1)), []).append(s)
+    return out
+
+
+def _sum(steps: list[dict], key: str) -> float:
+    return float(sum(s.get(key, 0.0) for s in steps))
+
+
+def epoch_rows(plain: dict, spec: dict, entropy: dict[int, float], bound: dict[int, float],
+               project: bool = False) -> list[dict]:
+    """One row per epoch of ``spec`` against ``plain`` (steps matched by number): entropy,
+    acceptance, tokens per sequence pass, batch passes, rollout / end-to-end ratios, bound and,
+    with ``project``, the H200 projection (``gpu_projection``)."""
+    rows = []
+    plain_epochs = by_epoch(plain)
+    for ep, st in sorted(by_epoch(spec).items()):
+        numbers = {s["step"] for s in st}
+        base = [s for s in plain_epochs.get(ep, []) if s["step"] in numbers]
+        if not base:
+            continue
+        drafted = _sum(st, "spec/drafted_tokens")
+        ent = [entropy[s["step"]] for s in st if s["step"] in entropy]
+        rows.append({
+            "epoch": ep, "steps": len(st), "entropy": float(np.mean(ent)) if ent else None,
+            "reward": _sum(base, "reward/mean") / len(base),
+            "acceptance": _sum(st, "spec/accepted_tokens") / drafted if drafted else None,
+            "tokens_per_forward": float(np.mean([s.get("rollout/tokens_per_forward", 1.0) for s in st])),
+            "passes": _sum(st, "rollout/forward_passes"), "plain_passes": _sum(base, "rollout/forward_passes"),
+            "rollout_ratio": _sum(base, "time/rollout_s") / max(_sum(st, "time/rollout_s"), 1e-9),
+            "e2e_ratio": _sum(base, "wall_s") / max(_sum(st, "wall_s"), 1e-9),
+            "bound": bound.get(ep),
+            "h200_projection": gpu_projection(base, st, plain["rows_per_step"]) if project else None})
+    return rows
+
+
+def gpu_projection(plain_steps: list[dict], spec_steps: list[dict], rows: int) -> float | None:
+    """Projected rollout ratio of ``spec_steps`` against ``plain_steps`` at H200 pass cost
+    (``H200_DEMO_PASS_S``; prefill and host time left out): every recorded batch pass priced at
+    the 128-row cost of its mean drafts per row (drafted tokens / (passes x ``rows``),
+    interpolated, capped at 7). None without passes."""
+    xs, ys = zip(*H200_DEMO_PASS_S)
+    plain = _sum(plain_steps, "rollout/forward_passes") * ys[0]
+    spec = 0.0
+    for s in spec_steps:
+        passes = s.get("rollout/forward_passes", 0.0)
+        drafts = s.get("spec/drafted_tokens", 0.0) / max(passes * rows, 1.0)
+        spec += passes * float(np.interp(min(drafts, xs[-1]), xs, ys))
+    return plain / spec if spec > 0 and plain > 0 else None
+
+
+def _fmt(x, f="{:.2f}") -> str:
+    return "-" if x is None else f.format(x)
+
+
+def table_lines(name: str, rows: list[dict]) -> list[str]:
+    """A markdown table of ``epoch_rows``."""
+    out = [f"{name}:", "", "| epoch | steps | entropy (nats) | reward | acceptance | tokens/seq pass | batch passes "
+           "(plain) | rollout x | end-to-end x | oracle bound x | of bound | H200 projection x |", "|" + "---|" * 12]
+    for r in rows:
+        of = r["rollout_ratio"] / r["bound"] if r["bound"] else None
+        out.append(f"| {r['epoch']} | {r['steps']} | {_fmt(r['entropy'], '{:.3f}')} | {r['reward']:.3f} | "
+                   f"{_fmt(r['acceptance'])} | {r['tokens_per_forward']:.2f} | {r['passes']:.0f} "
+                   f"({r['plain_passes']:.0f}) | {r['rollout_ratio']:.2f} | {r['e2e_ratio']:.2f} | "
+                   f"{_fmt(r['bound'])} | {_fmt(of, '{:.0%}')} | {_fmt(r.get('h200_projection'))} |")
+    return out
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The goodput targets missed, one line each ([] when every target is met)."""
+    miss = []
+    for r in rows:
+        ep = r["epoch"]
+        if r["rollout_ratio"] < TARGET_RATIO or r["e2e_ratio"] < TARGET_RATIO:
+            miss.append(f"epoch {ep}: {r['rollout_ratio']:.2f}x rollout, {r['e2e_ratio']:.2f}x end to end "
+                        f"(target >= {TARGET_RATIO})")
+        if r["bound"] and r["rollout_ratio"] < TARGET_OF_BOUND * r["bound"]:
+            miss.append(f"epoch {ep}: {r['rollout_ratio'] / r['bound']:.0%} of the bound {r['bound']:.2f}x")
+        if r["entropy"] is not None and r["entropy"] < LOW_ENTROPY and r["rollout_ratio"] < TARGET_LOW_ENTROPY:
+            cap = f" (bound {r['bound']:.2f}x)" if r["bound"] else ""
+            miss.append(f"epoch {ep}: entropy {r['entropy']:.2f} < {LOW_ENTROPY} but rollout "
+                        f"{r['rollout_ratio']:.2f}x < {TARGET_LOW_ENTROPY}{cap}")
+    return miss
+
+
+def spec_learning(inp: Inputs, aid: str) -> dict:
+    """L1 / L2 (module docstring): identity, per-epoch rows of both drafters, targets."""
+    from rhyme_jax.ablate.oracle import epoch_bounds
+
+    plain_name, *spec_names = SPEC_UNITS[aid]
+    plain = inp.unit(plain_name)
+    entropy = entropy_by_step(plain["run_dir"])
+    cost = inp.unit(spec_names[-1]).get("step_cost", {})
+    bound = epoch_bounds(plain, cost)
+    figs, cells, notes, epochs = [], [], [], {}
+    for name in spec_names:
+        r = inp.unit(name)
+        same = identity(plain["run_dir"], r["run_dir"])
+        rows = epoch_rows(plain, r, entropy, bound, project=aid == "L1")
+        epochs[name] = rows
+        label = name.rsplit("_", 1)[-1]
+        for row in rows:
+            v = f"{label}, epoch {row['epoch']}"
+            figs += [figure("rollout speed-up (tokens/s)", v, row["rollout_ratio"], n=row["steps"]),
+                     figure("end-to-end throughput ratio", v, row["e2e_ratio"], n=row["steps"]),
+                     figure("tokens per sequence pass", v, row["tokens_per_forward"], n=row["steps"])]
+            if row["bound"]:
+                figs.append(figure("oracle rollout bound", v, row["bound"], n=row["steps"]))
+            if row["h200_projection"]:
+                figs.append(figure("projected rollout ratio at H200 pass cost", v, row["h200_projection"],
+                                   n=row["steps"]))
+        ident = f"{same['identical']}/{same['steps']} steps identical" + \
+            (f" (first divergence {same['first_divergence']})" if same["first_divergence"] else "")
+        last = rows[-1] if rows else None
+        cells.append(f"{label}: " + (f"last epoch {last['rollout_ratio']:.2f}x rollout, {last['e2e_ratio']:.2f}x "
+                                     f"end to end" if last else "no timed epoch") + f"; {ident}")
+        notes.append("\n".join(table_lines(name, rows)))
+        if label == "goodput":
+            miss = targets(rows)
+            cells.append("goodput targets: " + ("all met" if not miss else "; ".join(miss)))
+    model = "the goodput run's step-cost profile" if cost.get("profiled") else "the prior cost model (no profile)"
+    return {"ours": "; ".join(cells), "figures": figs, "details": "\n\n".join(notes), "epochs": epochs,
+            "notes": f"{plain['rows_per_step']} rows per step, 1 rollout worker; oracle bound under {model}; "
+                     f"per-epoch tables below the table"
+                     + ("; H200 projection: the recorded passes priced at the demo model's H200 pass cost "
+                        "(a projection, not a measurement)" if aid == "L1" else ""),
+            "identity_ok": all("first divergence" not in c for c in cells)}
+
+
+def final_window(r: dict) -> tuple[float, float, int]:
+    """Mean train reward over the last quarter of the steps (at least 1), its standard error over
+    those steps, and their count."""
+    rewards = [s.get("reward/mean", 0.0) for s in r["steps"]]
+    n = max(1, len(rewards) // 4)
+    w = np.asarray(rewards[-n:], np.float64)
+    se = float(w.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+    return float(w.mean()), se, n
+
+
+def schedulers(inp: Inputs) -> dict:
+    """L3 (module docstring): end-to-end ratio and final-window reward of each lagged pipeline."""
+    from rhyme_jax.ablate.measures import e2e_summary
+
+    base_name, *names = SCHED_UNITS
+    base = inp.unit(base_name)
+    sb = e2e_summary(base)
+    m0, se0, n = final_window(base)
+    figs = [figure("final-window reward", "sync", m0, se0, n)]
+    cells = []
+    for name in names:
+        r = inp.unit(name)
+        s = e2e_summary(r)
+        ratio = sb["step_s"] / max(s["step_s"], 1e-9)
+        m, se, _ = final_window(r)
+        z = (m - m0) / np.hypot(se, se0) if np.isfinite(se) and np.isfinite(se0) and (se or se0) else float("nan")
+        label = name.replace("learn_", "")
+        figs += [figure("end-to-end throughput ratio", f"{label} / sync", ratio, n=s["steps"]),
+                 figure("final-window reward", label, m, se, n)]
+        cells.append(f"{label}: {ratio:.2f}x end to end; final-window reward {m:.3f} ± {se:.3f} vs sync "
+                     f"{m0:.3f} ± {se0:.3f} ({z:+.1f} SE{'' if abs(z) <= 2 else ': beyond 2 SE'})")
+    return {"ours": "; ".join(cells), "figures": figs,
+            "notes": f"demo learning run, 1 rollout worker, {base['rows_per_step']} rows per step; "
+                     f"final window: last {n} steps"}
+
+
+def l1(inp: Inputs) -> dict:
+    return spec_learning(inp, "L1")
+
+
+def l2(inp: Inputs) -> dict:
+    return spec_learning(inp, "L2")
+
+
+def l3(inp: Inputs) -> dict:
+    return schedulers(inp)

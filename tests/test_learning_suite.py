@@ -1,0 +1,98 @@
+"""Suite ``learning`` at the tiny scale (``rhyme-jax ablate learning``): the three L1 runs
+(HistoSpec off, AIMD, goodput; same seed) sample the same tokens and rewards, the per-epoch
+table and the oracle bound are computed from them, and L3 reports the lagged pipelines beside the
+sync run. The oracle's batch pricing is checked on constructed rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rhyme_jax.ablate import learning, oracle, registry
+from rhyme_jax.rollout.step_cost import StepCost
+
+
+
+def _tiny_suite(out, only: str):
+    """The units of ``only`` once at the tiny scale in this process, then the suite's report."""
+    from rhyme_jax.ablate import runner
+    from rhyme_jax.ablate.units import run_unit
+
+    for name in registry.units_of(only.split(",")):
+        run_unit(name, out, "tiny")
+    return runner.run_suite("learning", scale="tiny", out=out, only=only, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_learning(tmp_path_factory, compile_cache):
+    out = tmp_path_factory.mktemp("learning")
+    table, results = _tiny_suite(out, "L1")
+    return out, table, results
+
+
+def test_units_of_the_learning_ids():
+    assert registry.units_of(["L1"]) == ["demo_sft", "learn_plain", "learn_aimd", "learn_goodput"]
+    assert registry.units_of(["L2"]) == ["learn_real_plain", "learn_real_aimd", "learn_real_goodput"]
+    assert registry.units_of(["L3"]) == ["demo_sft", "learn_plain", "learn_one_step_off", "learn_cross_step"]
+
+
+def test_histospec_runs_are_one_workload(tiny_learning):
+    out, table, results = tiny_learning
+    l1 = results["L1"]
+    assert l1["status"] == "ok", l1.get("reason")
+    assert l1["identity_ok"], l1["ours"]
+    plain = out / "runs" / "learn_plain"
+    for name in ("learn_aimd", "learn_goodput"):
+        same = learning.identity(plain, out / "runs" / name)
+        assert same["steps"] == 3 and same["identical"] == 3 and same["tokens"] > 0, same
+    # every step is an epoch at this scale (2 prompts, 2 per step): drafts from epoch 2 on
+    aimd, goodput = l1["epochs"]["learn_aimd"], l1["epochs"]["learn_goodput"]
+    assert [r["epoch"] for r in goodput] == [r["epoch"] for r in aimd] == [1, 2, 3]
+    # the paper's drafter has no source in epoch 1 (no history, no self-lookup); goodput has
+    assert aimd[0]["acceptance"] is None and aimd[1]["acceptance"] is not None
+    assert goodput[0]["acceptance"] is not None
+    for rows in (aimd, goodput):
+        assert all(r["entropy"] is not None and r["entropy"] > 0 for r in rows)
+        assert all(r["bound"] is not None and r["bound"] >= 1.0 for r in rows)
+        assert all(r["passes"] <= r["plain_passes"] for r in rows)
+        assert all(r["h200_projection"] is not None and r["h200_projection"] > 0 for r in rows)
+    text = table.read_text()
+    assert "## L1" in text and "| epoch | steps | entropy" in text
+    assert (out / "learning_L1.png").is_file()
+
+
+def test_lagged_pipelines_beside_sync(tmp_path, compile_cache):
+    _, results = _tiny_suite(tmp_path, "L3")
+    l3 = results["L3"]
+    assert l3["status"] == "ok", l3.get("reason")
+    variants = {f["variant"] for f in l3["figures"]}
+    assert {"sync", "one_step_off", "cross_step", "one_step_off / sync", "cross_step / sync"} <= variants
+
+
+def test_oracle_prices_batch_passes_with_the_step_cost():
+    cost = StepCost({(2, 2, 1): 1.0, (2, 4, 2): 1.5, (1, 1, 1): 0.6, (1, 3, 3): 0.9}, {})
+    # plain: 3 passes of 2 rows, then 1 of 1 row
+    assert oracle.batch_cost([[0, 0, 0, 0], [0, 0, 0]], cost) == pytest.approx(3 * 1.0 + 0.6)
+    # oracle: pass 0 packs 2 + 2 tokens (q 2), pass 1 one row of 3 tokens (q 3)
+    assert oracle.batch_cost([[1, 2], [1]], cost) == pytest.approx(1.5 + 0.9)
+
+
+def test_step_bound_takes_the_fastest_window_and_never_loses_to_plain():
+    prompt = np.array([1, 2], np.int32)
+    response = np.array([5, 6, 7, 8, 9], np.int32)
+    cost = StepCost.prior()  # 2 * rows + tokens
+    # the history holds the whole response: after the prefill's token one pass of 4 accepted
+    plain, best = oracle.step_bound([prompt], [response], [[np.concatenate([prompt, response])]], cost, 64)
+    assert plain == pytest.approx(4 * (2 + 1)) and best == pytest.approx(2 + 5)
+    # nothing to draft from: the oracle falls back to plain decode's cost
+    plain, best = oracle.step_bound([prompt], [response], [[]], cost, 64)
+    assert best == pytest.approx(plain)
+
+
+def test_gpu_projection_prices_passes_by_their_drafts():
+    plain = [{"rollout/forward_passes": 10.0}]
+    # half the passes, no drafts: twice as fast; 3 drafts per row per pass cost 1.21x a decode pass
+    assert learning.gpu_projection(plain, [{"rollout/forward_passes": 5.0}], rows=4) == pytest.approx(2.0)
+    spec = [{"rollout/forward_passes": 5.0, "spec/drafted_tokens": 5 * 4 * 3.0}]
+    assert learning.gpu_projection(plain, spec, rows=4) == pytest.approx(2.0 / 1.21)
+    assert learning.gpu_projection(plain, [], rows=4) is None
