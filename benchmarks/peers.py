@@ -1,7 +1,7 @@
 """Peer rollout engines on rhyme-jax's real workload: tokens/s and response lengths, side by side.
 
-Same model (SmolLM2-135M-Instruct, float32), same prompt tokens (GSM8K questions in the model's chat
-template, ``rhyme_jax.bench.real_workload``), same sampling (temperature T, no top-k, top-p 1.0), same
+Same model (SmolLM2-135M-Instruct, float32), same prompt tokens (the arithmetic learning recipe's
+problems in the model's chat template, ``rhyme_jax.bench.real_workload``), same sampling (temperature T, no top-k, top-p 1.0), same
 ``max_new_tokens``, stopping at the model's EOS (``<|im_end|>``, id 2). Rows are prompts x samples
 (each prompt repeated ``--samples`` times, as in a GRPO group). Each peer runs in its own
 environment and is never a dependency of the package:
@@ -26,7 +26,7 @@ Usage (repository root)::
     python3 -m venv .venv-tunix && .venv-tunix/bin/pip install google-tunix==0.1.7   # once, optional
     . .venv/bin/activate
     python -m benchmarks.peers --quick                    # smoke: 2 prompts x 2 samples, 16 tokens, T=1.0
-    python -m benchmarks.peers                            # 16 prompts x 4 samples, 384 tokens, T=1.0,0.6,0.3
+    python -m benchmarks.peers                            # 8 prompts x 4 samples, 128 tokens, T=1.0,0.6,0.3
     python -m benchmarks.peers --temperatures 1.0 --engines hf,tunix
 
 Writes ``<out>/peers.json`` and ``<out>/peers.md`` (default ``runs/bench_peers``) and prints the
@@ -49,7 +49,7 @@ from rhyme_jax.bench.peers import (DEFAULTS, QUICK, TUNIX_PYTHON, read_rhyme_rep
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, help=f"GSM8K train questions (default {DEFAULTS['prompts']})")
+    ap.add_argument("--prompts", type=int, help=f"train questions of the recipe (default {DEFAULTS['prompts']})")
     ap.add_argument("--samples", type=int, help=f"samples per prompt (default {DEFAULTS['samples']})")
     ap.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULTS['max_new_tokens']}")
     ap.add_argument("--temperatures", help=f"comma-separated (default {DEFAULTS['temperatures']})")

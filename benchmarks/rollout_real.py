@@ -1,7 +1,7 @@
-"""Plain decode vs HistoSpec rollouts on a real model: SmolLM2-135M-Instruct on GSM8K.
+"""Plain decode vs HistoSpec rollouts on a real model: SmolLM2-135M-Instruct on the learning recipe.
 
-The shared real-model workload (``rhyme_jax.bench.real_workload``: GSM8K train questions in the model's chat
-template). Per sampling temperature: epoch 1 is a plain-decode rollout of every row (P prompts x
+The shared real-model workload (``rhyme_jax.bench.real_workload``: the arithmetic recipe's train problems in the
+model's chat template). Per sampling temperature: epoch 1 is a plain-decode rollout of every row (P prompts x
 N samples, more rows than ``--max-slots`` so there is a queue, as in RL; key k1); its rewards
 (``last_number``) go into a ``HistoryStore`` exactly as the trainer writes them back (step 1,
 prompt id = problem id, each prompt's samples grouped) and the drafter's indexes are rebuilt.
@@ -57,7 +57,7 @@ from rhyme_jax.bench.rollout_real import DEFAULTS, QUICK, format_table, load_set
 def parse_args(argv=None) -> argparse.Namespace:
     """Command line; sizes left unset take ``QUICK`` under ``--quick``, else ``DEFAULTS``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, help=f"GSM8K train prompts (default {DEFAULTS['prompts']})")
+    ap.add_argument("--prompts", type=int, help=f"train prompts of the recipe (default {DEFAULTS['prompts']})")
     ap.add_argument("--samples", type=int, help=f"samples per prompt (default {DEFAULTS['samples']})")
     ap.add_argument("--max-slots", type=int, help=f"decode slots (default {DEFAULTS['max_slots']})")
     ap.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULTS['max_new_tokens']}")

@@ -1,8 +1,10 @@
 """The real-model rollout workload shared by the real-model benchmarks
 (``python -m benchmarks.rollout_real``, ``python -m benchmarks.peers``).
 
-SmolLM2-135M-Instruct on GSM8K questions in the model's chat template (the prompt template of
-``configs/gsm8k_smollm2_135m.yaml``), so every engine compared sees the same prompt tokens.
+SmolLM2-135M-Instruct on the learning recipe's problems (``configs/arith_smollm2_135m.yaml``: the
+embedded one-step arithmetic word problems, in the model's chat template), so every engine
+compared sees the same prompt tokens and the workload is the one the recipe trains on. Figures in
+docs/results.md dated before 2026-12-03 13:00 used GSM8K questions with 384 new tokens.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (configs/ lives there)
-RECIPE = ROOT / "configs" / "gsm8k_smollm2_135m.yaml"
+RECIPE = ROOT / "configs" / "arith_smollm2_135m.yaml"
 MODEL = "smollm2-135m-instruct"
 # The workload both benchmarks default to (rows = prompts x samples), and their --quick smoke size.
-DEFAULTS = dict(prompts=8, samples=4, max_new_tokens=384, temperatures="1.0,0.6,0.3")
+DEFAULTS = dict(prompts=8, samples=4, max_new_tokens=128, temperatures="1.0,0.6,0.3")  # the recipe's 128
 QUICK = dict(prompts=2, samples=2, temperatures="1.0")
 
 
@@ -42,13 +44,18 @@ def model_dir(path: str = "") -> Path:
 
 
 def problems(n: int, split: str = "train", offset: int = 0):
-    """The first ``n`` GSM8K problems (``rhyme_jax.data.Problem``) of ``split`` after ``offset``
-    (the recipe's data paths; empty = the GSM8K copy vendored with the package)."""
-    from rhyme_jax.data import gsm8k_path, load_gsm8k
+    """The first ``n`` problems (``rhyme_jax.data.Problem``) of the recipe's ``split`` (``train``
+    or ``test``: its held-out set) after ``offset``.
 
-    cfg = recipe()
-    path = gsm8k_path(split, cfg.data.train_path if split == "train" else cfg.data.test_path)
-    return load_gsm8k(path)[offset: offset + n]
+    Raises:
+      ValueError: ``split`` is neither ``train`` nor ``test``.
+    """
+    from rhyme_jax.data import load_problems
+
+    if split not in ("train", "test"):
+        raise ValueError(f"split: {split!r} is not 'train' or 'test'")
+    train, held_out = load_problems(recipe().data)
+    return list(train if split == "train" else held_out)[offset: offset + n]
 
 
 def questions(n: int, split: str = "train", offset: int = 0) -> list[str]:
