@@ -54,6 +54,7 @@ def test_histospec_runs_are_one_workload(tiny_learning):
     for rows in (aimd, goodput):
         assert all(r["entropy"] is not None and r["entropy"] > 0 for r in rows)
         assert all(r["bound"] is not None and r["bound"] >= 1.0 for r in rows)
+        assert all(r["bound_history_self"] is not None and r["bound_history_self"] >= 1.0 for r in rows)
         assert all(r["passes"] <= r["plain_passes"] for r in rows)
         assert all(r["h200_projection"] is not None and r["h200_projection"] > 0 for r in rows)
     text = table.read_text()

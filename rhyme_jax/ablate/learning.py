@@ -161,13 +161,15 @@ def _fmt(x, f="{:.2f}") -> str:
 def table_lines(name: str, rows: list[dict]) -> list[str]:
     """A markdown table of ``epoch_rows``."""
     out = [f"{name}:", "", "| epoch | steps | entropy (nats) | reward | acceptance | tokens/seq pass | batch passes "
-           "(plain) | rollout x | end-to-end x | oracle bound x | of bound | H200 projection x |", "|" + "---|" * 12]
+           "(plain) | rollout x | end-to-end x | oracle bound x | of bound | bound without siblings x "
+           "| H200 projection x |", "|" + "---|" * 13]
     for r in rows:
         of = r["rollout_ratio"] / r["bound"] if r["bound"] else None
         out.append(f"| {r['epoch']} | {r['steps']} | {_fmt(r['entropy'], '{:.3f}')} | {r['reward']:.3f} | "
                    f"{_fmt(r['acceptance'])} | {r['tokens_per_forward']:.2f} | {r['passes']:.0f} "
                    f"({r['plain_passes']:.0f}) | {r['rollout_ratio']:.2f} | {r['e2e_ratio']:.2f} | "
-                   f"{_fmt(r['bound'])} | {_fmt(of, '{:.0%}')} | {_fmt(r.get('h200_projection'))} |")
+                   f"{_fmt(r['bound'])} | {_fmt(of, '{:.0%}')} | {_fmt(r.get('bound_history_self'))} | "
+                   f"{_fmt(r.get('h200_projection'))} |")
     return out
 
 
@@ -197,11 +199,14 @@ def spec_learning(inp: Inputs, aid: str) -> dict:
     entropy = entropy_by_step(plain["run_dir"])
     cost = inp.unit(spec_names[-1]).get("step_cost", {})
     bound = epoch_bounds(plain, cost)
+    causal = epoch_bounds(plain, cost, siblings=False)
     figs, cells, notes, epochs = [], [], [], {}
     for name in spec_names:
         r = inp.unit(name)
         same = identity(plain["run_dir"], r["run_dir"])
         rows = epoch_rows(plain, r, entropy, bound, project=aid == "L1")
+        for row in rows:
+            row["bound_history_self"] = causal.get(row["epoch"])
         epochs[name] = rows
         label = name.rsplit("_", 1)[-1]
         for row in rows:

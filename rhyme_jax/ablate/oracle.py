@@ -67,8 +67,9 @@ def cost_model(rows: dict) -> tuple[StepCost, bool]:
     return (StepCost(seconds, dict(rows.get("meta", {}))), True) if seconds else (StepCost.prior(), False)
 
 
-def _step_inputs(run_dir: Path, step: int, history, prompt_of) -> tuple:
-    """Prompts, responses and draft sources (history + same-step siblings) of one saved step."""
+def _step_inputs(run_dir: Path, step: int, history, prompt_of, siblings: bool = True) -> tuple:
+    """Prompts, responses and draft sources (history, and with ``siblings`` the same step's other
+    responses of the prompt) of one saved step."""
     from rhyme_jax.io.rollout_log import load_rollouts
 
     ro = load_rollouts(run_dir, step)
@@ -77,14 +78,17 @@ def _step_inputs(run_dir: Path, step: int, history, prompt_of) -> tuple:
     sources = []
     for i, p in enumerate(pids):
         hist = history.responses(int(p))[0] if int(p) in history else []
-        sib = [resp[j] for j in np.flatnonzero(pids == p) if j != i]
+        sib = [resp[j] for j in np.flatnonzero(pids == p) if j != i] if siblings else []
         sources.append([np.concatenate([prompts[i], h]) for h in [*hist, *sib]])
     return ro, prompts, sources
 
 
-def epoch_bounds(plain_unit: dict, cost_rows: dict) -> dict[int, float]:
+def epoch_bounds(plain_unit: dict, cost_rows: dict, siblings: bool = True) -> dict[int, float]:
     """The oracle bound per epoch over the timed steps of a plain GRPO unit (``ablate.e2e``):
-    ``sum(plain_s) / sum(plain_s - model(plain) + model(oracle))`` (module docstring)."""
+    ``sum(plain_s) / sum(plain_s - model(plain) + model(oracle))`` (module docstring).
+    ``siblings``: the same step's other responses of a prompt count as sources from the start of
+    the step (an over-estimate for rows that finish together); without them the sources are the
+    previous rollout and the sequence itself (the paper's sources plus self-lookup)."""
     from rhyme_jax.ablate.measures import timed_steps
     from rhyme_jax.config import load_config
     from rhyme_jax.data import load_problems
@@ -102,7 +106,7 @@ def epoch_bounds(plain_unit: dict, cost_rows: dict) -> dict[int, float]:
     num, den = {}, {}
     for s in plain_unit["steps"]:
         step = s["step"]
-        ro, prompts, sources = _step_inputs(run, step, history, lambda p: np.array(tokens(p), np.int32))
+        ro, prompts, sources = _step_inputs(run, step, history, lambda p: np.array(tokens(p), np.int32), siblings)
         if step in timed:
             plain, oracle = step_bound(prompts, ro["responses"], sources, cost, cfg.rollout.max_new_tokens)
             measured = float(s.get("time/rollout_s", 0.0)) if in_seconds else plain

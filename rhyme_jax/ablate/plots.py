@@ -169,18 +169,21 @@ def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path)
             continue
         fig = _figure(15, 4.2)
         ax, ax2, ax3 = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
-        for name, rows in r["epochs"].items():
+        for (name, rows), color in zip(r["epochs"].items(), ("tab:blue", "tab:green", "tab:red")):
             label = name.rsplit("_", 1)[-1]
             ep = [x["epoch"] for x in rows]
-            ax.plot(ep, [x["rollout_ratio"] for x in rows], marker="o", label=f"{label}: rollout")
-            ax.plot(ep, [x["e2e_ratio"] for x in rows], marker="s", ls=":", label=f"{label}: end to end")
-            ent = [(x["entropy"], x["rollout_ratio"]) for x in rows if x["entropy"] is not None]
-            ax2.plot([e for e, _ in ent], [v for _, v in ent], marker="o", label=f"{label}: rollout")
-        bound = [(x["epoch"], x["entropy"], x["bound"]) for x in next(iter(r["epochs"].values())) if x["bound"]]
-        if bound:
-            ax.plot([b[0] for b in bound], [b[2] for b in bound], color="k", ls="--", label="oracle bound")
-            ax2.plot([b[1] for b in bound if b[1] is not None], [b[2] for b in bound if b[1] is not None],
-                     color="k", ls="--", marker="x", label="oracle bound")
+            ax.plot(ep, [x["rollout_ratio"] for x in rows], color=color, marker="o", label=f"{label}: rollout")
+            ax.plot(ep, [x["e2e_ratio"] for x in rows], color=color, marker="s", ls=":", label=f"{label}: end to end")
+            ent = sorted((x["entropy"], x["rollout_ratio"]) for x in rows if x["entropy"] is not None)
+            ax2.plot([e for e, _ in ent], [v for _, v in ent], color=color, marker="o", label=f"{label}: rollout")
+        first = next(iter(r["epochs"].values()))
+        for key, style, text in (("bound", "--", "oracle bound"),
+                                 ("bound_history_self", "-.", "bound without siblings")):
+            pts = [(x["epoch"], x["entropy"], x[key]) for x in first if x.get(key)]
+            if pts:
+                ax.plot([b[0] for b in pts], [b[2] for b in pts], color="k", ls=style, label=text)
+                ent = sorted((b[1], b[2]) for b in pts if b[1] is not None)
+                ax2.plot([e for e, _ in ent], [v for _, v in ent], color="k", ls=style, marker="x", label=text)
         for a in (ax, ax2):
             a.axhline(1.0, color="gray", lw=0.8)
             a.legend(fontsize="x-small")
