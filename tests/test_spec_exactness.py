@@ -1,7 +1,8 @@
 """HistoSpec changes how many forward passes a rollout takes, never what it samples: a GRPO run
 with HistoSpec off, with the paper's AIMD drafter and with the goodput drafter, same seed, trains
-on the same tokens, gets the same rewards and ends with the same weights (the short CI version of
-issue 32's one-workload comparison). Every draw is keyed by its request and position, and
+on the same tokens, gets the same rewards and ends with the same weights (issue 32's one-workload
+comparison at the trainer level; the default set checks tokens and rewards through
+tests/test_learning_suite.py). Every draw is keyed by its request and position, and
 verification accepts a draft token iff it equals that draw (Leviathan et al. 2023, greedy-key
 form), so the three runs are one workload and their speed ratios compare decoding alone."""
 
@@ -13,6 +14,8 @@ import pytest
 from rhyme_jax.io.rollout_log import load_rollouts
 from rhyme_jax.train.trainer import GRPOTrainer
 from test_trainer import STEPS, host_copy, parity_reward, tiny_cfg, train_rows
+
+pytestmark = pytest.mark.slow
 
 # 2 prompts cycled: every step is a new epoch, so drafts come from history from step 2 on;
 # short matches for the untrained model; the analytical step-cost prior (no profiling); a low
