@@ -59,7 +59,8 @@ def identity(base_dir: str | Path, other_dir: str | Path) -> dict:
     if not a_steps or not b_steps:
         raise MissingInput(f"no saved rollouts under {base_dir if not a_steps else other_dir}")
     same, tokens, first = 0, 0, ""
-    steps = [s for s in a_steps if s in set(b_steps)]
+    common = set(b_steps)
+    steps = [s for s in a_steps if s in common]
     for step in steps:
         a, b = load_rollouts(base_dir, step), load_rollouts(other_dir, step)
         where = _first_difference(a, b)
@@ -93,10 +94,9 @@ def entropy_by_step(run_dir: str | Path) -> dict[int, float]:
     for step in list_rollout_steps(run_dir):
         r = load_rollouts(run_dir, step)
         lps = r.get("behaviour_logprobs")
-        if lps:
-            flat = np.concatenate([np.asarray(x, np.float64) for x in lps]) if lps else np.zeros(0)
-            if flat.size:
-                out[step] = float(-flat.mean())
+        flat = np.concatenate([np.asarray(x, np.float64) for x in lps]) if lps else np.zeros(0)
+        if flat.size:
+            out[step] = float(-flat.mean())
     return out
 
 
