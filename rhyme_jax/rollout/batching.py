@@ -27,7 +27,7 @@ from rhyme_jax.rollout.shapes import (  # noqa: F401 (re-exported)
 class StepInputs:
     """Arguments of one jitted step: ``tokens/positions i32[T]``, ``meta``, ``logits_rows i32[S]``,
     the static ``max_q_len`` and ``streams i32[T]``, the sequence (request) of each packed token,
-    which keys its sampling draw (``sampling.position_uniforms``; 0 for padding)."""
+    which keys its sampling draw (``sampling.position_noise``; 0 for padding)."""
 
     tokens: np.ndarray
     positions: np.ndarray

@@ -406,7 +406,7 @@ class RolloutEngine:
           prompts: token id lists (1 <= len <= max_prompt_len unless skipping overlong ones).
           sampling: sampling settings; ``max_new_tokens`` <= the engine's.
           key: PRNG key; the token after position ``p`` of request ``r`` (its index in ``prompts``)
-            is drawn with ``fold_in(fold_in(key, r), p)`` (``sampling.position_uniforms``),
+            is drawn with ``fold_in(fold_in(key, r), p)`` (``sampling.position_noise``),
             whichever pass samples it, so drafts change how many passes run, never the tokens.
           drafter: optional ``types.Drafter`` (HistoSpec: ``rhyme_jax.spec.drafter.Drafter.batch``
             of these prompts): each decode step asks it for drafts of the active requests

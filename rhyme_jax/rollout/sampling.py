@@ -27,6 +27,8 @@ Pass it explicitly under ``jax.jit`` as a static argument; ``None`` derives it f
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -138,37 +140,71 @@ def behaviour_logprobs(
     return jnp.take_along_axis(x, tokens, axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
 
 
-def position_uniforms(key: PRNGKeyArray, streams: Int[Array, "N"], positions: Int[Array, "N"]) -> Float[Array, "N"]:
-    """One ``U[0, 1)`` draw per sampled token, keyed by ``fold_in(fold_in(key, stream), position)``:
-    the draw of a sequence's token depends only on the rollout key, the sequence (its request)
-    and the position of the token it follows, never on which pass, program, row or slot samples
-    it. Plain decode and speculative verification therefore draw the same tokens given the same
-    prefix (``verification.verify_packed``), and a rollout's tokens do not depend on the drafts.
-    ``streams``/``positions``: ``i32[N]``."""
+GUMBEL_BLOCK = 256  # tokens per block of the two-level Gumbel-max draw (``gumbel_draw``)
+
+
+class Noise(NamedTuple):
+    """Gumbel noise of one draw per row for ``gumbel_draw``: ``block f32[N, nb]`` over the vocabulary's
+    blocks of ``GUMBEL_BLOCK`` tokens and ``token f32[N, min(V, GUMBEL_BLOCK)]`` within a block."""
+
+    block: Float[Array, "N nb"]
+    token: Float[Array, "N B"]
+
+
+def _block_shape(vocab: int) -> tuple[int, int]:
+    width = min(int(vocab), GUMBEL_BLOCK)
+    return -(-int(vocab) // width), width
+
+
+def key_noise(key: PRNGKeyArray, rows: int, vocab: int) -> Noise:
+    """``Noise`` for ``rows`` independent draws over a ``vocab``-token distribution from one key."""
+    nb, width = _block_shape(vocab)
+    kb, kt = jax.random.split(key)
+    return Noise(jax.random.gumbel(kb, (rows, nb), jnp.float32), jax.random.gumbel(kt, (rows, width), jnp.float32))
+
+
+def position_noise(key: PRNGKeyArray, streams: Int[Array, "N"], positions: Int[Array, "N"], vocab: int) -> Noise:
+    """The draw of each sampled token, keyed by ``fold_in(fold_in(key, stream), position)``: the
+    draw of a sequence's token depends only on the rollout key, the sequence (its request) and the
+    position of the token it follows, never on which pass, program, row or slot samples it. Plain
+    decode and speculative verification therefore draw the same tokens given the same prefix
+    (``verification.verify_packed``), and a rollout's tokens do not depend on the drafts.
+    ``streams``/``positions``: ``i32[N]``; ``vocab``: static vocabulary size."""
     def one(s, p):
-        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, s), p), (), jnp.float32)
+        noise = key_noise(jax.random.fold_in(jax.random.fold_in(key, s), p), 1, vocab)
+        return Noise(noise.block[0], noise.token[0])
 
     return jax.vmap(one)(streams.astype(jnp.uint32), positions.astype(jnp.uint32))
 
 
-def inverse_cdf(lp: Float[Array, "N V"], u: Float[Array, "N"]) -> Int[Array, "N"]:
-    """``i32[N]``: per row the first token whose cumulative probability (token-id order) exceeds
-    ``u`` times the row's total, a draw from ``softmax(lp)`` for ``u ~ U[0, 1)`` (inverse-CDF
-    sampling; filtered tokens, probability 0, are never drawn). Counting the prefix sums at or
-    below the threshold keeps the index in range whatever the rounding of the sums."""
-    c = jnp.cumsum(jnp.exp(lp), axis=-1)
-    below = jnp.sum((c <= (u * c[:, -1])[:, None]).astype(jnp.int32), axis=-1)
-    return jnp.minimum(below, lp.shape[-1] - 1).astype(jnp.int32)
+def gumbel_draw(lp: Float[Array, "N V"], noise: Noise) -> Int[Array, "N"]:
+    """``i32[N]``: one exact draw per row from ``softmax(lp)`` by two-level Gumbel-max: the block
+    of ``GUMBEL_BLOCK`` tokens is the argmax of its log-mass (``logsumexp`` over the block) plus
+    ``noise.block``, the token the argmax of its log-probability within that block plus
+    ``noise.token`` (Gumbel-max trick, Gumbel 1954 / Maddison et al. 2014: the block is drawn with
+    its mass, the token with its mass within the block, so the token's probability is its own;
+    filtered tokens, ``-inf``, are never drawn). Why not the inverse CDF: a cumulative sum over
+    the vocabulary moves its boundaries with every logit, so logits that differ in their last bits
+    between two programs (a decode pass and a verify pass of other shapes) change a draw with
+    probability about (vocabulary x rounding); an argmax changes only when its top two candidates
+    are within the rounding of each other. Cost: ``nb + GUMBEL_BLOCK`` noise values per row, not ``V``."""
+    rows, vocab = lp.shape
+    nb, width = _block_shape(vocab)
+    x = jnp.pad(lp, ((0, 0), (0, nb * width - vocab)), constant_values=-jnp.inf).reshape(rows, nb, width)
+    block = jnp.argmax(jax.nn.logsumexp(x, axis=-1) + noise.block, axis=-1)  # [N]
+    within = jnp.take_along_axis(x, block[:, None, None], axis=1)[:, 0, :]  # [N, width]
+    tok = block * width + jnp.argmax(within + noise.token, axis=-1)
+    return jnp.minimum(tok, vocab - 1).astype(jnp.int32)
 
 
-def sample_tokens(lp: Float[Array, "N V"], logits: Float[Array, "N V"], u: Float[Array, "N"], temperature, *,
+def sample_tokens(lp: Float[Array, "N V"], logits: Float[Array, "N V"], noise: Noise, temperature, *,
                   mode: str) -> Int[Array, "N"]:
-    """``i32[N]`` tokens: ``inverse_cdf(lp, u)`` under the sampling modes, the argmax of the raw
+    """``i32[N]`` tokens: ``gumbel_draw(lp, noise)`` under the sampling modes, the argmax of the raw
     ``logits`` under ``greedy`` (and under ``dynamic`` where ``temperature == 0``)."""
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == "greedy":
         return greedy_tok
-    tok = inverse_cdf(lp, u)
+    tok = gumbel_draw(lp, noise)
     if mode == "dynamic":
         tok = jnp.where(jnp.asarray(temperature) > 0, tok, greedy_tok)
     return tok
@@ -178,7 +214,7 @@ def sample_at(
     logits: Float[Array, "S V"], key: PRNGKeyArray, streams: Int[Array, "S"], positions: Int[Array, "S"],
     temperature, top_k=0, top_p=1.0, *, mode: str,
 ) -> tuple[Int[Array, "S"], Float[Array, "S"]]:
-    """``sample`` with the draws of ``position_uniforms(key, streams, positions)``: row ``i`` is
+    """``sample`` with the draws of ``position_noise(key, streams, positions, V)``: row ``i`` is
     the distribution of the token after position ``positions[i]`` of sequence ``streams[i]``.
     Returns ``(tokens i32[S], behaviour logprobs f32[S])`` (``behaviour_logprobs``).
 
@@ -188,7 +224,8 @@ def sample_at(
     if mode not in MODES:
         raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
     lp = _processed(logits, temperature, top_k, top_p, mode)
-    tok = sample_tokens(lp, logits, position_uniforms(key, streams, positions), temperature, mode=mode)
+    tok = sample_tokens(lp, logits, position_noise(key, streams, positions, logits.shape[-1]), temperature,
+                        mode=mode)
     return tok, behaviour_logprobs(logits, tok, temperature, mode=mode, lp=lp)
 
 
@@ -200,7 +237,7 @@ def sample(
 
     Args:
       logits: ``[S, V]`` raw logits (any float dtype; computed in f32).
-      key: PRNG key (one uniform per row from it; ``sample_at`` keys each row's draw itself).
+      key: PRNG key (``key_noise``: every row's draw from it; ``sample_at`` keys each row's draw itself).
       temperature: ``>= 0``; 0 = greedy argmax.
       top_k: ``0`` = off.
       top_p: ``1.0`` = off.
@@ -218,5 +255,5 @@ def sample(
     if mode not in MODES:
         raise SamplingError(f"sampling: mode must be one of {MODES}, got {mode!r}")
     lp = _processed(logits, temperature, top_k, top_p, mode)
-    tok = sample_tokens(lp, logits, jax.random.uniform(key, (logits.shape[0],), jnp.float32), temperature, mode=mode)
+    tok = sample_tokens(lp, logits, key_noise(key, *logits.shape), temperature, mode=mode)
     return tok, behaviour_logprobs(logits, tok, temperature, mode=mode, lp=lp)

@@ -27,7 +27,7 @@ and ``log_softmax(raw logits)`` when greedy.
 The dense reference that draws that way (drafts as a ``K`` dimension) lives with the tests
 (tests/verify_reference.py). ``verify_packed`` (what the engine runs) couples the same rule to
 plain sampling: it computes at every position the token plain decode would draw
-there (the position's own draw, ``sampling.position_uniforms``), accepts a draft token iff it is
+there (the position's own draw, ``sampling.position_noise``), accepts a draft token iff it is
 that token and emits that token at the first mismatch. A one-hot draft is accepted with
 probability ``p_i(x_i)`` either way and the emitted tokens are exactly plain sampling's, so a
 rollout with drafts emits the tokens plain decode emits with the same key.
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from rhyme_jax.rollout.sampling import (MODES, SamplingError, _processed, behaviour_logprobs, position_uniforms,
+from rhyme_jax.rollout.sampling import (MODES, SamplingError, _processed, behaviour_logprobs, position_noise,
                                         sample_tokens)
 
 
@@ -73,7 +73,7 @@ def verify_packed(
     ``fed[cu + 1 : cu + 1 + d]``, and ``logits[cu + j]`` is the target distribution of the token
     after fed token ``j``. At every packed position ``t`` the token plain sampling would draw is
     ``y_t = sampling.sample_tokens`` of the processed distribution with the draw
-    ``sampling.position_uniforms(key, streams[t], positions[t])``; draft token ``j`` is accepted
+    ``sampling.position_noise(key, streams[t], positions[t], V)``; draft token ``j`` is accepted
     iff it equals ``y`` at the position before it, and the row emits ``y`` at its first
     ``num_acc + 1`` positions (the accepted drafts, then the correction or bonus token). Each
     ``y_t`` is an exact draw from ``p_t`` with a draw that depends on nothing but the sequence and
@@ -116,7 +116,7 @@ def verify_packed(
     row = _row_of(cu, t_total)  # [T]
     streams = row if streams is None else streams
     positions = pos if positions is None else positions
-    y = sample_tokens(lp, logits, position_uniforms(key, streams, positions), temperature, mode=mode)  # [T]
+    y = sample_tokens(lp, logits, position_noise(key, streams, positions, logits.shape[-1]), temperature, mode=mode)
     live = pos < cu[-1]
     j = pos - cu[row]  # index of the position within its row
     nxt = jnp.concatenate([fed[1:], jnp.zeros((1,), fed.dtype)]).astype(jnp.int32)  # draft checked at t
