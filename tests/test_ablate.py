@@ -27,7 +27,7 @@ def test_every_ablation_config_loads(path):
 
 
 def test_registry_covers_the_paper_ids_with_loadable_sweeps():
-    assert list(SUITES["paper"]) == PAPER_IDS and list(SUITES["learning"]) == ["L1", "L2", "L3"]
+    assert list(SUITES["paper"]) == PAPER_IDS and list(SUITES["learning"]) == ["L1", "L2", "L3", "L4"]
     assert list(ABLATIONS) == PAPER_IDS + list(SUITES["learning"])
     for a in ABLATIONS.values():
         assert a.units and all(u in UNITS for u in a.units), a.id

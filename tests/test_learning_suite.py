@@ -13,13 +13,14 @@ from rhyme_jax.rollout.step_cost import StepCost
 
 
 
-def _tiny_suite(out, only: str):
-    """The units of ``only`` once at the tiny scale in this process, then the suite's report."""
+def _tiny_suite(out, only: str, sets: tuple[str, ...] = ()):
+    """The units of ``only`` once at the tiny scale in this process (``sets`` on the GRPO units),
+    then the suite's report."""
     from rhyme_jax.ablate import runner
     from rhyme_jax.ablate.units import run_unit
 
     for name in registry.units_of(only.split(",")):
-        run_unit(name, out, "tiny")
+        run_unit(name, out, "tiny", sets if name != "demo_sft" else ())
     return runner.run_suite("learning", scale="tiny", out=out, only=only, progress=False)
 
 
@@ -97,3 +98,17 @@ def test_gpu_projection_prices_passes_by_their_drafts():
     spec = [{"rollout/forward_passes": 5.0, "spec/drafted_tokens": 5 * 4 * 3.0}]
     assert learning.gpu_projection(plain, spec, rows=4) == pytest.approx(2.0 / 1.21)
     assert learning.gpu_projection(plain, [], rows=4) is None
+
+
+def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
+    # the test process has one CPU device: the 4 workers' placement runs on one (the fake 4-device
+    # mesh is what `rhyme-jax ablate` gives the units: -m slow tests/test_ablate.py spawns one)
+    _, results = _tiny_suite(tmp_path, "L4", ("parallel.rollout_workers=1",))
+    l4 = results["L4"]
+    assert l4["status"] == "ok", l4.get("reason")
+    rows = l4["rows"]
+    assert [r["epoch"] for r in rows] == [1, 2, 3] and registry.UNITS["learn_workers_fifo"].devices == 8
+    for r in rows:
+        assert r["makespan_base"] > 0 and r["makespan"] > 0 and 0.0 <= r["idle"] <= 1.0
+        assert r["makespan_ratio"] == pytest.approx(r["makespan_base"] / r["makespan"])
+    assert "makespan" in l4["ours"] and "| epoch | steps | makespan fifo" in l4["details"]

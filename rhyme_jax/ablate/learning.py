@@ -1,4 +1,4 @@
-"""Suite ``learning`` (ids L1-L3): HistoSpec and the schedulers on GRPO runs that learn.
+"""Suite ``learning`` (ids L1-L4): HistoSpec and the schedulers on GRPO runs that learn.
 
 L1 / L2 train one learning run three times with the same seed: HistoSpec off, the paper's AIMD
 drafter and the goodput drafter. Every token's draw is keyed by its request and position, and a
@@ -19,6 +19,11 @@ L3 compares the sync run with one-step-off and cross-step queues: end-to-end rat
 and the final-window reward (the last quarter of the steps) with its standard error: the lag
 must not cost learning (difference within 2 standard errors).
 
+L4 runs the same learning run on 4 rollout workers (fake CPU devices), groups placed in order
+(fifo) and by HistoPipe (tiers 1 and 2, tail migration): per epoch the rollout makespan, the idle
+share of the workers (``sched/bubble_fraction``) and the end-to-end ratio against fifo, on the
+run's own length distribution; HistoPipe ranks groups from epoch 2 on (history lengths).
+
 Source: the issue "speed where training really happens" (scope 1-3); RhymeRL (arXiv 2508.18588)
 s.6.3 (HistoSpec speed-up over training steps).
 """
@@ -35,6 +40,7 @@ from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 SPEC_UNITS = {"L1": ("learn_plain", "learn_aimd", "learn_goodput"),
               "L2": ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")}
 SCHED_UNITS = ("learn_plain", "learn_one_step_off", "learn_cross_step")
+WORKER_UNITS = ("learn_workers_fifo", "learn_workers_histopipe")
 # H200 cost of one demo-model pass at 128 rows by drafts per row (0 = decode): 1.838 ms and 1.01x,
 # 1.21x, 1.23x for 1, 3, 7 drafts (benchmarks/step_cost.py on one H200, 2026-11-30; docs/results.md
 # "GPU kernels and pass costs"). Used for L1's projection only: no H200 profile of SmolLM2 exists.
@@ -274,6 +280,55 @@ def schedulers(inp: Inputs) -> dict:
                      f"final window: last {n} steps"}
 
 
+def _placement_rows(base: dict, r: dict) -> list[dict]:
+    """Per epoch of ``r`` against ``base`` (steps matched by number): mean makespan and idle share
+    of both, makespan and end-to-end ratios (base seconds / ``r`` seconds)."""
+    rows, base_epochs = [], by_epoch(base)
+    for ep, st in sorted(by_epoch(r).items()):
+        numbers = {s["step"] for s in st}
+        b = [s for s in base_epochs.get(ep, []) if s["step"] in numbers]
+        if not b:
+            continue
+        mean = lambda xs, k: _sum(xs, k) / len(xs)  # noqa: E731
+        rows.append({"epoch": ep, "steps": len(st),
+                     "makespan_base": mean(b, "time/rollout_makespan_s"),
+                     "makespan": mean(st, "time/rollout_makespan_s"),
+                     "idle_base": mean(b, "sched/bubble_fraction"), "idle": mean(st, "sched/bubble_fraction"),
+                     "migrated": mean(st, "sched/migrated_share"),
+                     "makespan_ratio": _sum(b, "time/rollout_makespan_s") / max(_sum(st, "time/rollout_makespan_s"),
+                                                                                1e-9),
+                     "e2e_ratio": _sum(b, "wall_s") / max(_sum(st, "wall_s"), 1e-9)})
+    return rows
+
+
+def placement(inp: Inputs) -> dict:
+    """L4 (module docstring): HistoPipe against fifo on 4 rollout workers, per epoch and over
+    the epochs with history (2 on)."""
+    base_name, name = WORKER_UNITS
+    base, r = inp.unit(base_name), inp.unit(name)
+    rows = _placement_rows(base, r)
+    lines = ["| epoch | steps | makespan fifo (s) | makespan HistoPipe (s) | makespan x | idle share fifo | "
+             "idle share HistoPipe | migrated share | end-to-end x |", "|" + "---|" * 9]
+    lines += [f"| {x['epoch']} | {x['steps']} | {x['makespan_base']:.3f} | {x['makespan']:.3f} | "
+              f"{x['makespan_ratio']:.2f} | {x['idle_base']:.1%} | {x['idle']:.1%} | {x['migrated']:.1%} | "
+              f"{x['e2e_ratio']:.2f} |" for x in rows]
+    later = [x for x in rows if x["epoch"] >= 2] or rows
+    figs = []
+    for x in rows:
+        v = f"histopipe / fifo, epoch {x['epoch']}"
+        figs += [figure("rollout makespan ratio", v, x["makespan_ratio"], n=x["steps"]),
+                 figure("end-to-end throughput ratio", v, x["e2e_ratio"], n=x["steps"])]
+    if not later:
+        return {"ours": "no timed epoch", "figures": figs, "details": "\n".join(lines)}
+    w = lambda k: sum(x[k] * x["steps"] for x in later) / sum(x["steps"] for x in later)  # noqa: E731
+    cell = (f"epochs {later[0]['epoch']}-{later[-1]['epoch']}: makespan {w('makespan_base'):.3f} s fifo vs "
+            f"{w('makespan'):.3f} s HistoPipe ({w('makespan_ratio'):.2f}x), idle share {w('idle_base'):.1%} vs "
+            f"{w('idle'):.1%}, end to end {w('e2e_ratio'):.2f}x")
+    return {"ours": cell, "figures": figs, "details": "\n".join(lines), "rows": rows,
+            "notes": f"demo learning run on {r.get('workers', 4)} rollout workers (fake CPU devices), "
+                     f"{r['rows_per_step']} rows per step; ratios: fifo seconds / HistoPipe seconds"}
+
+
 def l1(inp: Inputs) -> dict:
     return spec_learning(inp, "L1")
 
@@ -284,3 +339,7 @@ def l2(inp: Inputs) -> dict:
 
 def l3(inp: Inputs) -> dict:
     return schedulers(inp)
+
+
+def l4(inp: Inputs) -> dict:
+    return placement(inp)

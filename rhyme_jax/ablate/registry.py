@@ -99,6 +99,10 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "learn_plain with rollout s+1 overlapping update s (staleness 1)"),
     Unit("learn_cross_step", "learn", _cfg("learn_cross_step"), 1, ("demo_sft",),
          "learn_one_step_off with per-worker cross-step queues"),
+    Unit("learn_workers_fifo", "learn", _cfg("learn_workers_fifo"), 8, ("demo_sft",),
+         "learn_plain on 4 rollout workers, fifo placement"),
+    Unit("learn_workers_histopipe", "learn", _cfg("learn_workers_histopipe"), 8, ("demo_sft",),
+         "learn_workers_fifo with HistoPipe tiers 1 + 2 and tail migration"),
     Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
          what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
     Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
@@ -150,13 +154,17 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              "end-to-end ratio vs sync; final-window reward within 2 SE",
              "off-policy lag keeps accuracy (verl / AReaL practice)",
              ("learn_plain", "learn_one_step_off", "learn_cross_step")),
+    Ablation("L4", "fifo vs HistoPipe tiers on 4 rollout workers over the learning run (demo)",
+             "rollout makespan, idle share of the workers, end-to-end ratio vs fifo (epochs with history)",
+             "HistoPipe 1.43-1.56x end to end (Math-14B, GPU cluster)",
+             ("learn_workers_fifo", "learn_workers_histopipe")),
 )}
 
 SUITES: dict[str, tuple[str, ...]] = {
     "paper": tuple(a for a in ABLATIONS if not a.startswith("L")),
     "histopipe": ("A1", "A2", "A6", "O6"),
     "histospec": ("A3", "A4", "A5", "A10", "K1", "K2", "K3", "K4", "K6", "O5"),
-    "learning": ("L1", "L2", "L3"),
+    "learning": ("L1", "L2", "L3", "L4"),
 }
 
 

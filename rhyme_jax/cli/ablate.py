@@ -23,7 +23,7 @@ def register(sub) -> None:
                      examples=("rhyme-jax ablate --list", "rhyme-jax ablate paper --quick",
                                "rhyme-jax ablate paper --quick --only A1,K2"))
     sp.add_argument("suite", nargs="?", choices=sorted(SUITES),
-                    help="which ids (paper = the paper's 14; learning = L1-L3 on runs that learn)")
+                    help="which ids (paper = the paper's 14; learning = L1-L4 on runs that learn)")
     sp.add_argument("--list", action="store_true", help="print every id with its configs and what it measures")
     sp.add_argument("--quick", action="store_true", help="the quick CPU scale (same as --scale quick)")
     sp.add_argument("--scale", choices=sorted(SCALES), default=None,
