@@ -130,21 +130,27 @@ def test_step_cost_lookup_scaling_save_load(tmp_path):
 
 def test_live_step_times_replace_the_profiled_ones(tmp_path):
     """``StepCost.observe``: from ``LIVE_MIN`` live times on, a program costs the median of its
-    last ``LIVE_WINDOW``; other programs keep their profiled figure; the prior ignores live times
+    last ``LIVE_WINDOW``; the bucket's other programs cost their profiled figure times the bucket's
+    live / profiled ratio, other buckets their profiled figure; the prior ignores live times
     (other units) and a saved profile holds only what was profiled."""
     from rhyme_jax.rollout.step_cost import LIVE_MIN, LIVE_WINDOW
 
-    cost = StepCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0})
+    cost = StepCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0, (8, 8, 1): 4.0})
     for i in range(LIVE_MIN - 1):
         cost.observe(4, 4, 1, 1.0 + i)
         assert cost(4, 4, 1) == 2.0  # too few live times yet
     cost.observe(4, 4, 1, 0.5)
     assert cost(4, 4, 1) == 1.0  # median of 1.0, 2.0, 0.5
+    assert cost(4, 8, 3) == 1.5 and cost(4, 6, 2) == pytest.approx(2.0 * 0.5 * 14 / 12)  # half the profile
+    assert cost(8, 8, 1) == 4.0  # another bucket: its profile
     for _ in range(LIVE_WINDOW):
         cost.observe(4, 4, 1, 7.0)
     assert cost(4, 4, 1) == 7.0  # only the last LIVE_WINDOW count
-    assert cost(4, 8, 3) == 3.0
-    assert StepCost.load(cost.save(tmp_path / "c.json")).seconds == {(4, 4, 1): 2.0, (4, 8, 3): 3.0}
+    assert cost(4, 8, 3) == 10.5
+    for _ in range(LIVE_MIN):
+        cost.observe(4, 8, 3, 6.0)
+    assert cost(4, 8, 3) == 6.0 and cost(4, 6, 2) == pytest.approx(2.0 * 2.75 * 14 / 12)  # median of 3.5 and 2
+    assert StepCost.load(cost.save(tmp_path / "c.json")).seconds == {(4, 4, 1): 2.0, (4, 8, 3): 3.0, (8, 8, 1): 4.0}
     prior = StepCost.prior()
     for _ in range(LIVE_MIN):
         prior.observe(4, 8, 3, 1e-3)

@@ -112,3 +112,10 @@ def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
         assert r["makespan_base"] > 0 and r["makespan"] > 0 and 0.0 <= r["idle"] <= 1.0
         assert r["makespan_ratio"] == pytest.approx(r["makespan_base"] / r["makespan"])
     assert "makespan" in l4["ours"] and "| epoch | steps | makespan fifo" in l4["details"]
+
+
+def test_oracle_cost_model_scales_unobserved_programs_like_the_engine():
+    rows = {"profiled": [[4, 4, 1, 2.0], [4, 8, 3, 3.0], [8, 8, 1, 4.0]], "live": [[4, 4, 1, 1.0]], "meta": {}}
+    cost, in_seconds = oracle.cost_model(rows)
+    assert in_seconds and cost(4, 4, 1) == 1.0 and cost(4, 8, 3) == 1.5 and cost(8, 8, 1) == 4.0
+    assert oracle.cost_model({})[1] is False

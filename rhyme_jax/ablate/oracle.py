@@ -61,9 +61,17 @@ def step_bound(prompts: list[np.ndarray], responses: list[np.ndarray], sources: 
 
 def cost_model(rows: dict) -> tuple[StepCost, bool]:
     """A ``StepCost`` from a unit's ``step_cost`` JSON (``ablate.e2e.step_cost_rows``): live
-    medians over profiled seconds. Returns ``(model, in_seconds)``; no rows: the prior (not seconds)."""
+    medians over profiled seconds, and the profiled programs without a live median scaled by their
+    row bucket's median live / profiled ratio (as the engine's ``StepCost.observe`` does).
+    Returns ``(model, in_seconds)``; no rows: the prior (not seconds)."""
     seconds = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("profiled", [])}
-    seconds.update({(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("live", [])})
+    live = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("live", [])}
+    ratios: dict[int, list[float]] = {}
+    for k, s in live.items():
+        if k in seconds:
+            ratios.setdefault(k[0], []).append(s / seconds[k])
+    seconds = {k: s * float(np.median(ratios[k[0]])) if k[0] in ratios else s for k, s in seconds.items()}
+    seconds.update(live)
     return (StepCost(seconds, dict(rows.get("meta", {}))), True) if seconds else (StepCost.prior(), False)
 
 

@@ -59,11 +59,15 @@ class StepCost:
       meta: what the profile was measured on (backend, device, model; informational).
       live: ``{(rows, tokens, max_q_len): (recent seconds, median or None)}`` from ``observe``
         (rollout passes; not saved, not compared).
+      scale: ``{rows: factor}``, the median of live median / profiled time over a row bucket's
+        programs with a live median (``observe``); the bucket's other programs cost their
+        profiled time times it.
     """
 
     seconds: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict, compare=False, repr=False)  # key -> (recent times, median)
+    scale: dict = field(default_factory=dict, compare=False, repr=False)  # rows -> live / profiled
 
     @classmethod
     def prior(cls) -> "StepCost":
@@ -72,7 +76,8 @@ class StepCost:
 
     def __call__(self, rows: int, tokens: int, q_len: int) -> float:
         """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program: its live median once
-        ``observe`` has ``LIVE_MIN`` times of it, else its profiled time. A shape that was not
+        ``observe`` has ``LIVE_MIN`` times of it, else its profiled time times the row bucket's
+        live scale (``scale``: 1 until a program of the bucket has a live median). A shape that was not
         profiled is scaled from the profiled program of the same rows with the nearest token
         count (cost proportional to ``2 * rows + tokens``); a row bucket that was not profiled at
         all (another engine's plan, e.g. a replay with other ``--rows``) uses the least-squares
@@ -82,17 +87,18 @@ class StepCost:
         if live is not None and live[1] is not None:
             return live[1]
         hit = self.seconds.get(key)
+        factor = self.scale.get(key[0], 1.0)
         if hit is not None:
-            return hit
+            return hit * factor
         prior = PRIOR_ROW_TOKENS * rows + tokens
         same = [(abs(t - tokens), t, s) for (r, t, _), s in self.seconds.items() if r == rows]
         if same:
             _, t, s = min(same)
-            return s * prior / (PRIOR_ROW_TOKENS * rows + t)
+            return s * factor * prior / (PRIOR_ROW_TOKENS * rows + t)
         if not self.seconds:
             return prior
         a, b, c = self._linear()
-        return a + b * rows + c * tokens
+        return (a + b * rows + c * tokens) * factor
 
     def observe(self, rows: int, tokens: int, q_len: int, seconds: float) -> None:
         """Record one live step time (seconds, the engine's pass on the host clock) of the
@@ -101,14 +107,25 @@ class StepCost:
         figure: the profile times programs in rounds on dummy rows, and a rollout runs them in
         its own order (on CPU, 32 rows of the demo: plain decode steps back to back ran at 0.80x
         their profiled time while verify steps matched theirs, so verify looked cheaper than it
-        was and HistoSpec ran at 0.88x plain). Ignored without a profile (the prior's units are
-        not seconds). Not saved: a profile file holds what ``profile`` measured."""
+        was and HistoSpec ran at 0.88x plain). The programs of the bucket that have no live median
+        yet are scaled by the bucket's median live / profiled ratio (``scale``): a profile taken
+        under other conditions (a cached file, a busy machine) can put every program at twice
+        its rollout time, and a decode program corrected alone would make every verify program
+        look twice as dear as it is, so that drafting never ran and its verify programs never got
+        live times (the demo's learning run drafted almost nothing for 7 steps of its second
+        epoch: decode 8.7 ms live against 17.9 ms profiled, verify 49.1 ms profiled and 23.9 ms
+        once it ran). Ignored without a profile (the prior's units are not seconds). Not saved: a
+        profile file holds what ``profile`` measured."""
         if not self.seconds:
             return
         key = (int(rows), int(tokens), int(q_len))
         times, _ = self.live.get(key, ((), None))
         times = (*times[1 - LIVE_WINDOW:], float(seconds))
         self.live[key] = (times, sorted(times)[len(times) // 2] if len(times) >= LIVE_MIN else None)
+        ratios = [m / self.seconds[k] for k, (_, m) in self.live.items()
+                  if k[0] == key[0] and m is not None and k in self.seconds]
+        if ratios:
+            self.scale[key[0]] = float(np.median(ratios))
 
     def _linear(self) -> tuple[float, float, float]:
         """Non-negative least-squares ``(a, b, c)`` of ``seconds ~ a + b * rows + c * tokens``."""
