@@ -5,8 +5,9 @@ drafter and the goodput drafter. Every token's draw is keyed by its request and 
 verify pass accepts a draft token exactly when it is the token the plain draw gives there, so the
 three runs sample the same tokens, get the same rewards and train the same weights: one workload,
 timed three ways. ``identity`` checks that on the saved rollouts (``rollouts/step_*.npz``) and
-names the first divergence if there is one (a float difference between the decode and the verify
-program can flip a draw that lies on a boundary of the sampling distribution).
+names the first divergence if there is one (the decode and the verify program compute a position's
+logits with other shapes, which round differently; the Gumbel-max draw of ``rollout.sampling``
+changes only where its top two candidates lie within that rounding, rarely but not never).
 
 Per epoch of the prompt schedule (``rollout/epoch``; HistoSpec drafts from epoch 2 on) it reports:
 the mean per-token entropy of the sampled tokens (estimated as their mean negative behaviour
@@ -46,7 +47,7 @@ WORKER_UNITS = ("learn_workers_fifo", "learn_workers_histopipe")
 # "GPU kernels and pass costs"). Used for L1's projection only: no H200 profile of SmolLM2 exists.
 H200_DEMO_PASS_S = ((0, 1.838e-3), (1, 1.838e-3 * 1.01), (3, 1.838e-3 * 1.21), (7, 1.838e-3 * 1.23))
 TARGET_RATIO = 0.98  # goodput >= 0.98x plain in every epoch (rollout and end to end)
-TARGET_OF_BOUND = 0.90  # >= 90% of the oracle's rollout bound
+TARGET_OF_BOUND = 0.90  # >= 90% of the oracle's rollout bound (from history + own tokens: ``_causal``)
 LOW_ENTROPY, TARGET_LOW_ENTROPY = 0.5, 1.5  # below 0.5 nats per token: rollout >= 1.5x
 
 
@@ -167,16 +168,25 @@ def _fmt(x, f="{:.2f}") -> str:
 def table_lines(name: str, rows: list[dict]) -> list[str]:
     """A markdown table of ``epoch_rows``."""
     out = [f"{name}:", "", "| epoch | steps | entropy (nats) | reward | acceptance | tokens/seq pass | batch passes "
-           "(plain) | rollout x | end-to-end x | oracle bound x | of bound | bound without siblings x "
-           "| H200 projection x |", "|" + "---|" * 13]
+           "(plain) | rollout x | end-to-end x | bound from history + own tokens x | of that bound | bound with siblings' whole "
+           "responses x | H200 projection x |", "|" + "---|" * 13]
     for r in rows:
-        of = r["rollout_ratio"] / r["bound"] if r["bound"] else None
+        causal = _causal(r)
+        of = r["rollout_ratio"] / causal if causal else None
         out.append(f"| {r['epoch']} | {r['steps']} | {_fmt(r['entropy'], '{:.3f}')} | {r['reward']:.3f} | "
                    f"{_fmt(r['acceptance'])} | {r['tokens_per_forward']:.2f} | {r['passes']:.0f} "
                    f"({r['plain_passes']:.0f}) | {r['rollout_ratio']:.2f} | {r['e2e_ratio']:.2f} | "
-                   f"{_fmt(r['bound'])} | {_fmt(of, '{:.0%}')} | {_fmt(r.get('bound_history_self'))} | "
+                   f"{_fmt(causal)} | {_fmt(of, '{:.0%}')} | {_fmt(r['bound'])} | "
                    f"{_fmt(r.get('h200_projection'))} |")
     return out
+
+
+def _causal(r: dict) -> float | None:
+    """The bound the targets use: the oracle drafting from history and the sequence's own tokens.
+    The full bound also drafts from the siblings' whole responses, which no drafter has while the
+    siblings decode beside the sequence (their tokens so far it has: a realizable bound lies
+    between the two); the full bound where the other is missing."""
+    return r.get("bound_history_self") or r["bound"]
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -187,10 +197,11 @@ def targets(rows: list[dict]) -> list[str]:
         if r["rollout_ratio"] < TARGET_RATIO or r["e2e_ratio"] < TARGET_RATIO:
             miss.append(f"epoch {ep}: {r['rollout_ratio']:.2f}x rollout, {r['e2e_ratio']:.2f}x end to end "
                         f"(target >= {TARGET_RATIO})")
-        if r["bound"] and r["rollout_ratio"] < TARGET_OF_BOUND * r["bound"]:
-            miss.append(f"epoch {ep}: {r['rollout_ratio'] / r['bound']:.0%} of the bound {r['bound']:.2f}x")
+        bound = _causal(r)
+        if bound and r["rollout_ratio"] < TARGET_OF_BOUND * bound:
+            miss.append(f"epoch {ep}: {r['rollout_ratio'] / bound:.0%} of the bound from history + own tokens {bound:.2f}x")
         if r["entropy"] is not None and r["entropy"] < LOW_ENTROPY and r["rollout_ratio"] < TARGET_LOW_ENTROPY:
-            cap = f" (bound {r['bound']:.2f}x)" if r["bound"] else ""
+            cap = f" (bound {bound:.2f}x)" if bound else ""
             miss.append(f"epoch {ep}: entropy {r['entropy']:.2f} < {LOW_ENTROPY} but rollout "
                         f"{r['rollout_ratio']:.2f}x < {TARGET_LOW_ENTROPY}{cap}")
     return miss

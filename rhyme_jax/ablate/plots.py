@@ -177,8 +177,8 @@ def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path)
             ent = sorted((x["entropy"], x["rollout_ratio"]) for x in rows if x["entropy"] is not None)
             ax2.plot([e for e, _ in ent], [v for _, v in ent], color=color, marker="o", label=f"{label}: rollout")
         first = next(iter(r["epochs"].values()))
-        for key, style, text in (("bound", "--", "oracle bound"),
-                                 ("bound_history_self", "-.", "bound without siblings")):
+        for key, style, text in (("bound", "--", "bound with siblings' whole responses"),
+                                 ("bound_history_self", "-.", "bound from history + own tokens")):
             pts = [(x["epoch"], x["entropy"], x[key]) for x in first if x.get(key)]
             if pts:
                 ax.plot([b[0] for b in pts], [b[2] for b in pts], color="k", ls=style, label=text)
