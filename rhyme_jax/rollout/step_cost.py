@@ -34,12 +34,12 @@ from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.model.hub import cache_dir
 
 FORMAT_VERSION = 1
-PROFILE_VERSION = 8  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
+PROFILE_VERSION = 9  # what programs are and how they are timed (part of the cache key): 3 = rows live on their own
 # pages, median of rounds; 4 = the same after the per-position sampling draws (cheaper decode sampling);
 # 5 = KV writes in place in the 1-token decode program (it copied the pool before); 6 = verify steps'
 # attention laid out per packed token on the reference path (cheaper verify programs on CPU); 7 = the
 # reference picks its layout per shape (per token up to 2 tokens per sequence: decode too); 8 = verify
-# programs' max_q_len 2 T / S + 1 (was 4 T / S + 1)
+# programs' max_q_len 2 T / S + 1 (was 4 T / S + 1); 9 = two-level Gumbel-max draws (was an inverse CDF)
 PRIOR_ROW_TOKENS = 2.0  # per-row overhead of the prior, in packed tokens
 CACHE_ENV = "RHYME_JAX_STEP_COST_DIR"
 LIVE_WINDOW = 15  # live step times kept per program; their median replaces the profiled figure
