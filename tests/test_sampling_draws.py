@@ -38,12 +38,13 @@ def test_gumbel_draw_is_exact_across_blocks():
 
 def test_a_last_bit_change_of_the_logits_almost_never_changes_the_draw():
     """Decode and verify passes compute a position's logits in programs of other shapes, which
-    round differently (about 1e-5 nats on SmolLM2); the draw must not follow those bits. Over 4096
-    draws from a 49,152-token vocabulary the inverse CDF changed 52 draws under such noise; the
-    Gumbel-max draw may change at most a handful."""
+    round differently (up to about 1e-5 nats on SmolLM2); the draw must not follow those bits.
+    On these 512 draws from a 49,152-token vocabulary (entropy 5.7 nats) an inverse-CDF draw with
+    one uniform per token (the sampler before the Gumbel-max draw) changed 4 tokens under such
+    noise; the Gumbel-max draw changes none (at most one allowed)."""
     rng = np.random.default_rng(0)
-    n, vocab = 4096, 49152
-    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(0.0, 4.0, (n, vocab)), jnp.float32) / 0.6, axis=-1)
+    n, vocab = 512, 49152
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(0.0, 2.0, (n, vocab)), jnp.float32) / 0.6, axis=-1)
     bumped = lp + jnp.asarray(rng.normal(0.0, 1e-5, (n, vocab)), jnp.float32)
     noise = position_noise(jax.random.key(2), jnp.arange(n), jnp.zeros(n, jnp.int32), vocab)
     same = np.asarray(gumbel_draw(lp, noise)) == np.asarray(gumbel_draw(bumped, noise))
