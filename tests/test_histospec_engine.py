@@ -258,8 +258,10 @@ def test_sampled_logprobs_with_drafts_are_behaviour_logprobs():
     sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, max_new_tokens=8)
     first = eng.generate(_model()[1], prompts, sp, jax.random.key(5))
     history = [np.concatenate([p, t]).astype(np.int32) for p, t in zip(prompts, first.tokens)]
-    res = eng.generate(_model()[1], prompts, sp, jax.random.key(6), drafter=HistoryDrafter(history, 4))
+    # the same key: every draw is the history's, so its drafts are accepted (whatever the draws)
+    res = eng.generate(_model()[1], prompts, sp, jax.random.key(5), drafter=HistoryDrafter(history, 4))
     assert res.stats["accepted_tokens"] > 0
+    assert all(np.array_equal(a, b) for a, b in zip(res.tokens, first.tokens))
     assert_behaviour_logprobs(prompts, res, 0.7, 12, 0.85)
 
 
