@@ -32,7 +32,8 @@ def tiny_learning(tmp_path_factory, compile_cache):
 
 
 def test_units_of_the_learning_ids():
-    assert registry.units_of(["L1"]) == ["demo_sft", "learn_plain", "learn_aimd", "learn_goodput"]
+    assert registry.units_of(["L1"]) == ["demo_sft", "learn_plain", "learn_aimd", "learn_goodput",
+                                         "learn_goodput_paired"]
     assert registry.units_of(["L2"]) == ["learn_real_plain", "learn_real_aimd", "learn_real_goodput"]
     assert registry.units_of(["L3"]) == ["demo_sft", "learn_plain", "learn_one_step_off", "learn_cross_step"]
 
@@ -58,6 +59,10 @@ def test_histospec_runs_are_one_workload(tiny_learning):
         assert all(r["bound_history_self"] is not None and r["bound_history_self"] >= 1.0 for r in rows)
         assert all(r["passes"] <= r["plain_passes"] for r in rows)
         assert all(r["h200_projection"] is not None and r["h200_projection"] > 0 for r in rows)
+    # goodput's paired unit: each step's rollout decoded plain and with HistoSpec back to back
+    assert all(r["paired_rollout"] > 0 and r["paired_e2e"] > 0 for r in goodput)
+    assert all("paired_rollout" not in r for r in aimd)
+    assert learning.identity(plain, out / "runs" / "learn_goodput_paired")["identical"] == 3
     text = table.read_text()
     assert "## L1" in text and "| epoch | steps | entropy" in text
     assert (out / "learning_L1.png").is_file()

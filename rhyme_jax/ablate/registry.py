@@ -95,6 +95,8 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
     Unit("learn_aimd", "learn", _cfg("learn_aimd"), 1, ("demo_sft",), "learn_plain + HistoSpec, paper drafter (AIMD)"),
     Unit("learn_goodput", "learn", _cfg("learn_goodput"), 1, ("demo_sft",),
          "learn_plain + HistoSpec, goodput drafter"),
+    Unit("learn_goodput_paired", "learn_paired", _cfg("learn_goodput"), 1, ("demo_sft",),
+         "learn_goodput with every rollout also decoded plain just before it (same weights, prompts, key)"),
     Unit("learn_one_step_off", "learn", _cfg("learn_one_step_off"), 1, ("demo_sft",),
          "learn_plain with rollout s+1 overlapping update s (staleness 1)"),
     Unit("learn_cross_step", "learn", _cfg("learn_cross_step"), 1, ("demo_sft",),
@@ -110,7 +112,7 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          what="learn_real_plain + HistoSpec (goodput)"),
 )}
 
-LEARN_KINDS = ("learn", "learn_real")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
+LEARN_KINDS = ("learn", "learn_paired", "learn_real")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
 
 _E2E = ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration", "e2e_histospec")
 
@@ -147,7 +149,7 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
     Ablation("L1", "HistoSpec off / AIMD / goodput over a learning run (demo)",
              "per epoch: entropy, acceptance, tokens per sequence pass, rollout and end-to-end ratios vs plain, "
              "oracle bound; identical tokens and rewards", "rollout speed-up grows as rollouts rhyme (up to 1.86x)",
-             ("learn_plain", "learn_aimd", "learn_goodput")),
+             ("learn_plain", "learn_aimd", "learn_goodput", "learn_goodput_paired")),
     Ablation("L2", "HistoSpec off / AIMD / goodput over a learning run (SmolLM2-135M-Instruct)",
              "as L1", "as L1", ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")),
     Ablation("L3", "sync vs one-step-off vs cross-step queues on the learning run (demo)",
@@ -223,6 +225,7 @@ class Scale:
 
 _QUICK_DEMO = ("grpo.steps=6", "grpo.prompts_per_step=8", "grpo.num_prompts=16")
 _QUICK_LEARN = {"learn": ("grpo.steps=12", "grpo.num_prompts=32"),  # 2 steps per epoch, 6 epochs
+                "learn_paired": ("grpo.steps=12", "grpo.num_prompts=32"),
                 "learn_real": ("grpo.steps=8", "grpo.num_prompts=8")}  # 2 steps per epoch, 4 epochs
 _TINY_DEMO = _TINY_MODEL + ("rollout.max_new_tokens=8", "rollout.max_slots=4", "sft.steps=1", "sft.batch_size=4",
                             "sft.warmup_steps=0", "grpo.steps=2", "grpo.prompts_per_step=2",
@@ -238,6 +241,7 @@ SCALES: dict[str, Scale] = {s.name: s for s in (
                    "session": ("grpo.num_prompts=2", "grpo.samples_per_prompt=2", "rollout.max_new_tokens=8",
                                "rollout.max_slots=4"),
                    "learn": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
+                   "learn_paired": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
                    "learn_real": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1")},
           SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 2), live_windows=("aimd", "goodput")),
           config_by_kind={"session": _cfg("histospec_tiny")},
