@@ -34,7 +34,8 @@ def tiny_learning(tmp_path_factory, compile_cache):
 def test_units_of_the_learning_ids():
     assert registry.units_of(["L1"]) == ["demo_sft", "learn_plain", "learn_aimd", "learn_goodput",
                                          "learn_goodput_paired"]
-    assert registry.units_of(["L2"]) == ["learn_real_plain", "learn_real_aimd", "learn_real_goodput"]
+    assert registry.units_of(["L2"]) == ["learn_real_plain", "learn_real_aimd", "learn_real_goodput",
+                                         "learn_real_goodput_paired"]
     assert registry.units_of(["L3"]) == ["demo_sft", "learn_plain", "learn_one_step_off", "learn_cross_step"]
 
 

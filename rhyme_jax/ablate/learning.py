@@ -38,7 +38,7 @@ import numpy as np
 from rhyme_jax.ablate.measures import Inputs, MissingInput, figure, timed_steps
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 
-PAIRED_UNIT = {"L1": "learn_goodput_paired"}  # goodput's rollouts each paired with a plain one, same step
+PAIRED_UNIT = {"L1": "learn_goodput_paired", "L2": "learn_real_goodput_paired"}  # goodput's rollouts each paired with a plain one, same step
 SPEC_UNITS = {"L1": ("learn_plain", "learn_aimd", "learn_goodput"),
               "L2": ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")}
 SCHED_UNITS = ("learn_plain", "learn_one_step_off", "learn_cross_step")

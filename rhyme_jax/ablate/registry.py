@@ -107,12 +107,14 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "learn_workers_fifo with HistoPipe tiers 1 + 2 and tail migration"),
     Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
          what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
+    Unit("learn_real_goodput_paired", "learn_real_paired", _cfg("learn_real_goodput"),
+         what="learn_real_goodput with every rollout also decoded plain just before it"),
     Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
     Unit("learn_real_goodput", "learn_real", _cfg("learn_real_goodput"),
          what="learn_real_plain + HistoSpec (goodput)"),
 )}
 
-LEARN_KINDS = ("learn", "learn_paired", "learn_real")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
+LEARN_KINDS = ("learn", "learn_paired", "learn_real", "learn_real_paired")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
 
 _E2E = ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration", "e2e_histospec")
 
@@ -151,7 +153,8 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              "oracle bound; identical tokens and rewards", "rollout speed-up grows as rollouts rhyme (up to 1.86x)",
              ("learn_plain", "learn_aimd", "learn_goodput", "learn_goodput_paired")),
     Ablation("L2", "HistoSpec off / AIMD / goodput over a learning run (SmolLM2-135M-Instruct)",
-             "as L1", "as L1", ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")),
+             "as L1", "as L1", ("learn_real_plain", "learn_real_aimd", "learn_real_goodput",
+                                "learn_real_goodput_paired")),
     Ablation("L3", "sync vs one-step-off vs cross-step queues on the learning run (demo)",
              "end-to-end ratio vs sync; final-window reward within 2 SE",
              "off-policy lag keeps accuracy (verl / AReaL practice)",
@@ -226,7 +229,8 @@ class Scale:
 _QUICK_DEMO = ("grpo.steps=6", "grpo.prompts_per_step=8", "grpo.num_prompts=16")
 _QUICK_LEARN = {"learn": ("grpo.steps=12", "grpo.num_prompts=32"),  # 2 steps per epoch, 6 epochs
                 "learn_paired": ("grpo.steps=12", "grpo.num_prompts=32"),
-                "learn_real": ("grpo.steps=8", "grpo.num_prompts=8")}  # 2 steps per epoch, 4 epochs
+                "learn_real": ("grpo.steps=8", "grpo.num_prompts=8"),  # 2 steps per epoch, 4 epochs
+                "learn_real_paired": ("grpo.steps=8", "grpo.num_prompts=8")}
 _TINY_DEMO = _TINY_MODEL + ("rollout.max_new_tokens=8", "rollout.max_slots=4", "sft.steps=1", "sft.batch_size=4",
                             "sft.warmup_steps=0", "grpo.steps=2", "grpo.prompts_per_step=2",
                             "grpo.samples_per_prompt=2", "grpo.num_prompts=2")
@@ -242,7 +246,8 @@ SCALES: dict[str, Scale] = {s.name: s for s in (
                                "rollout.max_slots=4"),
                    "learn": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
                    "learn_paired": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
-                   "learn_real": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1")},
+                   "learn_real": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1"),
+                   "learn_real_paired": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1")},
           SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 2), live_windows=("aimd", "goodput")),
           config_by_kind={"session": _cfg("histospec_tiny")},
           e2e_steps_skipped=0, warmup=False),
