@@ -107,11 +107,11 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "learn_workers_fifo with HistoPipe tiers 1 + 2 and tail migration"),
     Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
          what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
-    Unit("learn_real_goodput_paired", "learn_real_paired", _cfg("learn_real_goodput"),
-         what="learn_real_goodput with every rollout also decoded plain just before it"),
     Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
     Unit("learn_real_goodput", "learn_real", _cfg("learn_real_goodput"),
          what="learn_real_plain + HistoSpec (goodput)"),
+    Unit("learn_real_goodput_paired", "learn_real_paired", _cfg("learn_real_goodput"),
+         what="learn_real_goodput with every rollout also decoded plain just before it"),
 )}
 
 LEARN_KINDS = ("learn", "learn_paired", "learn_real", "learn_real_paired")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
