@@ -186,11 +186,12 @@ def _fmt(x, f="{:.2f}") -> str:
 def table_lines(name: str, rows: list[dict]) -> list[str]:
     """A markdown table of ``epoch_rows``."""
     out = [f"{name}:", "", "| epoch | steps | entropy (nats) | reward | acceptance | tokens/seq pass | batch passes "
-           "(plain) | rollout x | end-to-end x | bound from history + own tokens x | of that bound | bound with siblings' whole "
-           "responses x | H200 projection x | paired rollout x | paired end-to-end x |", "|" + "---|" * 15]
+           "(plain) | rollout x | end-to-end x | bound from history + own tokens x | of that bound (paired x where "
+           "measured) | bound with siblings' whole responses x | H200 projection x | paired rollout x | paired "
+           "end-to-end x |", "|" + "---|" * 15]
     for r in rows:
         causal = _causal(r)
-        of = r["rollout_ratio"] / causal if causal else None
+        of = (r.get("paired_rollout") or r["rollout_ratio"]) / causal if causal else None
         out.append(f"| {r['epoch']} | {r['steps']} | {_fmt(r['entropy'], '{:.3f}')} | {r['reward']:.3f} | "
                    f"{_fmt(r['acceptance'])} | {r['tokens_per_forward']:.2f} | {r['passes']:.0f} "
                    f"({r['plain_passes']:.0f}) | {r['rollout_ratio']:.2f} | {r['e2e_ratio']:.2f} | "
