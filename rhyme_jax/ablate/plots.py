@@ -160,8 +160,8 @@ def write_plots(out: Path, results: dict[str, dict], units: dict[str, dict]) -> 
 
 
 def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path) -> list[Path]:
-    """``learning_<id>.png`` of L1 / L2: speed-up and bound per epoch, against entropy, and the
-    plain run's train reward per step."""
+    """``learning_<id>.png`` of L1 / L2: speed-up (between runs, and paired where measured) and
+    bound per epoch, against entropy, and the plain run's train reward per step."""
     paths = []
     for aid, plain in (("L1", "learn_plain"), ("L2", "learn_real_plain")):
         r = results.get(aid, {})
@@ -176,6 +176,13 @@ def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path)
             ax.plot(ep, [x["e2e_ratio"] for x in rows], color=color, marker="s", ls=":", label=f"{label}: end to end")
             ent = sorted((x["entropy"], x["rollout_ratio"]) for x in rows if x["entropy"] is not None)
             ax2.plot([e for e, _ in ent], [v for _, v in ent], color=color, marker="o", label=f"{label}: rollout")
+            paired = [(x["epoch"], x["entropy"], x["paired_rollout"]) for x in rows if x.get("paired_rollout")]
+            if paired:  # the same steps decoded both ways back to back: free of the drift between runs
+                ax.plot([p[0] for p in paired], [p[2] for p in paired], color=color, marker="D", lw=2,
+                        label=f"{label}: rollout, paired")
+                ent = sorted((p[1], p[2]) for p in paired if p[1] is not None)
+                ax2.plot([e for e, _ in ent], [v for _, v in ent], color=color, marker="D", lw=2,
+                         label=f"{label}: rollout, paired")
         first = next(iter(r["epochs"].values()))
         for key, style, text in (("bound", "--", "bound with siblings' whole responses"),
                                  ("bound_history_self", "-.", "bound from history + own tokens")):
