@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from rhyme_jax.measure.pass_replay import oracle_accepts
-from rhyme_jax.rollout.step_cost import StepCost
+from rhyme_jax.rollout.step_cost import StepCost, bucket_scales
 
 WINDOWS = (2, 4, 8, 32)  # draft caps the oracle may choose from (32 = MAX_DRAFT)
 PATTERN = (7, 1)  # longest / shortest context suffix matched (the goodput drafter's pattern_min 1)
@@ -66,11 +66,8 @@ def cost_model(rows: dict) -> tuple[StepCost, bool]:
     Returns ``(model, in_seconds)``; no rows: the prior (not seconds)."""
     seconds = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("profiled", [])}
     live = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("live", [])}
-    ratios: dict[int, list[float]] = {}
-    for k, s in live.items():
-        if k in seconds:
-            ratios.setdefault(k[0], []).append(s / seconds[k])
-    seconds = {k: s * float(np.median(ratios[k[0]])) if k[0] in ratios else s for k, s in seconds.items()}
+    scales = bucket_scales(seconds, live)
+    seconds = {k: s * scales.get(k[0], 1.0) for k, s in seconds.items()}
     seconds.update(live)
     return (StepCost(seconds, dict(rows.get("meta", {}))), True) if seconds else (StepCost.prior(), False)
 

@@ -122,10 +122,8 @@ class StepCost:
         times, _ = self.live.get(key, ((), None))
         times = (*times[1 - LIVE_WINDOW:], float(seconds))
         self.live[key] = (times, sorted(times)[len(times) // 2] if len(times) >= LIVE_MIN else None)
-        ratios = [m / self.seconds[k] for k, (_, m) in self.live.items()
-                  if k[0] == key[0] and m is not None and k in self.seconds]
-        if ratios:
-            self.scale[key[0]] = float(np.median(ratios))
+        medians = {k: m for k, (_, m) in self.live.items() if k[0] == key[0] and m is not None}
+        self.scale.update(bucket_scales(self.seconds, medians))
 
     def _linear(self) -> tuple[float, float, float]:
         """Non-negative least-squares ``(a, b, c)`` of ``seconds ~ a + b * rows + c * tokens``."""
@@ -183,6 +181,17 @@ class StepCost:
         return cls(out, dict(body.get("meta", {})))
 
 
+def bucket_scales(seconds: dict, medians: dict) -> dict[int, float]:
+    """``{rows: factor}``: per row bucket, the median of live median / profiled seconds over its
+    programs that have both (``seconds``, ``medians``: ``{(rows, tokens, max_q_len): seconds}``);
+    buckets without such a program are left out (``StepCost.observe``)."""
+    ratios: dict[int, list[float]] = {}
+    for k, m in medians.items():
+        if k in seconds:
+            ratios.setdefault(k[0], []).append(m / seconds[k])
+    return {r: float(np.median(v)) for r, v in ratios.items()}
+
+
 def cache_key(parts: dict) -> str:
     """A short stable hash of what a profile depends on (model shape, dtype, backend, plan)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -237,4 +246,4 @@ def monotone(seconds: dict) -> dict:
     return out
 
 
-__all__ = ["StepCost", "StepCostError", "cache_key", "cache_path", "monotone", "profile"]
+__all__ = ["StepCost", "StepCostError", "bucket_scales", "cache_key", "cache_path", "monotone", "profile"]
