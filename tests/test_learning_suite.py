@@ -33,9 +33,11 @@ def tiny_learning(tmp_path_factory, compile_cache):
 
 def test_units_of_the_learning_ids():
     assert registry.units_of(["L1"]) == ["demo_sft", "learn_plain", "learn_aimd", "learn_goodput",
-                                         "learn_goodput_paired"]
+                                         "learn_goodput_paired", "learn_oracle_paired"]
     assert registry.units_of(["L2"]) == ["learn_real_plain", "learn_real_aimd", "learn_real_goodput",
-                                         "learn_real_goodput_paired"]
+                                         "learn_real_goodput_paired", "learn_real_oracle_paired"]
+    assert registry.UNITS["learn_oracle_paired"].oracle == registry.UNITS["learn_real_oracle_paired"].oracle == \
+        "sources"
     assert registry.units_of(["L3"]) == ["demo_sft", "learn_plain", "learn_one_step_off", "learn_cross_step"]
 
 
@@ -64,6 +66,11 @@ def test_histospec_runs_are_one_workload(tiny_learning):
     assert all(r["paired_rollout"] > 0 and r["paired_e2e"] > 0 for r in goodput)
     assert all("paired_rollout" not in r for r in aimd)
     assert learning.identity(plain, out / "runs" / "learn_goodput_paired")["identical"] == 3
+    # the live bound: the source-bound oracle drafter through the same engine, paired with plain,
+    # on the same workload; the targets judge goodput against it
+    assert learning.identity(plain, out / "runs" / "learn_oracle_paired")["identical"] == 3
+    assert all(r["oracle_rollout"] > 0 for r in goodput) and all("oracle_rollout" not in r for r in aimd)
+    assert learning.judged_bound(goodput[-1]) == (goodput[-1]["oracle_rollout"], "the live oracle drafter (paired)")
     text = table.read_text()
     assert "## L1" in text and "| epoch | steps | entropy" in text
     assert (out / "learning_L1.png").is_file()
@@ -125,3 +132,23 @@ def test_oracle_cost_model_scales_unobserved_programs_like_the_engine():
     cost, in_seconds = oracle.cost_model(rows)
     assert in_seconds and cost(4, 4, 1) == 1.0 and cost(4, 8, 3) == 1.5 and cost(8, 8, 1) == 4.0
     assert oracle.cost_model({})[1] is False
+
+
+def test_source_bound_keeps_the_prompts_last_rollouts_as_history():
+    """``SourceBound(depth)``: a prompt's history is its responses in its last ``depth`` rollouts
+    (all of its samples in each), as the trainer's history store keeps them for the real drafter."""
+    from rhyme_jax.measure.oracle_drafters import SourceBound
+
+    p, q = [1, 2], [3]
+    bound = SourceBound(depth=1)
+    first = bound([p, p, q], [np.array([5, 6]), np.array([5, 7]), np.array([9])], 4)
+    assert [len(h) for h in first.history] == [0, 0, 0]
+    second = bound([p, p], [np.array([8]), np.array([8, 8])], 4)
+    # prompt p's two responses of the first rollout, each with the prompt prepended
+    assert [[h.tolist() for h in hs] for hs in second.history] == [[[1, 2, 5, 6], [1, 2, 5, 7]]] * 2
+    third = bound([p, q], [np.array([4]), np.array([4])], 4)
+    assert [[h.tolist() for h in hs] for hs in third.history] == [[[1, 2, 8], [1, 2, 8, 8]], [[3, 9]]]
+    every = SourceBound()
+    for resp in ([5], [6], [7]):
+        last = every([p], [np.array(resp)], 4)
+    assert [h.tolist() for h in last.history[0]] == [[1, 2, 5], [1, 2, 6]]

@@ -114,14 +114,14 @@ def _analysis(run_dir: Path) -> dict:
     return {"overall": result["overall"], "epochs": result["epochs"]}
 
 
-def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool) -> dict:
+def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "") -> dict:
     from rhyme_jax.train.trainer import GRPOTrainer
 
     pairs: list | None = [] if paired else None
     if paired:
         from rhyme_jax.ablate.paired import paired_rollouts
 
-        trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(pairs))
+        trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(pairs, oracle, cfg.spec.history_depth))
     else:
         trainer = GRPOTrainer(cfg)
     try:
@@ -154,8 +154,11 @@ def run_e2e(cfg, progress, *, skip: int = 1, warmup: bool = True) -> dict:
     return out
 
 
-def run_paired(cfg, progress, *, skip: int = 1, warmup: bool = True) -> dict:
-    """GRPO steps whose every rollout is generated plain and with HistoSpec (``paired``)."""
-    out = _grpo_unit(cfg, progress, paired=True, warmup=warmup)
+def run_paired(cfg, progress, *, skip: int = 1, warmup: bool = True, oracle: str = "") -> dict:
+    """GRPO steps whose every rollout is generated plain and with HistoSpec (``paired``); with
+    ``oracle`` (``paired.ORACLES``) the second rollout drafts with that oracle drafter instead
+    (over the prompt's last ``spec.history_depth`` rollouts for ``"sources"``)."""
+    out = _grpo_unit(cfg, progress, paired=True, warmup=warmup, oracle=oracle)
+    out["oracle"] = oracle
     out["skip"] = skip
     return out

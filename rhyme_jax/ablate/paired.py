@@ -17,7 +17,7 @@ from rhyme_jax.measure.oracle_drafters import ORACLES, AlwaysRightDrafter, Sourc
 __all__ = ["ORACLES", "AlwaysRightDrafter", "SourceBound", "SourceBoundDrafter", "held_run", "paired_rollouts"]
 
 
-def paired_rollouts(rows: list, oracle: str = "") -> Callable:
+def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> Callable:
     """The ``wrap_generate`` hook (``GRPOTrainer(wrap_generate=...)``): each call appends
     ``{"plain": stats, "spec": stats}`` to ``rows``, where ``stats`` is the engine's
     ``RolloutResult.stats`` plus ``"compiles"`` (XLA compilations or cache loads inside that
@@ -25,7 +25,8 @@ def paired_rollouts(rows: list, oracle: str = "") -> Callable:
     rollout drafts over the plain rollout's tokens instead of with the run's drafter (the run's
     history is still written from it): ``"always-right"`` (``AlwaysRightDrafter``, the bound of
     any drafter) or ``"sources"`` (``SourceBoundDrafter``, the bound of any drafter over the
-    history, sibling and self sources).
+    history, sibling and self sources; ``depth``: the prompt's latest rollouts kept as its
+    history, ``SourceBound``).
 
     Raises:
       ValueError: ``oracle`` is not ``""`` or one of ``ORACLES``.
@@ -34,7 +35,7 @@ def paired_rollouts(rows: list, oracle: str = "") -> Callable:
 
     if oracle and oracle not in ORACLES:
         raise ValueError(f"oracle: {oracle!r} is not one of {ORACLES}")
-    make = SourceBound() if oracle == "sources" else AlwaysRightDrafter
+    make = SourceBound(depth) if oracle == "sources" else AlwaysRightDrafter
 
     def wrap(generate):
         def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks

@@ -161,7 +161,8 @@ def write_plots(out: Path, results: dict[str, dict], units: dict[str, dict]) -> 
 
 def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path) -> list[Path]:
     """``learning_<id>.png`` of L1 / L2: speed-up (between runs, and paired where measured) and
-    bound per epoch, against entropy, and the plain run's train reward per step."""
+    the bounds (modelled; the live oracle's where measured) per epoch, against entropy, and the
+    plain run's train reward per step."""
     paths = []
     for aid, plain in (("L1", "learn_plain"), ("L2", "learn_real_plain")):
         r = results.get(aid, {})
@@ -183,10 +184,12 @@ def learning_curves(results: dict[str, dict], units: dict[str, dict], out: Path)
                 ent = sorted((p[1], p[2]) for p in paired if p[1] is not None)
                 ax2.plot([e for e, _ in ent], [v for _, v in ent], color=color, marker="D", lw=2,
                          label=f"{label}: rollout, paired")
-        first = next(iter(r["epochs"].values()))
-        for key, style, text in (("bound", "--", "bound with siblings' whole responses"),
-                                 ("bound_history_self", "-.", "bound from history + own tokens")):
-            pts = [(x["epoch"], x["entropy"], x[key]) for x in first if x.get(key)]
+        first, last = next(iter(r["epochs"].values())), list(r["epochs"].values())[-1]
+        for key, style, text, rows in (
+                ("bound", "--", "modelled bound, siblings' whole responses", first),
+                ("bound_history_self", "-.", "modelled bound, history + own tokens", first),
+                ("oracle_rollout", "-", "live oracle drafter, paired (the bound)", last)):
+            pts = [(x["epoch"], x["entropy"], x[key]) for x in rows if x.get(key)]
             if pts:
                 ax.plot([b[0] for b in pts], [b[2] for b in pts], color="k", ls=style, label=text)
                 ent = sorted((b[1], b[2]) for b in pts if b[1] is not None)

@@ -37,6 +37,8 @@ class Unit:
         paired run takes the same 8 as the end-to-end runs, so their compiled programs are its).
       needs: units whose outputs it starts from (``demo_sft``: params and tokenizer).
       what: one line for ``--list``.
+      oracle: for a paired kind, the oracle drafter of the second rollout (``paired.ORACLES``;
+        ``""``: the config's drafter).
     """
 
     name: str
@@ -45,6 +47,7 @@ class Unit:
     devices: int = 1
     needs: tuple[str, ...] = ()
     what: str = ""
+    oracle: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "learn_plain + HistoSpec, goodput drafter"),
     Unit("learn_goodput_paired", "learn_paired", _cfg("learn_goodput"), 1, ("demo_sft",),
          "learn_goodput with every rollout also decoded plain just before it (same weights, prompts, key)"),
+    Unit("learn_oracle_paired", "learn_paired", _cfg("learn_goodput"), 1, ("demo_sft",),
+         "learn_goodput_paired with the source-bound oracle drafter (knows which tokens its sources hold)",
+         oracle="sources"),
     Unit("learn_one_step_off", "learn", _cfg("learn_one_step_off"), 1, ("demo_sft",),
          "learn_plain with rollout s+1 overlapping update s (staleness 1)"),
     Unit("learn_cross_step", "learn", _cfg("learn_cross_step"), 1, ("demo_sft",),
@@ -112,6 +118,8 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          what="learn_real_plain + HistoSpec (goodput)"),
     Unit("learn_real_goodput_paired", "learn_real_paired", _cfg("learn_real_goodput"),
          what="learn_real_goodput with every rollout also decoded plain just before it"),
+    Unit("learn_real_oracle_paired", "learn_real_paired", _cfg("learn_real_goodput"),
+         what="learn_real_goodput_paired with the source-bound oracle drafter", oracle="sources"),
 )}
 
 LEARN_KINDS = ("learn", "learn_paired", "learn_real", "learn_real_paired")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
@@ -151,10 +159,10 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
     Ablation("L1", "HistoSpec off / AIMD / goodput over a learning run (demo)",
              "per epoch: entropy, acceptance, tokens per sequence pass, rollout and end-to-end ratios vs plain, "
              "oracle bound; identical tokens and rewards", "rollout speed-up grows as rollouts rhyme (up to 1.86x)",
-             ("learn_plain", "learn_aimd", "learn_goodput", "learn_goodput_paired")),
+             ("learn_plain", "learn_aimd", "learn_goodput", "learn_goodput_paired", "learn_oracle_paired")),
     Ablation("L2", "HistoSpec off / AIMD / goodput over a learning run (SmolLM2-135M-Instruct)",
              "as L1", "as L1", ("learn_real_plain", "learn_real_aimd", "learn_real_goodput",
-                                "learn_real_goodput_paired")),
+                                "learn_real_goodput_paired", "learn_real_oracle_paired")),
     Ablation("L3", "sync vs one-step-off vs cross-step queues on the learning run (demo)",
              "end-to-end ratio vs sync; final-window reward within 2 SE",
              "off-policy lag keeps accuracy (verl / AReaL practice)",

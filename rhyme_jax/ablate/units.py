@@ -131,7 +131,8 @@ def run_unit(name: str, out: Path, scale_name: str, extra: tuple[str, ...] = ())
         run = {"sft": e2e.run_sft_unit, "e2e": e2e.run_e2e, "paired": e2e.run_paired, "learn": e2e.run_e2e,
                "learn_paired": e2e.run_paired, "learn_real": e2e.run_e2e,
                "learn_real_paired": e2e.run_paired}[unit.kind]
-        result = run(cfg, progress, skip=scale.e2e_steps_skipped, warmup=scale.warmup)
+        kw = {"oracle": unit.oracle} if unit.oracle else {}
+        result = run(cfg, progress, skip=scale.e2e_steps_skipped, warmup=scale.warmup, **kw)
     doc = {"unit": name, "kind": unit.kind, "scale": scale_name, "config": path, "overrides": overrides,
            "seconds": time.perf_counter() - t0, "result": result}
     write_json(unit_json(out, name), doc)

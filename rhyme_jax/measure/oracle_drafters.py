@@ -130,17 +130,27 @@ class SourceBoundDrafter(AlwaysRightDrafter):
 
 
 class SourceBound:
-    """Makes a ``SourceBoundDrafter`` per rollout and remembers every rollout's responses per
-    prompt as the history of the next one (``benchmarks.rollout --oracle sources``)."""
+    """Makes a ``SourceBoundDrafter`` per rollout and remembers each prompt's responses as the
+    history of its next rollouts (``benchmarks.rollout --oracle sources``). ``depth``: how many of
+    the prompt's latest rollouts (calls it appeared in) stay sources, as ``spec.history_depth``
+    keeps them for the real drafter; ``None``: all of them."""
 
-    def __init__(self):
-        self.seen: dict[bytes, list[np.ndarray]] = {}
+    def __init__(self, depth: int | None = None):
+        self.depth = depth
+        self.seen: dict[bytes, list[list[np.ndarray]]] = {}  # prompt -> its responses per call
 
     def __call__(self, prompts, responses, max_new_tokens: int) -> SourceBoundDrafter:
         keys = [np.asarray(p, np.int64).tobytes() for p in prompts]
-        drafter = SourceBoundDrafter(prompts, responses, max_new_tokens, [list(self.seen.get(k, ())) for k in keys])
+        history = [[h for call in self.seen.get(k, ()) for h in call] for k in keys]
+        drafter = SourceBoundDrafter(prompts, responses, max_new_tokens, history)
+        calls: dict[bytes, list[np.ndarray]] = {}
         for k, resp in zip(keys, responses):
-            self.seen.setdefault(k, []).append(np.asarray(resp, np.int64))
+            calls.setdefault(k, []).append(np.asarray(resp, np.int64))
+        for k, resp in calls.items():
+            kept = self.seen.setdefault(k, [])
+            kept.append(resp)
+            if self.depth is not None:
+                del kept[: max(len(kept) - self.depth, 0)]
         return drafter
 
 
