@@ -152,3 +152,15 @@ def test_source_bound_keeps_the_prompts_last_rollouts_as_history():
     for resp in ([5], [6], [7]):
         last = every([p], [np.array(resp)], 4)
     assert [h.tolist() for h in last.history[0]] == [[1, 2, 5], [1, 2, 6]]
+
+
+def test_paired_epochs_leave_the_oracles_search_time_out():
+    """The live bound is the oracle drafter's rollout without its Python search over the sources
+    (``host_drafting=False``); a real drafter's paired ratio keeps its host time."""
+    step = {"step": 2, "rollout/epoch": 2, "wall_s": 10.0, "plain": {"seconds": 3.0},
+            "spec": {"seconds": 2.0, "drafting_seconds": 0.5}}
+    r = {"skip": 1, "steps": [{**step, "step": 1, "rollout/epoch": 1}, step]}
+    real, bound = learning.paired_epochs(r), learning.paired_epochs(r, host_drafting=False)
+    assert real[2]["rollout"] == pytest.approx(1.5) and bound[2]["rollout"] == pytest.approx(2.0)
+    # the rest of the step (10 - 3 - 2 = 5 s) counts in both sides of the end-to-end ratio
+    assert real[2]["e2e"] == pytest.approx((5 + 3) / (5 + 2)) and set(real) == {2}

@@ -50,6 +50,11 @@ class WithSiblings:
         """Row ``row`` (a response of prompt ``pid``) has finished: a draft source from now on."""
         self.done.setdefault(int(pid), []).append(int(row))
 
+    def lengths(self, pid: int) -> np.ndarray | None:
+        """``int32[n]`` response lengths of the prompt's last rollout in the history (the
+        drafter's length prediction; the siblings are not a rollout of the history)."""
+        return self.history.lengths(int(pid))
+
     def entry(self, pid: int) -> HistoryEntry | None:
         """The history entry of ``pid`` with its finished siblings as one more rollout."""
         pid = int(pid)
