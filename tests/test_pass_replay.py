@@ -55,3 +55,22 @@ def test_oracle_passes_on_constructed_sequences():
     # the response repeats itself: its own earlier tokens are drafted once the pattern recurs
     loop = np.tile(np.array([7, 8, 9, 6], np.int32), 6)  # 24 tokens
     assert replay.oracle_passes(prompt, loop, [prompt], 64, window=32) < 10
+
+
+def test_replay_with_siblings_runs_the_goodput_drafter():
+    """``replay_step(..., siblings=True)`` with the goodput drafter (its length prediction reads
+    the store's ``lengths``, which the siblings' view of the store passes on): with the response in
+    the history every sample drafts all of it in one verify pass; without history, samples that
+    all finish together have no sibling to draft from, and distinct tokens nothing of their own
+    (one token per pass)."""
+    cfg = SimpleNamespace(branch="reward", window="goodput", fixed_window=8, min_token_prob=0.0, pattern_max=7,
+                          pattern_min=1, self_lookup=True, siblings=True, history_depth=1)
+    prompt = np.array([1, 2, 3], np.int32)
+    response = np.arange(10, 40, dtype=np.int32)  # 30 distinct tokens: the prefill's + 29
+    pids = np.zeros(4, np.int64)
+    ones = np.ones(4, np.float32)
+    store = HistoryStore()
+    store.update(1, pids, [prompt] * 4, [response] * 4, ones)
+    known = replay.replay_step(cfg, 64, {0: prompt}, pids, [response] * 4, ones, store, siblings=True)
+    unknown = replay.replay_step(cfg, 64, {0: prompt}, pids, [response] * 4, ones, HistoryStore(), siblings=True)
+    assert known.tolist() == [1] * 4 and unknown.tolist() == [29] * 4
