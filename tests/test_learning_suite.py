@@ -164,3 +164,23 @@ def test_paired_epochs_leave_the_oracles_search_time_out():
     assert real[2]["rollout"] == pytest.approx(1.5) and bound[2]["rollout"] == pytest.approx(2.0)
     # the rest of the step (10 - 3 - 2 = 5 s) counts in both sides of the end-to-end ratio
     assert real[2]["e2e"] == pytest.approx((5 + 3) / (5 + 2)) and set(real) == {2}
+
+
+def test_targets_judge_paired_ratios_against_the_live_bound():
+    def row(ep, roll, oracle, entropy=0.02, modelled=3.0):
+        return {"epoch": ep, "entropy": entropy, "rollout_ratio": 0.9, "e2e_ratio": 0.9, "paired_rollout": roll,
+                "paired_e2e": 1.05, "oracle_rollout": oracle, "bound": modelled, "bound_history_self": modelled}
+
+    # paired 1.8x of a live bound 1.9x: every target met although the separate runs read 0.9x and the
+    # modelled bound (any shape, past the token budget) is 3x
+    assert learning.targets([row(2, 1.8, 1.9)]) == []
+    miss = learning.targets([row(3, 1.6, 1.9)])  # 84% of the bound
+    assert miss == ["epoch 3: 84% of the live oracle drafter (paired) 1.90x"]
+    # the bound below 1.5x replaces the 1.5x target by 90% of the bound
+    assert learning.targets([row(1, 1.03, 1.10)]) == []
+    assert learning.targets([row(1, 1.03, 1.10, entropy=0.6)]) == []
+    assert "< 1.5" in learning.targets([row(4, 1.45, 1.6)])[0]
+    # no live bound: the modelled one from history + own tokens is judged
+    no_live = {**row(5, 1.7, None, modelled=1.8)}
+    assert learning.judged_bound(no_live) == (1.8, "the modelled bound from history + own tokens")
+    assert learning.targets([no_live]) == []

@@ -227,7 +227,9 @@ def judged_bound(r: dict) -> tuple[float | None, str]:
 
 def targets(rows: list[dict]) -> list[str]:
     """The goodput targets missed, one line each ([] when every target is met); an epoch with
-    paired ratios (``paired_epochs``) is judged on them, the drift-free measurement."""
+    paired ratios (``paired_epochs``) is judged on them, the drift-free measurement. Where the
+    bound is below the 1.5x low-entropy target, 90% of the bound is the target (the issue's
+    rule for targets above the bound)."""
     miss = []
     for r in rows:
         ep = r["epoch"]
@@ -238,7 +240,10 @@ def targets(rows: list[dict]) -> list[str]:
         bound, which = judged_bound(r)
         if bound and roll < TARGET_OF_BOUND * bound:
             miss.append(f"epoch {ep}: {roll / bound:.0%} of {which} {bound:.2f}x")
-        if r["entropy"] is not None and r["entropy"] < LOW_ENTROPY and roll < TARGET_LOW_ENTROPY:
+        # a bound below the 1.5x target replaces it by 90% of the bound (checked above)
+        above_bound = bool(bound) and bound < TARGET_LOW_ENTROPY
+        if (r["entropy"] is not None and r["entropy"] < LOW_ENTROPY and roll < TARGET_LOW_ENTROPY
+                and not above_bound):
             cap = f" (bound {bound:.2f}x)" if bound else ""
             miss.append(f"epoch {ep}: entropy {r['entropy']:.2f} < {LOW_ENTROPY} but rollout "
                         f"{roll:.2f}x{how} < {TARGET_LOW_ENTROPY}{cap}")
