@@ -164,7 +164,7 @@ class RolloutSection:
     top_p: float = 1.0  # 1.0 = off
     on_overlong_prompt: OverlongPrompt = "error"  # prompt over max_prompt_len: error | skip (empty response, reward 0)
     attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu | *_interpret | "a,b" (tried in order)
-    max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots; 33 x max_slots: room for a whole draft per row (pays at high acceptance)
+    max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots; 33 x max_slots: room for a whole draft per row (pays at acceptance ~0.9; at ~0.5 it can cost 20%)
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
 
     def __post_init__(self):
