@@ -184,3 +184,11 @@ def test_targets_judge_paired_ratios_against_the_live_bound():
     no_live = {**row(5, 1.7, None, modelled=1.8)}
     assert learning.judged_bound(no_live) == (1.8, "the modelled bound from history + own tokens")
     assert learning.targets([no_live]) == []
+
+
+def test_oracle_passes_replace_the_modelled_share_of_the_measured_rollout():
+    # 1 s measured, passes modelled at 0.8 s: 0.2 s of prefill and host time stay, the passes halve
+    assert oracle.with_oracle_passes(1.0, 0.8, 0.4) == pytest.approx(0.2 + 0.4)
+    # a model above the measured rollout (2 s for a 1 s rollout) is scaled down to it: bound >= 1
+    assert oracle.with_oracle_passes(1.0, 2.0, 1.0) == pytest.approx(0.5)
+    assert oracle.with_oracle_passes(1.0, 2.0, 2.0) == pytest.approx(1.0)

@@ -13,8 +13,10 @@ has them). The oracle may cap its drafts at ``w`` tokens; the bound takes the fa
 
 Per step the bound is the measured plain rollout seconds over the same seconds with their
 modelled decode passes replaced by the oracle's (prefill and host time kept):
-``plain_s / (plain_s - model(plain) + model(oracle))``; without a profile (the prior's units are
-not seconds) it is ``model(plain) / model(oracle)``. Ignored: preemption, page limits, the verify
+``plain_s / (plain_s - p + p * model(oracle) / model(plain))`` with ``p = min(model(plain),
+plain_s)`` (a model that prices the passes above the measured rollout is scaled down to it, so
+the bound is never below 1); without a profile (the prior's units are not seconds) it is
+``model(plain) / model(oracle)``. Ignored: preemption, page limits, the verify
 token budget and the program buckets (rows and tokens are priced as they are).
 
 Source: the issue "speed where training really happens" (scope 1, the oracle bound); the exact
@@ -88,9 +90,19 @@ def _step_inputs(run_dir: Path, step: int, history, prompt_of, siblings: bool = 
     return ro, prompts, sources
 
 
+def with_oracle_passes(measured: float, plain: float, oracle: float) -> float:
+    """Seconds of a plain rollout that took ``measured`` seconds with its decode passes, modelled
+    at ``plain``, replaced by the oracle's, modelled at ``oracle`` (module docstring): the passes
+    count as ``p = min(plain, measured)`` seconds (a model that prices them above the measured
+    rollout is scaled down to it, so the result is never above ``measured`` while ``oracle <=
+    plain``) and become ``p * oracle / plain``."""
+    passes = min(plain, measured)
+    return measured - passes + (passes * oracle / plain if plain > 0 else 0.0)
+
+
 def epoch_bounds(plain_unit: dict, cost_rows: dict, siblings: bool = True) -> dict[int, float]:
     """The oracle bound per epoch over the timed steps of a plain GRPO unit (``ablate.e2e``):
-    ``sum(plain_s) / sum(plain_s - model(plain) + model(oracle))`` (module docstring).
+    ``sum(plain_s) / sum(plain_s - p + p * model(oracle) / model(plain))`` (module docstring).
     ``siblings``: the same step's other responses of a prompt count as sources from the start of
     the step (an over-estimate for rows that finish together); without them the sources are the
     previous rollout and the sequence itself (the paper's sources plus self-lookup)."""
@@ -117,6 +129,6 @@ def epoch_bounds(plain_unit: dict, cost_rows: dict, siblings: bool = True) -> di
             measured = float(s.get("time/rollout_s", 0.0)) if in_seconds else plain
             ep = int(s.get("rollout/epoch", 1))
             num[ep] = num.get(ep, 0.0) + measured
-            den[ep] = den.get(ep, 0.0) + max(measured - plain, 0.0) + oracle
+            den[ep] = den.get(ep, 0.0) + with_oracle_passes(measured, plain, oracle)
         history.update(step, ro["prompt_ids"], prompts, ro["responses"], ro["rewards"])
     return {ep: num[ep] / den[ep] for ep in num if den[ep] > 0}
