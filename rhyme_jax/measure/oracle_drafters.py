@@ -16,6 +16,8 @@ Both drafters follow ``rollout.types.Drafter``: requests are indices into the ca
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 from jaxtyping import Int
 
@@ -137,7 +139,7 @@ class SourceBound:
 
     def __init__(self, depth: int | None = None):
         self.depth = depth
-        self.seen: dict[bytes, list[list[np.ndarray]]] = {}  # prompt -> its responses per call
+        self.seen: dict[bytes, deque[list[np.ndarray]]] = {}  # prompt -> its responses per call
 
     def __call__(self, prompts, responses, max_new_tokens: int) -> SourceBoundDrafter:
         keys = [np.asarray(p, np.int64).tobytes() for p in prompts]
@@ -147,10 +149,7 @@ class SourceBound:
         for k, resp in zip(keys, responses):
             calls.setdefault(k, []).append(np.asarray(resp, np.int64))
         for k, resp in calls.items():
-            kept = self.seen.setdefault(k, [])
-            kept.append(resp)
-            if self.depth is not None:
-                del kept[: max(len(kept) - self.depth, 0)]
+            self.seen.setdefault(k, deque(maxlen=self.depth)).append(resp)
         return drafter
 
 
