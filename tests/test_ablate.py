@@ -118,6 +118,12 @@ def test_every_id_runs_one_tiny_step(tiny_suite):
     text = table.read_text()
     for aid in PAPER_IDS:
         assert f"| {aid} |" in text
+    from rhyme_jax.io import provenance
+
+    stamps = [json.loads(p.read_text()) for p in (out / "units").glob("*.json")]
+    commit = provenance.code_commit()
+    assert {s["commit"] for s in stamps} == {commit}  # every unit ran at this checkout's code
+    assert f"commit: {commit} |" in text and f"machine: {provenance.machine()} |" in text
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert {r["id"] for r in rows} == set(PAPER_IDS)
     # goodput: timed live (or an n/a naming the drafter's error); the replayed windows all present

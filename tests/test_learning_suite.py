@@ -125,6 +125,29 @@ def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
         assert r["makespan_base"] > 0 and r["makespan"] > 0 and 0.0 <= r["idle"] <= 1.0
         assert r["makespan_ratio"] == pytest.approx(r["makespan_base"] / r["makespan"])
     assert "makespan" in l4["ours"] and "| epoch | steps | makespan fifo" in l4["details"]
+    # the paired run: every step also placed fifo by a twin, alternately before and after its own
+    # rollout; the twin's output is discarded, so the run trains on what the HistoPipe run does
+    import json
+
+    unit = lambda n: json.loads((tmp_path / "units" / f"{n}.json").read_text())["result"]  # noqa: E731
+    paired, alone = unit("learn_workers_paired"), unit("learn_workers_histopipe")
+    assert paired["twin"] == "fifo"
+    assert [s["twin"]["first"] for s in paired["steps"]] == [True, False, True]
+    assert all(s["twin"]["time/rollout_makespan_s"] > 0 and s["twin"]["seconds"] > 0 for s in paired["steps"])
+    assert [s["reward/mean"] for s in paired["steps"]] == [s["reward/mean"] for s in alone["steps"]]
+    assert l4["ours"].startswith("paired (fifo twin in the same steps)")
+    twin = learning.twin_rows(paired)
+    assert sorted(twin) == [1, 2, 3] and all(t["makespan_ratio"] > 0 for t in twin.values())
+
+
+def test_twin_placement_needs_synchronous_rollouts():
+    from types import SimpleNamespace
+
+    from rhyme_jax.ablate.paired_placement import twin_placement
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(sched=SimpleNamespace(pipeline="one_step_off")))
+    with pytest.raises(ValueError, match="sched.pipeline=sync"):
+        twin_placement(trainer, "fifo", {})
 
 
 def test_oracle_cost_model_scales_unobserved_programs_like_the_engine():

@@ -114,7 +114,7 @@ def _analysis(run_dir: Path) -> dict:
     return {"overall": result["overall"], "epochs": result["epochs"]}
 
 
-def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "") -> dict:
+def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", twin: str = "") -> dict:
     from rhyme_jax.train.trainer import GRPOTrainer
 
     pairs: list | None = [] if paired else None
@@ -124,10 +124,18 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "") -
         trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(pairs, oracle, cfg.spec.history_depth))
     else:
         trainer = GRPOTrainer(cfg)
+    twins: dict[int, dict] = {}
     try:
+        if twin:
+            from rhyme_jax.ablate.paired_placement import twin_placement
+
+            twin_placement(trainer, twin, twins)
         progress(0, cfg.grpo.steps, "compiling the rollout programs")
         warm = warm_up(trainer) if warmup else 0.0
         steps = _train(trainer, progress, pairs)
+        for row in steps:
+            if row["step"] in twins:
+                row["twin"] = twins[row["step"]]
         workers = len(trainer.engines)
         cost = trainer.engines[0].step_cost
     finally:
@@ -150,6 +158,16 @@ def step_cost_rows(cost) -> dict:
 def run_e2e(cfg, progress, *, skip: int = 1, warmup: bool = True) -> dict:
     """GRPO steps on the config's rollout workers, timed end to end (module docstring)."""
     out = _grpo_unit(cfg, progress, paired=False, warmup=warmup)
+    out["skip"] = skip
+    return out
+
+
+def run_twin_placement(cfg, progress, *, skip: int = 1, warmup: bool = True, twin: str = "fifo") -> dict:
+    """GRPO steps on the config's rollout workers whose every rollout is also placed by a twin
+    scheduler in mode ``twin`` just before or after it (``paired_placement``); each step row
+    carries the twin's makespan, idle share and seconds under ``"twin"``."""
+    out = _grpo_unit(cfg, progress, paired=False, warmup=warmup, twin=twin)
+    out["twin"] = twin
     out["skip"] = skip
     return out
 

@@ -30,7 +30,9 @@ must not cost learning (difference within 2 standard errors).
 L4 runs the same learning run on 4 rollout workers (fake CPU devices), groups placed in order
 (fifo) and by HistoPipe (tiers 1 and 2, tail migration): per epoch the rollout makespan, the idle
 share of the workers (``sched/bubble_fraction``) and the end-to-end ratio against fifo, on the
-run's own length distribution; HistoPipe ranks groups from epoch 2 on (history lengths).
+run's own length distribution; HistoPipe ranks groups from epoch 2 on (history lengths). Since
+separate runs drift on a shared machine, the HistoPipe run is repeated with every rollout also
+placed fifo in the same step (``paired_placement``): the paired makespan ratio and idle shares.
 
 Source: the issue "speed where training really happens" (scope 1-3); RhymeRL (arXiv 2508.18588)
 s.6.3 (HistoSpec speed-up over training steps).
@@ -51,6 +53,7 @@ SPEC_UNITS = {"L1": ("learn_plain", "learn_aimd", "learn_goodput"),
               "L2": ("learn_real_plain", "learn_real_aimd", "learn_real_goodput")}
 SCHED_UNITS = ("learn_plain", "learn_one_step_off", "learn_cross_step")
 WORKER_UNITS = ("learn_workers_fifo", "learn_workers_histopipe")
+TWIN_UNIT = "learn_workers_paired"  # HistoPipe run whose every rollout is also placed fifo, back to back
 # H200 cost of one demo-model pass at 128 rows by drafts per row (0 = decode): 1.838 ms and 1.01x,
 # 1.21x, 1.23x for 1, 3, 7 drafts (benchmarks/step_cost.py on one H200, 2026-11-30; docs/results.md
 # "GPU kernels and pass costs"). Used for L1's projection only: no H200 profile of SmolLM2 exists.
@@ -381,29 +384,69 @@ def _placement_rows(base: dict, r: dict) -> list[dict]:
     return rows
 
 
+def twin_rows(r: dict) -> dict[int, dict]:
+    """Per epoch of a ``learn_twin`` unit (``paired_placement``): the twin's (fifo) and the run's
+    own (HistoPipe) summed makespans, their ratio and mean idle shares; steps without a twin are
+    left out."""
+    out = {}
+    for ep, st in sorted(by_epoch(r).items()):
+        st = [s for s in st if "twin" in s]
+        if st:
+            tw = [s["twin"] for s in st]
+            twin_s, own_s = _sum(tw, "time/rollout_makespan_s"), _sum(st, "time/rollout_makespan_s")
+            out[ep] = {"steps": len(st), "twin_s": twin_s, "own_s": own_s,
+                       "makespan_ratio": twin_s / max(own_s, 1e-9),
+                       "idle_twin": _sum(tw, "sched/bubble_fraction") / len(st),
+                       "idle": _sum(st, "sched/bubble_fraction") / len(st)}
+    return out
+
+
+def _optional(inp: Inputs, name: str) -> dict | None:
+    try:
+        return inp.unit(name)
+    except MissingInput:
+        return None
+
+
 def placement(inp: Inputs) -> dict:
     """L4 (module docstring): HistoPipe against fifo on 4 rollout workers, per epoch and over
-    the epochs with history (2 on)."""
+    the epochs with history (2 on); the paired columns when ``TWIN_UNIT`` has run."""
     base_name, name = WORKER_UNITS
     base, r = inp.unit(base_name), inp.unit(name)
     rows = _placement_rows(base, r)
+    tw = twin_rows(t) if (t := _optional(inp, TWIN_UNIT)) is not None else {}
     lines = ["| epoch | steps | makespan fifo (s) | makespan HistoPipe (s) | makespan x | idle share fifo | "
-             "idle share HistoPipe | migrated share | end-to-end x |", "|" + "---|" * 9]
-    lines += [f"| {x['epoch']} | {x['steps']} | {x['makespan_base']:.3f} | {x['makespan']:.3f} | "
-              f"{x['makespan_ratio']:.2f} | {x['idle_base']:.1%} | {x['idle']:.1%} | {x['migrated']:.1%} | "
-              f"{x['e2e_ratio']:.2f} |" for x in rows]
+             "idle share HistoPipe | migrated share | end-to-end x | paired makespan x | paired idle share "
+             "fifo / HistoPipe |", "|" + "---|" * 11]
+    dash = {"makespan_ratio": float("nan"), "idle_twin": float("nan"), "idle": float("nan")}
+    for x in rows:
+        p = tw.get(x["epoch"], dash)
+        lines.append(f"| {x['epoch']} | {x['steps']} | {x['makespan_base']:.3f} | {x['makespan']:.3f} | "
+                     f"{x['makespan_ratio']:.2f} | {x['idle_base']:.1%} | {x['idle']:.1%} | {x['migrated']:.1%} | "
+                     f"{x['e2e_ratio']:.2f} | {p['makespan_ratio']:.2f} | {p['idle_twin']:.1%} / {p['idle']:.1%} |"
+                     .replace("nan%", "-").replace("nan", "-"))
     later = [x for x in rows if x["epoch"] >= 2] or rows
     figs = []
     for x in rows:
         v = f"histopipe / fifo, epoch {x['epoch']}"
         figs += [figure("rollout makespan ratio", v, x["makespan_ratio"], n=x["steps"]),
                  figure("end-to-end throughput ratio", v, x["e2e_ratio"], n=x["steps"])]
+    for ep, p in tw.items():
+        figs.append(figure("paired rollout makespan ratio", f"histopipe / fifo, epoch {ep}", p["makespan_ratio"],
+                           n=p["steps"]))
     if not later:
         return {"ours": "no timed epoch", "figures": figs, "details": "\n".join(lines)}
     w = lambda k: sum(x[k] * x["steps"] for x in later) / sum(x["steps"] for x in later)  # noqa: E731
     cell = (f"epochs {later[0]['epoch']}-{later[-1]['epoch']}: makespan {w('makespan_base'):.3f} s fifo vs "
             f"{w('makespan'):.3f} s HistoPipe ({w('makespan_ratio'):.2f}x), idle share {w('idle_base'):.1%} vs "
             f"{w('idle'):.1%}, end to end {w('e2e_ratio'):.2f}x")
+    tl = {ep: p for ep, p in tw.items() if ep >= later[0]["epoch"]}
+    if tl:
+        pw = lambda k: sum(p[k] * p["steps"] for p in tl.values()) / sum(p["steps"] for p in tl.values())  # noqa: E731
+        ratio = sum(p["twin_s"] for p in tl.values()) / max(sum(p["own_s"] for p in tl.values()), 1e-9)
+        cell = (f"paired (fifo twin in the same steps), epochs {min(tl)}-{max(tl)}: makespan "
+                f"{ratio:.2f}x, idle share {pw('idle_twin'):.1%} fifo vs {pw('idle'):.1%}; "
+                f"separate runs: {cell}")
     return {"ours": cell, "figures": figs, "details": "\n".join(lines), "rows": rows,
             "notes": f"demo learning run on {r.get('workers', 4)} rollout workers (fake CPU devices), "
                      f"{r['rows_per_step']} rows per step; ratios: fifo seconds / HistoPipe seconds"}

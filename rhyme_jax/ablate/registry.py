@@ -39,6 +39,8 @@ class Unit:
       what: one line for ``--list``.
       oracle: for a paired kind, the oracle drafter of the second rollout (``paired.ORACLES``;
         ``""``: the config's drafter).
+      twin: for kind ``learn_twin``, the ``sched.mode`` of the twin placement every rollout also
+        gets (``paired_placement``).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Unit:
     needs: tuple[str, ...] = ()
     what: str = ""
     oracle: str = ""
+    twin: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "learn_plain on 4 rollout workers, fifo placement"),
     Unit("learn_workers_histopipe", "learn", _cfg("learn_workers_histopipe"), 8, ("demo_sft",),
          "learn_workers_fifo with HistoPipe tiers 1 + 2 and tail migration"),
+    Unit("learn_workers_paired", "learn_twin", _cfg("learn_workers_histopipe"), 8, ("demo_sft",),
+         "learn_workers_histopipe with every rollout also placed fifo, back to back (same weights, prompts, key)",
+         twin="fifo"),
     Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
          what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
     Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
@@ -122,7 +128,7 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          what="learn_real_goodput_paired with the source-bound oracle drafter", oracle="sources"),
 )}
 
-LEARN_KINDS = ("learn", "learn_paired", "learn_real", "learn_real_paired")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
+LEARN_KINDS = ("learn", "learn_paired", "learn_real", "learn_real_paired", "learn_twin")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
 
 _E2E = ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration", "e2e_histospec")
 
@@ -170,7 +176,7 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
     Ablation("L4", "fifo vs HistoPipe tiers on 4 rollout workers over the learning run (demo)",
              "rollout makespan, idle share of the workers, end-to-end ratio vs fifo (epochs with history)",
              "HistoPipe 1.43-1.56x end to end (Math-14B, GPU cluster)",
-             ("learn_workers_fifo", "learn_workers_histopipe")),
+             ("learn_workers_fifo", "learn_workers_histopipe", "learn_workers_paired")),
 )}
 
 SUITES: dict[str, tuple[str, ...]] = {
@@ -237,6 +243,7 @@ class Scale:
 _QUICK_DEMO = ("grpo.steps=6", "grpo.prompts_per_step=8", "grpo.num_prompts=16")
 _QUICK_LEARN = {"learn": ("grpo.steps=12", "grpo.num_prompts=32"),  # 2 steps per epoch, 6 epochs
                 "learn_paired": ("grpo.steps=12", "grpo.num_prompts=32"),
+                "learn_twin": ("grpo.steps=12", "grpo.num_prompts=32"),
                 "learn_real": ("grpo.steps=8", "grpo.num_prompts=8"),  # 2 steps per epoch, 4 epochs
                 "learn_real_paired": ("grpo.steps=8", "grpo.num_prompts=8")}
 _TINY_DEMO = _TINY_MODEL + ("rollout.max_new_tokens=8", "rollout.max_slots=4", "sft.steps=1", "sft.batch_size=4",
@@ -254,6 +261,7 @@ SCALES: dict[str, Scale] = {s.name: s for s in (
                                "rollout.max_slots=4"),
                    "learn": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
                    "learn_paired": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
+                   "learn_twin": _TINY_DEMO + ("grpo.steps=3", "rollout.temperature=0.1"),
                    "learn_real": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1"),
                    "learn_real_paired": _TINY_DEMO + ("model.path=''", "grpo.steps=3", "rollout.temperature=0.1")},
           SessionPlan(temperatures=(1.0, 0.3), batch_prompts=(1, 2), live_windows=("aimd", "goodput")),

@@ -20,6 +20,7 @@ from pathlib import Path
 from rhyme_jax.ablate import learning, measures, spec_measures
 from rhyme_jax.ablate.registry import ROOT, UNITS, AblationError, get_scale, suite_ids, units_of
 from rhyme_jax.ablate.units import progress_file, unit_json, write_json
+from rhyme_jax.io import provenance
 
 MEASURES = {"A1": measures.a1, "A2": measures.a2, "A3": measures.a3, "A4": measures.a4, "A5": spec_measures.a5,
             "A6": measures.a6, "A10": spec_measures.a10, "K1": spec_measures.k1, "K2": spec_measures.k2,
@@ -190,10 +191,14 @@ def _report(out, suite, scale, results, inputs, meta, t0, load0) -> Path:
     meta["invocations"].append({"wall_s": round(wall, 1), "ids": list(results), "load_avg_start": load0,
                                 "load_avg_end": os.getloadavg()[0], "plot_errors": errors})
     write_json(out / "suite.json", meta)
-    unit_s = sum(json.loads(p.read_text()).get("seconds", 0.0) for p in (out / "units").glob("*.json"))
-    head = {"scale": scale, "host cores": os.cpu_count(), "this invocation": f"{wall / 60:.1f} min",
-            "units in all": f"{unit_s / 60:.1f} min", "load average (start/end)":
-                f"{load0:.1f}/{os.getloadavg()[0]:.1f}", "date": time.strftime("%Y-%m-%d")}
+    docs = [json.loads(p.read_text()) for p in sorted((out / "units").glob("*.json"))]
+    unit_s = sum(d.get("seconds", 0.0) for d in docs)
+    head = {"scale": scale, "commit": provenance.summarize([d.get("commit") for d in docs]),
+            "machine": provenance.summarize([d.get("machine") for d in docs]),
+            "measured": provenance.summarize([d.get("date") for d in docs]),
+            "this invocation": f"{wall / 60:.1f} min", "units in all": f"{unit_s / 60:.1f} min",
+            "load average (start/end)": f"{load0:.1f}/{os.getloadavg()[0]:.1f}",
+            "reported": time.strftime("%Y-%m-%d")}
     from rhyme_jax.ablate.report import write_report
 
     return write_report(out, suite, results, head, paths)

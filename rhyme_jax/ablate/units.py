@@ -5,7 +5,8 @@ fake CPU devices gets ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` bef
 A unit writes, atomically (``rhyme_jax.io.atomic``):
 
 * ``DIR/units/<unit>.json``: ``{"unit", "kind", "scale", "config", "overrides", "seconds",
-  "result"}`` once it has finished (its presence means done: the runner never reruns it);
+  "commit", "machine", "date", "result"}`` once it has finished (the stamp: ``rhyme_jax.io.provenance``;
+  its presence means done: the runner never reruns it);
 * ``DIR/units/<unit>.progress``: ``{"done", "total", "what"}`` while it runs (the runner's
   progress bar polls it);
 * its run directory ``DIR/runs/<unit>/`` (rollouts, schedules, metrics of the trainer).
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from rhyme_jax.ablate.registry import ROOT, UNITS, Unit, get_scale, unit_config
+from rhyme_jax.io import provenance
 from rhyme_jax.io.atomic import atomic_write
 
 UNIT_DIR = "units"
@@ -130,14 +132,24 @@ def run_unit(name: str, out: Path, scale_name: str, extra: tuple[str, ...] = ())
 
         run = {"sft": e2e.run_sft_unit, "e2e": e2e.run_e2e, "paired": e2e.run_paired, "learn": e2e.run_e2e,
                "learn_paired": e2e.run_paired, "learn_real": e2e.run_e2e,
-               "learn_real_paired": e2e.run_paired}[unit.kind]
+               "learn_real_paired": e2e.run_paired, "learn_twin": e2e.run_twin_placement}[unit.kind]
         kw = {"oracle": unit.oracle} if unit.oracle else {}
+        if unit.twin:
+            kw["twin"] = unit.twin
         result = run(cfg, progress, skip=scale.e2e_steps_skipped, warmup=scale.warmup, **kw)
     doc = {"unit": name, "kind": unit.kind, "scale": scale_name, "config": path, "overrides": overrides,
-           "seconds": time.perf_counter() - t0, "result": result}
+           "seconds": time.perf_counter() - t0, **provenance.stamp(_accelerator()), "result": result}
     write_json(unit_json(out, name), doc)
     progress_file(out, name).unlink(missing_ok=True)
     return doc
+
+
+def _accelerator() -> str | None:
+    """``"<n> x <device kind>"`` of JAX's default backend when it is not the CPU, else None."""
+    import jax
+
+    devs = jax.devices()
+    return None if devs[0].platform == "cpu" else f"{len(devs)} x {devs[0].device_kind}"
 
 
 def main(argv=None) -> int:
