@@ -5,6 +5,8 @@ sync run. The oracle's batch pricing is checked on constructed rows."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,11 @@ def test_histospec_runs_are_one_workload(tiny_learning):
     assert learning.identity(plain, out / "runs" / "learn_oracle_paired")["identical"] == 3
     assert all(r["oracle_rollout"] > 0 for r in goodput) and all("oracle_rollout" not in r for r in aimd)
     assert learning.judged_bound(goodput[-1]) == (goodput[-1]["oracle_rollout"], "the live oracle drafter (paired)")
+    # the oracle unit also decodes each step with the run's own drafter, between plain and oracle
+    oracle_steps = json.loads((out / "units" / "learn_oracle_paired.json").read_text())["result"]["steps"]
+    assert all(s["own"]["generated_tokens"] == s["plain"]["generated_tokens"] == s["spec"]["generated_tokens"] > 0
+               for s in oracle_steps)
+    assert all(r["of_bound_same_steps"] > 0 for r in goodput) and "| of the bound, same steps |" in table.read_text()
     text = table.read_text()
     assert "## L1" in text and "| epoch | steps | entropy" in text
     assert (out / "learning_L1.png").is_file()
@@ -127,8 +134,6 @@ def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
     assert "makespan" in l4["ours"] and "| epoch | steps | makespan fifo" in l4["details"]
     # the paired run: every step also placed fifo by a twin, alternately before and after its own
     # rollout; the twin's output is discarded, so the run trains on what the HistoPipe run does
-    import json
-
     unit = lambda n: json.loads((tmp_path / "units" / f"{n}.json").read_text())["result"]  # noqa: E731
     paired, alone = unit("learn_workers_paired"), unit("learn_workers_histopipe")
     assert paired["twin"] == "fifo"
@@ -187,6 +192,13 @@ def test_paired_epochs_leave_the_oracles_search_time_out():
     assert real[2]["rollout"] == pytest.approx(1.5) and bound[2]["rollout"] == pytest.approx(2.0)
     # the rest of the step (10 - 3 - 2 = 5 s) counts in both sides of the end-to-end ratio
     assert real[2]["e2e"] == pytest.approx((5 + 3) / (5 + 2)) and set(real) == {2}
+    assert "of_bound" not in bound[2]
+    # an oracle unit's own-drafter rollout in the same steps: its share of the bound, and the
+    # rest of the step leaves all three rollouts out (10 - 3 - 2 - 2.5 = 2.5 s)
+    own = {"skip": 1, "steps": [r["steps"][0], {**step, "own": {"seconds": 2.5}}]}
+    triple = learning.paired_epochs(own, host_drafting=False)[2]
+    assert triple["of_bound"] == pytest.approx(1.5 / 2.5) and triple["own_rollout"] == pytest.approx(3.0 / 2.5)
+    assert triple["e2e"] == pytest.approx((2.5 + 3) / (2.5 + 1.5))
 
 
 def test_targets_judge_paired_ratios_against_the_live_bound():
@@ -203,6 +215,10 @@ def test_targets_judge_paired_ratios_against_the_live_bound():
     assert learning.targets([row(1, 1.03, 1.10)]) == []
     assert learning.targets([row(1, 1.03, 1.10, entropy=0.6)]) == []
     assert "< 1.5" in learning.targets([row(4, 1.45, 1.6)])[0]
+    # the share measured in the same steps as the bound is judged where the oracle unit has it
+    assert learning.targets([{**row(2, 1.6, 1.9), "of_bound_same_steps": 0.93}]) == []
+    assert learning.targets([{**row(2, 1.8, 1.9), "of_bound_same_steps": 0.85}]) == \
+        ["epoch 2: 85% of the live oracle drafter (paired) 1.90x in the same steps"]
     # no live bound: the modelled one from history + own tokens is judged
     no_live = {**row(5, 1.7, None, modelled=1.8)}
     assert learning.judged_bound(no_live) == (1.8, "the modelled bound from history + own tokens")

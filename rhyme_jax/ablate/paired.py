@@ -21,12 +21,14 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
     """The ``wrap_generate`` hook (``GRPOTrainer(wrap_generate=...)``): each call appends
     ``{"plain": stats, "spec": stats}`` to ``rows``, where ``stats`` is the engine's
     ``RolloutResult.stats`` plus ``"compiles"`` (XLA compilations or cache loads inside that
-    call; a compile inside a timed rollout would skew its tokens/s). With ``oracle`` the second
-    rollout drafts over the plain rollout's tokens instead of with the run's drafter (the run's
-    history is still written from it): ``"always-right"`` (``AlwaysRightDrafter``, the bound of
-    any drafter) or ``"sources"`` (``SourceBoundDrafter``, the bound of any drafter over the
-    history, sibling and self sources; ``depth``: the prompt's latest rollouts kept as its
-    history, ``SourceBound``).
+    call; a compile inside a timed rollout would skew its tokens/s). With ``oracle`` the last
+    rollout (``"spec"``) drafts over the plain rollout's tokens instead of with the run's drafter
+    (the run's history is still written from it): ``"always-right"`` (``AlwaysRightDrafter``, the
+    bound of any drafter) or ``"sources"`` (``SourceBoundDrafter``, the bound of any drafter over
+    the history, sibling and self sources; ``depth``: the prompt's latest rollouts kept as its
+    history, ``SourceBound``); between the two, the run's own drafter decodes the same inputs
+    (``"own"``), so its share of the bound is measured in the same steps, free of the drift
+    between separate runs.
 
     Raises:
       ValueError: ``oracle`` is not ``""`` or one of ``ORACLES``.
@@ -41,12 +43,16 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
         def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
             with CompileCounter() as plain_compiles:
                 plain = generate(state, prompts, sampling, key, **kw)
+            row = {"plain": {**plain.stats, "compiles": plain_compiles.count}}
             if oracle:
+                with CompileCounter() as own_compiles:
+                    own = generate(state, prompts, sampling, key, drafter=drafter, **kw)
+                row["own"] = {**own.stats, "compiles": own_compiles.count}
                 drafter = make(prompts, plain.tokens, sampling.max_new_tokens)
             with CompileCounter() as spec_compiles:
                 spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
-            rows.append({"plain": {**plain.stats, "compiles": plain_compiles.count},
-                         "spec": {**spec.stats, "compiles": spec_compiles.count}})
+            row["spec"] = {**spec.stats, "compiles": spec_compiles.count}
+            rows.append(row)
             return spec
 
         return paired_generate
