@@ -267,8 +267,9 @@ def targets(rows: list[dict]) -> list[str]:
     return miss
 
 
-def _paired_unit(inp: Inputs, name: str) -> dict | None:
-    """A paired unit's JSON, or None where this results directory did not run it."""
+def _unit_or_none(inp: Inputs, name: str) -> dict | None:
+    """A unit's result, or None where this results directory did not run it (the paired and
+    twin units are optional beside their ids' other units)."""
     try:
         return inp.unit(name)
     except MissingInput:
@@ -288,7 +289,7 @@ def spec_learning(inp: Inputs, aid: str) -> dict:
     figs, cells, notes, epochs, diverged = [], [], [], {}, []
     paired, live = {}, {}
     for table, units in ((paired, PAIRED_UNIT), (live, ORACLE_UNIT)):
-        unit = _paired_unit(inp, units[aid])
+        unit = _unit_or_none(inp, units[aid])
         if unit is not None:
             table.update(paired_epochs(unit, host_drafting=units is PAIRED_UNIT))
             diverged.append(bool(identity(plain["run_dir"], unit["run_dir"])["first_divergence"]))
@@ -417,20 +418,13 @@ def twin_rows(r: dict) -> dict[int, dict]:
     return out
 
 
-def _optional(inp: Inputs, name: str) -> dict | None:
-    try:
-        return inp.unit(name)
-    except MissingInput:
-        return None
-
-
 def placement(inp: Inputs) -> dict:
     """L4 (module docstring): HistoPipe against fifo on 4 rollout workers, per epoch and over
     the epochs with history (2 on); the paired columns when ``TWIN_UNIT`` has run."""
     base_name, name = WORKER_UNITS
     base, r = inp.unit(base_name), inp.unit(name)
     rows = _placement_rows(base, r)
-    tw = twin_rows(t) if (t := _optional(inp, TWIN_UNIT)) is not None else {}
+    tw = twin_rows(t) if (t := _unit_or_none(inp, TWIN_UNIT)) is not None else {}
     lines = ["| epoch | steps | makespan fifo (s) | makespan HistoPipe (s) | makespan x | idle share fifo | "
              "idle share HistoPipe | migrated share | end-to-end x | paired makespan x | paired idle share "
              "fifo / HistoPipe |", "|" + "---|" * 11]
