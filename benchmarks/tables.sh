@@ -20,7 +20,8 @@ mkdir -p "$B"
 OLD_DEMO="--set grpo.steps=60 --set grpo.num_prompts=160 --set grpo.learning_rate=2e-4 --set grpo.minibatches=1"
 NEAR_GREEDY="--steps 12 --set rollout.temperature=0.05 --set grpo.learning_rate=1e-9 --set grpo.num_prompts=64
   --set grpo.minibatches=1 --set rollout.max_verify_tokens=4224"
-SFT=$OUT/learning/runs/demo_sft/sft
+SFT=$OUT/learning/runs/demo_sft/sft  # the rollout benchmarks start from the learning suite's SFT warm start
+BENCH_RUNS="--set run.runs_dir=$OUT/runs"  # each rollout benchmark its own run directory under OUT
 echo "commit $(python -c 'from rhyme_jax.io.provenance import stamp; print(stamp())')" >> "$B/progress"
 
 TIMER=(/usr/bin/time -v)  # wall and peak RSS in each log; without GNU time the steps run untimed
@@ -42,6 +43,8 @@ step compile_demo rhyme-jax compile-report --config configs/default.yaml --sampl
 step compile_smol rhyme-jax compile-report --config configs/gsm8k_smollm2_135m.yaml --sample 0
 step compile_qwen rhyme-jax compile-report --config configs/gsm8k_qwen2.5_1.5b.yaml \
   --model-config configs/models/qwen2.5-1.5b --sample 0
+step compile_qwen_sample3 rhyme-jax compile-report --config configs/gsm8k_qwen2.5_1.5b.yaml \
+  --model-config configs/models/qwen2.5-1.5b --sample 3
 step memory_qwen rhyme-jax memory --config configs/gsm8k_qwen2.5_1.5b.yaml --model-config configs/models/qwen2.5-1.5b \
   --devices 8 --set parallel.fsdp=8 --rows 8 --tokens 1536 --json
 step memory_smol rhyme-jax memory --config configs/gsm8k_smollm2_135m.yaml --rows 32 --tokens 512 --json
@@ -50,16 +53,16 @@ step memory_smol_nosave rhyme-jax memory --config configs/gsm8k_smollm2_135m.yam
 step prefill_demo python -m benchmarks.prefill
 step prefill_smol python -m benchmarks.prefill --config configs/gsm8k_smollm2_135m.yaml --tokens 512 --repeats 3
 # shellcheck disable=SC2086  # the option strings split into words on purpose
-step rollout_demo python -m benchmarks.rollout --init-from "$SFT" --steps 24 $OLD_DEMO
+step rollout_demo python -m benchmarks.rollout --init-from "$SFT" --steps 24 $OLD_DEMO $BENCH_RUNS --name goodput
 # shellcheck disable=SC2086
-step rollout_demo_oracle_sources python -m benchmarks.rollout --init-from "$SFT" --steps 24 $OLD_DEMO --oracle sources
+step rollout_demo_oracle_sources python -m benchmarks.rollout --init-from "$SFT" --steps 24 $OLD_DEMO --oracle sources $BENCH_RUNS --name oracle_sources
 # shellcheck disable=SC2086
-step rollout_demo_oracle python -m benchmarks.rollout --init-from "$SFT" --steps 24 $OLD_DEMO --oracle
+step rollout_demo_oracle python -m benchmarks.rollout --init-from "$SFT" --steps 24 $OLD_DEMO --oracle $BENCH_RUNS --name oracle_always_right
 step rollout_real python -m benchmarks.rollout_real --prompts 4 --samples 4 --max-slots 16 --max-new-tokens 128 \
   --temperatures 1.0,0.6,0.3 --goodput --repeats 3
 step spec_sweep python -m benchmarks.spec_sweep --init-from "$SFT" --steps 4 --set grpo.minibatches=1
 # shellcheck disable=SC2086
-step near_greedy python -m benchmarks.rollout --init-from "$SFT" $NEAR_GREEDY
+step near_greedy python -m benchmarks.rollout --init-from "$SFT" $NEAR_GREEDY $BENCH_RUNS --name near_greedy
 # shellcheck disable=SC2086
-step near_greedy_oracle python -m benchmarks.rollout --init-from "$SFT" $NEAR_GREEDY --oracle
+step near_greedy_oracle python -m benchmarks.rollout --init-from "$SFT" $NEAR_GREEDY --oracle $BENCH_RUNS --name near_greedy_always_right
 echo "$(date +%T) all done" >> "$B/progress"
