@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.ablate import learning, oracle, registry
+from rhyme_jax.ablate import learning, measures, oracle, registry
 from rhyme_jax.rollout.step_cost import StepCost
 
 
@@ -199,6 +199,51 @@ def test_paired_epochs_leave_the_oracles_search_time_out():
     triple = learning.paired_epochs(own, host_drafting=False)[2]
     assert triple["of_bound"] == pytest.approx(1.5 / 2.5) and triple["own_rollout"] == pytest.approx(3.0 / 2.5)
     assert triple["e2e"] == pytest.approx((2.5 + 3) / (2.5 + 1.5))
+    assert triple["of_bound_se"] is None  # one step: no spread to estimate
+
+
+def test_share_of_the_bound_carries_its_standard_error():
+    # two steps whose shares are 0.5 and 1.0: ratio of sums 1.5 / 2 and the delta-method error
+    steps = [{"step": k, "rollout/epoch": 2, "wall_s": 10.0, "plain": {"seconds": 3.0},
+              "spec": {"seconds": sp, "drafting_seconds": 0.0}, "own": {"seconds": 1.0}}
+             for k, sp in ((2, 0.5), (3, 1.0))]
+    ep = learning.paired_epochs({"skip": 1, "steps": steps}, host_drafting=False)[2]
+    assert ep["of_bound"] == pytest.approx(0.75)
+    # d = (0.5 - 0.75, 1.0 - 0.75): sqrt(0.125 / 2) / 1
+    assert ep["of_bound_se"] == pytest.approx(0.25)
+    r, se = measures.ratio_of_sums([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert (r, se) == (pytest.approx(2.0), pytest.approx(0.0))  # proportional samples: no error
+    with pytest.raises(ValueError, match="num/den"):
+        measures.ratio_of_sums([1.0], [1.0, 2.0])
+    row = {"epoch": 3, "entropy": 0.1, "rollout_ratio": 1.6, "e2e_ratio": 1.1, "paired_rollout": 1.6,
+           "paired_e2e": 1.1, "oracle_rollout": 2.0, "bound": 2.0, "of_bound_same_steps": 0.82,
+           "of_bound_same_steps_se": 0.031}
+    assert learning.targets([row]) == ["epoch 3: 82% ± 3% of the live oracle drafter (paired) 2.00x in the same steps"]
+    assert "| 82% ± 3% |" in "\n".join(learning.table_lines("L1", [{**row, "steps": 10, "reward": 0.5,
+                                                                        "acceptance": 0.9, "tokens_per_forward": 5.0,
+                                                                        "passes": 20, "plain_passes": 44,
+                                                                        "h200_projection": None}]))
+
+
+def test_bound_share_pools_repeated_oracle_units(tmp_path, capsys):
+    from benchmarks import bound_share
+
+    def unit(path, own_s):
+        steps = [{"step": k, "rollout/epoch": 1 + (k > 2), "wall_s": 10.0, "plain": {"seconds": 3.0},
+                  "spec": {"seconds": 1.2, "drafting_seconds": 0.2}, "own": {"seconds": own_s}} for k in (1, 2, 3, 4)]
+        path.write_text(json.dumps({"commit": "abc1234", "result": {"skip": 1, "steps": steps}}))
+        return str(path)
+
+    a, b = unit(tmp_path / "a.json", 1.25), unit(tmp_path / "b.json", 2.0)
+    assert bound_share.main([a, b]) == 0
+    out = capsys.readouterr().out
+    # epoch 2 (steps 3, 4 of both): oracle 1.0 s (search time out) against 1.25 and 2.0 s
+    assert "| 2 | 4 | 80%, 50% | 61.5% ± 8.2% |" in out, out
+    (tmp_path / "units").mkdir()
+    plain = {"result": {"skip": 1, "steps": [{"step": 2, "plain": {"seconds": 1.0}, "spec": {"seconds": 1.0}}]}}
+    (tmp_path / "units" / "learn_oracle_paired.json").write_text(json.dumps(plain))
+    assert bound_share.main([str(tmp_path)]) == 2
+    assert "not an oracle unit" in capsys.readouterr().err
 
 
 def test_targets_judge_paired_ratios_against_the_live_bound():

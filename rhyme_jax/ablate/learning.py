@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rhyme_jax.ablate.measures import Inputs, MissingInput, figure, timed_steps
+from rhyme_jax.ablate.measures import Inputs, MissingInput, figure, ratio_of_sums, timed_steps
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 
 PAIRED_UNIT = {"L1": "learn_goodput_paired", "L2": "learn_real_goodput_paired"}  # goodput's rollouts each paired with a plain one, same step
@@ -158,6 +158,12 @@ def epoch_rows(plain: dict, spec: dict, entropy: dict[int, float], bound: dict[i
     return rows
 
 
+def _bound_s(step: dict, host_drafting: bool) -> float:
+    """A paired step's HistoSpec rollout seconds, less the drafter's host time without
+    ``host_drafting`` (``paired_epochs``)."""
+    return step["spec"]["seconds"] - (0.0 if host_drafting else step["spec"].get("drafting_seconds", 0.0))
+
+
 def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
     """Per epoch of a paired unit (``e2e.run_paired``: each step's rollout decoded plain, then with
     HistoSpec, back to back on the same weights, prompts and key): the rollout ratio (plain
@@ -171,19 +177,21 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
 
     An oracle unit also decodes each step with the run's own drafter between the two (``"own"``,
     ``paired.paired_rollouts``): then ``"own_rollout"`` is that drafter's ratio and
-    ``"of_bound"`` its share of the bound in the same steps (oracle seconds / own seconds)."""
+    ``"of_bound"`` its share of the bound in the same steps (oracle seconds / own seconds), with
+    ``"of_bound_se"``, its standard error over the epoch's steps (``measures.ratio_of_sums``;
+    None for a single step)."""
     out = {}
     for ep, st in by_epoch(r).items():
         plain = sum(s["plain"]["seconds"] for s in st)
-        spec = sum(s["spec"]["seconds"] - (0.0 if host_drafting else s["spec"].get("drafting_seconds", 0.0))
-                   for s in st)
+        spec = sum(_bound_s(s, host_drafting) for s in st)
         own = sum(s["own"]["seconds"] for s in st if "own" in s)
         rest = sum(s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] - s.get("own", {}).get("seconds", 0.0)
                    for s in st)
         out[ep] = {"rollout": plain / max(spec, 1e-9), "e2e": (rest + plain) / max(rest + spec, 1e-9),
                    "steps": len(st)}
         if own > 0 and all("own" in s for s in st):
-            out[ep].update(own_rollout=plain / own, of_bound=spec / own)
+            _, se = ratio_of_sums([_bound_s(s, host_drafting) for s in st], [s["own"]["seconds"] for s in st])
+            out[ep].update(own_rollout=plain / own, of_bound=spec / own, of_bound_se=se)
     return out
 
 
@@ -206,6 +214,12 @@ def _fmt(x, f="{:.2f}") -> str:
     return "-" if x is None else f.format(x)
 
 
+def _share(r: dict) -> str:
+    """``of_bound_same_steps`` as a percentage, ``± standard error`` where there is one."""
+    share, se = r.get("of_bound_same_steps"), r.get("of_bound_same_steps_se")
+    return _fmt(share, "{:.0%}") + (f" ± {se:.0%}" if share is not None and se is not None else "")
+
+
 def table_lines(name: str, rows: list[dict]) -> list[str]:
     """A markdown table of ``epoch_rows``."""
     out = [f"{name}:", "", "| epoch | steps | entropy (nats) | reward | acceptance | tokens/seq pass | batch passes "
@@ -220,7 +234,7 @@ def table_lines(name: str, rows: list[dict]) -> list[str]:
                    f"({r['plain_passes']:.0f}) | {r['rollout_ratio']:.2f} | {r['e2e_ratio']:.2f} | "
                    f"{_fmt(r.get('paired_rollout'))} | {_fmt(r.get('paired_e2e'))} | "
                    f"{_fmt(r.get('oracle_rollout'))} | {_fmt(of, '{:.0%}')} | "
-                   f"{_fmt(r.get('of_bound_same_steps'), '{:.0%}')} | {_fmt(r.get('bound_history_self'))} | "
+                   f"{_share(r)} | {_fmt(r.get('bound_history_self'))} | "
                    f"{_fmt(r['bound'])} | {_fmt(r.get('h200_projection'))} |")
     return out
 
@@ -254,7 +268,7 @@ def targets(rows: list[dict]) -> list[str]:
         same = r.get("of_bound_same_steps")
         if same is not None:  # measured in the same steps as the bound: judged on that
             if same < TARGET_OF_BOUND:
-                miss.append(f"epoch {ep}: {same:.0%} of {which} {bound:.2f}x in the same steps")
+                miss.append(f"epoch {ep}: {_share(r)} of {which} {bound:.2f}x in the same steps")
         elif bound and roll < TARGET_OF_BOUND * bound:
             miss.append(f"epoch {ep}: {roll / bound:.0%} of {which} {bound:.2f}x")
         # a bound below the 1.5x target replaces it by 90% of the bound (checked above)
@@ -307,6 +321,7 @@ def spec_learning(inp: Inputs, aid: str) -> dict:
                 row["oracle_rollout"] = live[row["epoch"]]["rollout"]
                 if "of_bound" in live[row["epoch"]]:
                     row["of_bound_same_steps"] = live[row["epoch"]]["of_bound"]
+                    row["of_bound_same_steps_se"] = live[row["epoch"]]["of_bound_se"]
         epochs[name] = rows
         label = name.rsplit("_", 1)[-1]
         for row in rows:

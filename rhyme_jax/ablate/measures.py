@@ -57,6 +57,25 @@ def pm(value: float, spread: float | None, fmt: str = "{:.2f}") -> str:
     return fmt.format(value) + (f" ± {fmt.format(spread)}" if spread is not None else "")
 
 
+def ratio_of_sums(num, den) -> tuple[float, float | None]:
+    """``sum(num) / sum(den)`` over paired samples (e.g. one step's oracle and drafter seconds)
+    and its standard error by the delta method, ``sqrt(sum(d_k^2) / (n (n - 1))) / mean(den)``
+    with ``d_k = num_k - R den_k`` (Cochran, *Sampling Techniques*, 3rd ed., s. 6.4); the error is
+    None below 2 samples.
+
+    Raises:
+      ValueError: ``num`` and ``den`` of different lengths, none, or ``sum(den) <= 0``.
+    """
+    a, b = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    if a.shape != b.shape or a.ndim != 1 or not a.size or b.sum() <= 0:
+        raise ValueError(f"num/den: expected two equal 1-D samples with sum(den) > 0, got {a.shape} / {b.shape}")
+    r = float(a.sum() / b.sum())
+    if a.size < 2:
+        return r, None
+    d = a - r * b
+    return r, float(np.sqrt((d @ d) / (a.size * (a.size - 1))) / b.mean())
+
+
 # ------------------------------------------------------------------------ end-to-end runs (demo)
 def timed_steps(r: dict) -> list[dict]:
     """A GRPO unit's steps after its first ``skip`` (all of them if none would be left)."""
