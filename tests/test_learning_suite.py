@@ -276,3 +276,33 @@ def test_oracle_passes_replace_the_modelled_share_of_the_measured_rollout():
     # a model above the measured rollout (2 s for a 1 s rollout) is scaled down to it: bound >= 1
     assert oracle.with_oracle_passes(1.0, 2.0, 1.0) == pytest.approx(0.5)
     assert oracle.with_oracle_passes(1.0, 2.0, 2.0) == pytest.approx(1.0)
+
+
+def test_paired_rollouts_take_turns_going_first():
+    """``paired.paired_rollouts``: the compared rollouts of a call alternate their places (a
+    machine can favour a place in a back-to-back sequence); plain stays first where the oracle
+    drafts its tokens, and the trainer always gets the HistoSpec (or oracle) rollout."""
+    from types import SimpleNamespace
+
+    from rhyme_jax.ablate.paired import paired_rollouts
+
+    def fake_generate(order):
+        def generate(state, prompts, sampling, key, drafter=None, **kw):
+            who = "plain" if drafter is None else getattr(drafter, "name", "oracle")
+            order.append(who)
+            return SimpleNamespace(stats={"seconds": 1.0}, tokens=[np.array([7, 8])], who=who)
+        return generate
+
+    sp = SimpleNamespace(max_new_tokens=4)
+    own = SimpleNamespace(name="own")
+    for oracle, calls in (("", [["plain", "own"], ["own", "plain"], ["plain", "own"]]),
+                          ("sources", [["plain", "own", "oracle"], ["plain", "oracle", "own"]])):
+        rows, order = [], []
+        gen = paired_rollouts(rows, oracle=oracle)(fake_generate(order))
+        got = []
+        for _ in calls:
+            order.clear()
+            got.append(gen(None, [[1, 2]], sp, None, drafter=own).who)
+            assert order == calls[len(got) - 1]
+        assert got == ["oracle" if oracle else "own"] * len(calls)
+        assert all(set(r) == ({"plain", "own", "spec"} if oracle else {"plain", "spec"}) for r in rows)

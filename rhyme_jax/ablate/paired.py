@@ -28,7 +28,10 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
     the history, sibling and self sources; ``depth``: the prompt's latest rollouts kept as its
     history, ``SourceBound``); between the two, the run's own drafter decodes the same inputs
     (``"own"``), so its share of the bound is measured in the same steps, free of the drift
-    between separate runs.
+    between separate runs. Order: a call's rollouts run back to back, and the machine can favour a
+    place in that order (caches, clocks), so the two compared rollouts take turns: without an
+    oracle, plain goes first on even calls and HistoSpec on odd ones; with one, plain goes first
+    (the oracle drafts its tokens), then the run's own drafter and the oracle, in turns.
 
     Raises:
       ValueError: ``oracle`` is not ``""`` or one of ``ORACLES``.
@@ -40,20 +43,26 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
     make = SourceBound(depth) if oracle == "sources" else AlwaysRightDrafter
 
     def wrap(generate):
+        calls = [0]
+
         def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
-            with CompileCounter() as plain_compiles:
-                plain = generate(state, prompts, sampling, key, **kw)
-            row = {"plain": {**plain.stats, "compiles": plain_compiles.count}}
-            if oracle:
-                with CompileCounter() as own_compiles:
-                    own = generate(state, prompts, sampling, key, drafter=drafter, **kw)
-                row["own"] = {**own.stats, "compiles": own_compiles.count}
-                drafter = make(prompts, plain.tokens, sampling.max_new_tokens)
-            with CompileCounter() as spec_compiles:
-                spec = generate(state, prompts, sampling, key, drafter=drafter, **kw)
-            row["spec"] = {**spec.stats, "compiles": spec_compiles.count}
+            row, flip = {}, calls[0] % 2 == 1
+            calls[0] += 1
+
+            def run(name, with_drafter=None):
+                with CompileCounter() as compiles:
+                    out = generate(state, prompts, sampling, key, drafter=with_drafter, **kw)
+                row[name] = {**out.stats, "compiles": compiles.count}
+                return out
+
+            if oracle:  # plain first (the oracle drafts its tokens), then own drafter and oracle in turns
+                bound = make(prompts, run("plain").tokens, sampling.max_new_tokens)
+                order = (("spec", bound), ("own", drafter)) if flip else (("own", drafter), ("spec", bound))
+            else:  # plain and HistoSpec in turns
+                order = (("spec", drafter), ("plain", None)) if flip else (("plain", None), ("spec", drafter))
+            out = {name: run(name, d) for name, d in order}
             rows.append(row)
-            return spec
+            return out["spec"]
 
         return paired_generate
 
