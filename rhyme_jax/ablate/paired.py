@@ -31,11 +31,16 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
     between separate runs. Order: a call's rollouts run back to back, and the machine can favour a
     place in that order (caches, clocks), so the two compared rollouts take turns: without an
     oracle, plain goes first on even calls and HistoSpec on odd ones; with one, plain goes first
-    (the oracle drafts its tokens), then the run's own drafter and the oracle, in turns.
+    (the oracle drafts its tokens), then the run's own drafter and the oracle, in turns. The
+    call's weights (the update's output cast to the compute dtype and copied to the worker,
+    dispatched asynchronously) are waited for before the first clock starts, so neither place
+    pays for them.
 
     Raises:
       ValueError: ``oracle`` is not ``""`` or one of ``ORACLES``.
     """
+    import jax
+
     from rhyme_jax.compile_count import CompileCounter
 
     if oracle and oracle not in ORACLES:
@@ -48,6 +53,7 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
         def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
             row, flip = {}, calls[0] % 2 == 1
             calls[0] += 1
+            jax.block_until_ready(state)  # the step's rollout weights (cast, copied) before either clock starts
 
             def run(name, with_drafter=None):
                 with CompileCounter() as compiles:
