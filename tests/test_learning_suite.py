@@ -225,57 +225,34 @@ def test_share_of_the_bound_carries_its_standard_error():
                                                                         "h200_projection": None}]))
 
 
-def test_bound_share_pools_repeated_oracle_units(tmp_path, capsys):
-    from benchmarks import bound_share
+def test_paired_pool_pools_repeated_units(tmp_path, capsys):
+    from benchmarks import paired_pool
 
-    def unit(path, own_s):
+    def unit(path, own_s=None, spec_s=1.2):
         steps = [{"step": k, "rollout/epoch": 1 + (k > 2), "wall_s": 10.0, "plain": {"seconds": 3.0},
-                  "spec": {"seconds": 1.2, "drafting_seconds": 0.2}, "own": {"seconds": own_s}} for k in (1, 2, 3, 4)]
+                  "spec": {"seconds": spec_s, "drafting_seconds": 0.2}} for k in (1, 2, 3, 4)]
+        for s in steps:
+            if own_s is not None:
+                s["own"] = {"seconds": own_s}
         path.write_text(json.dumps({"commit": "abc1234", "result": {"skip": 1, "steps": steps}}))
         return str(path)
 
     a, b = unit(tmp_path / "a.json", 1.25), unit(tmp_path / "b.json", 2.0)
-    assert bound_share.main([a, b]) == 0
+    assert paired_pool.main([a, b]) == 0
     out = capsys.readouterr().out
     # epoch 2 (steps 3, 4 of both): oracle 1.0 s (search time out) against 1.25 and 2.0 s
     assert "| 2 | 4 | 80%, 50% | 61.5% ± 8.2% |" in out, out
+    # plain paired units: rollout 3 / 1.2 and 3 / 1.5 s per step, pooled 12 / 5.4 with its error
+    c, d = unit(tmp_path / "c.json"), unit(tmp_path / "d.json", spec_s=1.5)
+    assert paired_pool.main([c, d]) == 0
+    assert "| 2 | 4 | 2.50, 2.00 | 2.22 ± 0.14 |" in capsys.readouterr().out
+    assert paired_pool.main([a, c]) == 2
+    assert "cannot be pooled together" in capsys.readouterr().err
     (tmp_path / "units").mkdir()
-    plain = {"result": {"skip": 1, "steps": [{"step": 2, "plain": {"seconds": 1.0}, "spec": {"seconds": 1.0}}]}}
-    (tmp_path / "units" / "learn_oracle_paired.json").write_text(json.dumps(plain))
-    assert bound_share.main([str(tmp_path)]) == 2
-    assert "not an oracle unit" in capsys.readouterr().err
-
-
-def test_targets_judge_paired_ratios_against_the_live_bound():
-    def row(ep, roll, oracle, entropy=0.02, modelled=3.0):
-        return {"epoch": ep, "entropy": entropy, "rollout_ratio": 0.9, "e2e_ratio": 0.9, "paired_rollout": roll,
-                "paired_e2e": 1.05, "oracle_rollout": oracle, "bound": modelled, "bound_history_self": modelled}
-
-    # paired 1.8x of a live bound 1.9x: every target met although the separate runs read 0.9x and the
-    # modelled bound (any shape, past the token budget) is 3x
-    assert learning.targets([row(2, 1.8, 1.9)]) == []
-    miss = learning.targets([row(3, 1.6, 1.9)])  # 84% of the bound
-    assert miss == ["epoch 3: 84% of the live oracle drafter (paired) 1.90x"]
-    # the bound below 1.5x replaces the 1.5x target by 90% of the bound
-    assert learning.targets([row(1, 1.03, 1.10)]) == []
-    assert learning.targets([row(1, 1.03, 1.10, entropy=0.6)]) == []
-    assert "< 1.5" in learning.targets([row(4, 1.45, 1.6)])[0]
-    # the share measured in the same steps as the bound is judged where the oracle unit has it
-    assert learning.targets([{**row(2, 1.6, 1.9), "of_bound_same_steps": 0.93}]) == []
-    assert learning.targets([{**row(2, 1.8, 1.9), "of_bound_same_steps": 0.85}]) == \
-        ["epoch 2: 85% of the live oracle drafter (paired) 1.90x in the same steps"]
-    # no live bound: the modelled one from history + own tokens is judged
-    no_live = {**row(5, 1.7, None, modelled=1.8)}
-    assert learning.judged_bound(no_live) == (1.8, "the modelled bound from history + own tokens")
-    assert learning.targets([no_live]) == []
-
-
-def test_oracle_passes_replace_the_modelled_share_of_the_measured_rollout():
-    # 1 s measured, passes modelled at 0.8 s: 0.2 s of prefill and host time stay, the passes halve
-    assert oracle.with_oracle_passes(1.0, 0.8, 0.4) == pytest.approx(0.2 + 0.4)
-    # a model above the measured rollout (2 s for a 1 s rollout) is scaled down to it: bound >= 1
-    assert oracle.with_oracle_passes(1.0, 2.0, 1.0) == pytest.approx(0.5)
-    assert oracle.with_oracle_passes(1.0, 2.0, 2.0) == pytest.approx(1.0)
+    unpaired = {"result": {"skip": 1, "steps": [{"step": 2, "plain": {"seconds": 1.0}}]}}
+    (tmp_path / "units" / "learn_oracle_paired.json").write_text(json.dumps(unpaired))
+    assert paired_pool.main([str(tmp_path)]) == 2
+    assert "not a paired unit" in capsys.readouterr().err
 
 
 def test_paired_rollouts_take_turns_going_first():

@@ -178,20 +178,21 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
     An oracle unit also decodes each step with the run's own drafter between the two (``"own"``,
     ``paired.paired_rollouts``): then ``"own_rollout"`` is that drafter's ratio and
     ``"of_bound"`` its share of the bound in the same steps (oracle seconds / own seconds), with
-    ``"of_bound_se"``, its standard error over the epoch's steps (``measures.ratio_of_sums``;
-    None for a single step)."""
+    ``"of_bound_se"``, its standard error over the epoch's steps. Every ratio is a ratio of sums
+    over the epoch's steps; ``"rollout_se"`` / ``"e2e_se"`` / ``"of_bound_se"`` are their
+    standard errors (``measures.ratio_of_sums``; None for a single step)."""
     out = {}
     for ep, st in by_epoch(r).items():
-        plain = sum(s["plain"]["seconds"] for s in st)
-        spec = sum(_bound_s(s, host_drafting) for s in st)
-        own = sum(s["own"]["seconds"] for s in st if "own" in s)
-        rest = sum(s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] - s.get("own", {}).get("seconds", 0.0)
-                   for s in st)
-        out[ep] = {"rollout": plain / max(spec, 1e-9), "e2e": (rest + plain) / max(rest + spec, 1e-9),
-                   "steps": len(st)}
-        if own > 0 and all("own" in s for s in st):
-            _, se = ratio_of_sums([_bound_s(s, host_drafting) for s in st], [s["own"]["seconds"] for s in st])
-            out[ep].update(own_rollout=plain / own, of_bound=spec / own, of_bound_se=se)
+        plain = np.array([s["plain"]["seconds"] for s in st])
+        spec = np.array([_bound_s(s, host_drafting) for s in st])
+        own = np.array([s.get("own", {}).get("seconds", 0.0) for s in st])
+        rest = np.array([s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] for s in st]) - own
+        roll, roll_se = ratio_of_sums(plain, np.maximum(spec, 1e-9))
+        e2e, e2e_se = ratio_of_sums(rest + plain, np.maximum(rest + spec, 1e-9))
+        out[ep] = {"rollout": roll, "rollout_se": roll_se, "e2e": e2e, "e2e_se": e2e_se, "steps": len(st)}
+        if own.sum() > 0 and all("own" in s for s in st):
+            share, se = ratio_of_sums(spec, own)
+            out[ep].update(own_rollout=float(plain.sum() / own.sum()), of_bound=share, of_bound_se=se)
     return out
 
 

@@ -200,5 +200,5 @@ def a4(inp: Inputs) -> dict:
                                                        else "nothing drafted" + (" (no history yet)" if ep == 1 else "")))
     return {"ours": "; ".join(cells), "figures": figs,
             "notes": f"demo model, 1 worker, {r['rows_per_step']} rows/step, plain and HistoSpec on the same "
-                     f"weights/prompts/key each step, plain first; epoch 1 has no history, so both rollouts do "
-                     f"the same work there: its ratio is the timing noise of this machine"}
+                     f"weights/prompts/key each step, taking turns going first; epoch 1 has no history, so both "
+                     f"rollouts do the same work there: its ratio is the timing noise of this machine"}
