@@ -225,8 +225,10 @@ def test_share_of_the_bound_carries_its_standard_error():
                                                                         "h200_projection": None}]))
 
 
-def test_paired_pool_pools_repeated_units(tmp_path, capsys):
-    from benchmarks import paired_pool
+def test_pooled_units_give_ratios_with_their_errors(tmp_path):
+    """``ablate.pool`` (``python -m benchmarks.paired_pool``): repeats of a paired unit pooled step
+    by step, for oracle units (goodput's share of the bound) and plain paired units."""
+    from rhyme_jax.ablate import pool
 
     def unit(path, own_s=None, spec_s=1.2):
         steps = [{"step": k, "rollout/epoch": 1 + (k > 2), "wall_s": 10.0, "plain": {"seconds": 3.0},
@@ -235,24 +237,22 @@ def test_paired_pool_pools_repeated_units(tmp_path, capsys):
             if own_s is not None:
                 s["own"] = {"seconds": own_s}
         path.write_text(json.dumps({"commit": "abc1234", "result": {"skip": 1, "steps": steps}}))
-        return str(path)
+        return pool.load_unit(path, "any")
 
     a, b = unit(tmp_path / "a.json", 1.25), unit(tmp_path / "b.json", 2.0)
-    assert paired_pool.main([a, b]) == 0
-    out = capsys.readouterr().out
     # epoch 2 (steps 3, 4 of both): oracle 1.0 s (search time out) against 1.25 and 2.0 s
-    assert "| 2 | 4 | 80%, 50% | 61.5% ± 8.2% |" in out, out
+    assert "| 2 | 4 | 80%, 50% | 61.5% ± 8.2% | 1.85 | 3.00 |" in pool.table_lines([a, b])
     # plain paired units: rollout 3 / 1.2 and 3 / 1.5 s per step, pooled 12 / 5.4 with its error
     c, d = unit(tmp_path / "c.json"), unit(tmp_path / "d.json", spec_s=1.5)
-    assert paired_pool.main([c, d]) == 0
-    assert "| 2 | 4 | 2.50, 2.00 | 2.22 ± 0.14 |" in capsys.readouterr().out
-    assert paired_pool.main([a, c]) == 2
-    assert "cannot be pooled together" in capsys.readouterr().err
+    lines = pool.table_lines([c, d])
+    assert lines[0] == "2 units (commits abc1234, abc1234)" and "| 2 | 4 | 2.50, 2.00 | 2.22 ± 0.14 |" in lines[4]
+    with pytest.raises(ValueError, match="cannot be pooled together"):
+        pool.pooled([a, c])
     (tmp_path / "units").mkdir()
     unpaired = {"result": {"skip": 1, "steps": [{"step": 2, "plain": {"seconds": 1.0}}]}}
     (tmp_path / "units" / "learn_oracle_paired.json").write_text(json.dumps(unpaired))
-    assert paired_pool.main([str(tmp_path)]) == 2
-    assert "not a paired unit" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a paired unit"):
+        pool.load_unit(tmp_path, "learn_oracle_paired")
 
 
 def test_paired_rollouts_take_turns_going_first():

@@ -1,0 +1,88 @@
+"""Paired learning units pooled over repeats (``python -m benchmarks.paired_pool``).
+
+The learning suite's paired units decode every step's rollout two or three times back to back on
+the same weights, prompts and key, taking turns going first (``ablate.paired``):
+``learn_goodput_paired`` plain and the goodput drafter, ``learn_oracle_paired`` plain, the goodput
+drafter and the source-bound oracle. One unit gives 10 steps per epoch on the demo, and a step's
+ratio ranges about 0.6-1.2 around its epoch's on a 2-core machine, so repeats of a unit over the
+same workload (same seed, same tokens) are pooled step by step: ``pooled`` gives per epoch each
+unit's ``learning.paired_epochs`` and those of all their steps together, whose ratios carry their
+standard errors over steps (``measures.ratio_of_sums``).
+
+Source: the issue "speed where training really happens" (scope 2: ratios in one run).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rhyme_jax.ablate.learning import paired_epochs
+
+
+def load_unit(path: str | Path, unit: str) -> dict:
+    """The ``result`` of a paired unit's JSON (``path`` itself or ``path/units/<unit>.json``) with
+    its ``commit``; ``"oracle"`` says whether its steps hold the own drafter's rollout too.
+
+    Raises:
+      ValueError: no such file, unreadable, or steps without ``plain`` and ``spec`` rollouts (not a
+        paired unit); the message names the file.
+    """
+    p = Path(path)
+    f = p if p.is_file() else p / "units" / f"{unit}.json"
+    try:
+        body = json.loads(f.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{f}: unreadable unit ({exc})") from None
+    r = body.get("result", {})
+    if not r.get("steps") or not all("plain" in s and "spec" in s for s in r["steps"]):
+        raise ValueError(f"{f}: not a paired unit (its steps lack 'plain' and 'spec' rollouts)")
+    return {**r, "commit": body.get("commit", "?"), "oracle": all("own" in s for s in r["steps"])}
+
+
+def pooled(units: list[dict]) -> tuple[list[dict], dict[int, dict]]:
+    """Per unit and pooled (all units' steps together) ``learning.paired_epochs``, the last
+    rollout's host drafting time left out for oracle units (the oracle's search).
+
+    Raises:
+      ValueError: oracle units and plain paired units mixed, or no unit.
+    """
+    kinds = {u["oracle"] for u in units}
+    if len(kinds) != 1:
+        raise ValueError("oracle units and plain paired units cannot be pooled together" if kinds else "no unit")
+    host = not kinds.pop()
+    merged = {"skip": max(u.get("skip", 1) for u in units), "steps": [s for u in units for s in u["steps"]]}
+    return [paired_epochs(u, host_drafting=host) for u in units], paired_epochs(merged, host_drafting=host)
+
+
+def _pm(x: float, se: float | None, pct: bool = False) -> str:
+    f = "{:.1%}" if pct else "{:.2f}"
+    return f.format(x) + (f" ± {f.format(se)}" if se is not None else "")
+
+
+def table_lines(units: list[dict]) -> list[str]:
+    """A markdown table of ``pooled(units)``: per epoch each unit's figure and the pooled one ±
+    its standard error (oracle units: goodput's share of the bound and both rollout ratios;
+    paired units: the rollout and end-to-end ratios against plain).
+
+    Raises:
+      ValueError: as ``pooled``.
+    """
+    each, pool = pooled(units)
+    oracle = units[0]["oracle"]
+    head = "| epoch | steps | rollout x per unit | rollout x pooled | end-to-end x pooled |"
+    if oracle:
+        head = ("| epoch | steps | share per unit | pooled share of the bound | goodput rollout x (pooled) | "
+                "oracle rollout x (pooled) |")
+    out = [f"{len(units)} units (commits {', '.join(u['commit'] for u in units)})", head,
+           "|---" * (head.count("|") - 1) + "|"]
+    for ep, row in sorted(pool.items()):
+        if oracle:
+            per = ", ".join(f"{e[ep]['of_bound']:.0%}" for e in each if ep in e)
+            out.append(f"| {ep} | {row['steps']} | {per} | {_pm(row['of_bound'], row['of_bound_se'], True)} | "
+                       f"{row['own_rollout']:.2f} | {row['rollout']:.2f} |")
+        else:
+            per = ", ".join(f"{e[ep]['rollout']:.2f}" for e in each if ep in e)
+            out.append(f"| {ep} | {row['steps']} | {per} | {_pm(row['rollout'], row['rollout_se'])} | "
+                       f"{_pm(row['e2e'], row['e2e_se'])} |")
+    return out
