@@ -165,8 +165,9 @@ def _bound_s(step: dict, host_drafting: bool) -> float:
 
 
 def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
-    """Per epoch of a paired unit (``e2e.run_paired``: each step's rollout decoded plain, then with
-    HistoSpec, back to back on the same weights, prompts and key): the rollout ratio (plain
+    """Per epoch of a paired unit (``e2e.run_paired``: each step's rollout decoded plain and with
+    HistoSpec, back to back on the same weights, prompts and key, taking turns going first,
+    ``paired.paired_rollouts``): the rollout ratio (plain
     seconds / HistoSpec seconds) and the end-to-end ratio of a step with the plain rollout against
     the same step with the HistoSpec one (the rest of the step, its update included, counted in
     both: its wall time less both rollouts). Both rollouts of a step see the same machine, so the
@@ -175,8 +176,8 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
     drafters, whose search over the sources in Python stands for knowledge, not for work a
     drafter has to do (the ratio is then the bound).
 
-    An oracle unit also decodes each step with the run's own drafter between the two (``"own"``,
-    ``paired.paired_rollouts``): then ``"own_rollout"`` is that drafter's ratio and
+    An oracle unit also decodes each step with the run's own drafter (``"own"``; after plain, in
+    turns with the oracle): then ``"own_rollout"`` is that drafter's ratio and
     ``"of_bound"`` its share of the bound in the same steps (oracle seconds / own seconds), with
     ``"of_bound_se"``, its standard error over the epoch's steps. Every ratio is a ratio of sums
     over the epoch's steps; ``"rollout_se"`` / ``"e2e_se"`` / ``"of_bound_se"`` are their

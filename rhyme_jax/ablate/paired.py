@@ -1,9 +1,10 @@
 """Plain decode beside HistoSpec on the same inputs: a ``wrap_generate`` hook for a GRPO run.
 
-Used by the A4 ablation (``e2e.run_paired``) and ``benchmarks.rollout`` (issue 4): every
-engine call of the run's rollout workers first generates the same prompts with the same weights
-and key by plain decoding (output discarded), then with the HistoSpec drafter; the HistoSpec
-rollout is what the trainer trains on. Lossless verification makes the two rollouts samples of
+Used by the A4 ablation and the learning suite's paired units (``e2e.run_paired``) and
+``benchmarks.rollout`` (issue 4): every engine call of the run's rollout workers generates the
+same prompts with the same weights and key by plain decoding (output discarded) and with the
+HistoSpec drafter, back to back, the two taking turns going first; the HistoSpec rollout is what
+the trainer trains on. Lossless verification makes the two rollouts samples of
 the same distribution, so their tokens/s and forward passes compare the decoding alone. The
 oracle drafters (``--oracle``) are ``measure.oracle_drafters``' (re-exported here).
 """
