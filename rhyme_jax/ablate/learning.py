@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rhyme_jax.ablate.measures import Inputs, MissingInput, figure, ratio_of_sums, timed_steps
+from rhyme_jax.ablate.measures import Inputs, MissingInput, figure, pm, ratio_of_sums, timed_steps
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 
 PAIRED_UNIT = {"L1": "learn_goodput_paired", "L2": "learn_real_goodput_paired"}  # goodput's rollouts each paired with a plain one, same step
@@ -218,8 +218,8 @@ def _fmt(x, f="{:.2f}") -> str:
 
 def _share(r: dict) -> str:
     """``of_bound_same_steps`` as a percentage, ``± standard error`` where there is one."""
-    share, se = r.get("of_bound_same_steps"), r.get("of_bound_same_steps_se")
-    return _fmt(share, "{:.0%}") + (f" ± {se:.0%}" if share is not None and se is not None else "")
+    share = r.get("of_bound_same_steps")
+    return "-" if share is None else pm(share, r.get("of_bound_same_steps_se"), "{:.0%}")
 
 
 def table_lines(name: str, rows: list[dict]) -> list[str]:

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from rhyme_jax.ablate.learning import paired_epochs
+from rhyme_jax.ablate.measures import pm
 
 
 def load_unit(path: str | Path, unit: str) -> dict:
@@ -55,11 +56,6 @@ def pooled(units: list[dict]) -> tuple[list[dict], dict[int, dict]]:
     return [paired_epochs(u, host_drafting=host) for u in units], paired_epochs(merged, host_drafting=host)
 
 
-def _pm(x: float, se: float | None, pct: bool = False) -> str:
-    f = "{:.1%}" if pct else "{:.2f}"
-    return f.format(x) + (f" ± {f.format(se)}" if se is not None else "")
-
-
 def table_lines(units: list[dict]) -> list[str]:
     """A markdown table of ``pooled(units)``: per epoch each unit's figure and the pooled one ±
     its standard error (oracle units: goodput's share of the bound and both rollout ratios;
@@ -79,10 +75,10 @@ def table_lines(units: list[dict]) -> list[str]:
     for ep, row in sorted(pool.items()):
         if oracle:
             per = ", ".join(f"{e[ep]['of_bound']:.0%}" for e in each if ep in e)
-            out.append(f"| {ep} | {row['steps']} | {per} | {_pm(row['of_bound'], row['of_bound_se'], True)} | "
+            out.append(f"| {ep} | {row['steps']} | {per} | {pm(row['of_bound'], row['of_bound_se'], '{:.1%}')} | "
                        f"{row['own_rollout']:.2f} | {row['rollout']:.2f} |")
         else:
             per = ", ".join(f"{e[ep]['rollout']:.2f}" for e in each if ep in e)
-            out.append(f"| {ep} | {row['steps']} | {per} | {_pm(row['rollout'], row['rollout_se'])} | "
-                       f"{_pm(row['e2e'], row['e2e_se'])} |")
+            out.append(f"| {ep} | {row['steps']} | {per} | {pm(row['rollout'], row['rollout_se'])} | "
+                       f"{pm(row['e2e'], row['e2e_se'])} |")
     return out
