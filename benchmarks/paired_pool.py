@@ -32,15 +32,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         units = [load_unit(p, args.unit) for p in args.paths]
-        each, pool = pooled(units)
-        lines = table_lines(units)
+        if args.json:
+            each, pool = pooled(units)
+            out = json.dumps({"commits": [u["commit"] for u in units], "units": each, "pooled": pool})
+        else:
+            out = "\n".join(table_lines(units))
     except ValueError as exc:
         print(f"benchmarks.paired_pool: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps({"commits": [u["commit"] for u in units], "units": each, "pooled": pool}))
-    else:
-        print("\n".join(lines))
+    print(out)
     return 0
 
 
