@@ -52,6 +52,24 @@ def test_goodput_choice_is_optimal_against_brute_force(seed):
     assert np.all(choice.draft_lens <= choice.q_len - 1) and n + choice.draft_lens.sum() <= choice.tokens
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_goodput_choice_takes_equal_tokens_shallowest_first_then_by_row(seed):
+    """Among draft tokens of equal weighted acceptance the step keeps the shallower ones first,
+    then the lower rows (the order of a sort on (-P, depth, row)), whatever program it picks."""
+    rng = np.random.default_rng(seed)
+    n, k = 5, 6
+    plan = shapes.plan(max_slots=8, page_size=16, max_prompt_len=8, max_new_tokens=16, max_verify_tokens=24)
+    curve = allocation.accept_curve(rng.choice([0.5, 1.0], (n, k)), rng.integers(0, k + 1, n))
+    cost = StepCost({(r, t, q): 1.0 + 0.01 * t for r in shapes.seq_buckets(8)
+                     for t, q in shapes.verify_pairs(r, plan.verify_budget)})
+    choice = allocation.goodput_choice(plan, curve, cost)
+    rows, depth = np.nonzero(curve > 0)
+    order = sorted(zip(-curve[rows, depth], depth, rows))
+    kept = [r for _, d, r in order if d < choice.q_len - 1][: choice.tokens - n]
+    assert choice.draft_lens.tolist() == np.bincount(np.array(kept, np.int64), minlength=n).tolist()
+    assert choice.draft_lens.sum() > 0
+
+
 def test_drafts_that_do_not_pay_are_not_sent():
     """Acceptance 0.19 (SmolLM2 at T=1) with verify costing 1.8x decode: plain decode wins."""
     curve = allocation.accept_curve(np.full((16, 4), 0.19), np.full(16, 4))

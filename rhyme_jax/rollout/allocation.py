@@ -110,22 +110,37 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
     n, k = curve.shape
     smallest = seq_bucket(n, plan.max_slots)
     w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
-    flat = curve.ravel()
-    score = (curve * w[:, None]).ravel()
-    depth = np.tile(np.arange(k), n)
-    order = np.lexsort((depth, -score))  # largest weighted P first; within equal, shallower first
-    order = order[flat[order] > 0]
+    # depth-major: entry j * n + i is row i's draft token j, so a stable sort on the score alone
+    # takes, within equal scores, the shallower token first (then the lower row)
+    flat = np.ascontiguousarray(curve.T).ravel()
+    score = np.ascontiguousarray((curve * w[:, None]).T).ravel()
+    order = np.flatnonzero(flat > 0)
+    order = order[np.argsort(-score[order], kind="stable")]  # largest weighted P first
+    depth = order // max(n, 1)
+    total_w = float(w.sum())
+    prefix: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # q_len -> kept, running sums
+
+    def sums(q_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens a program of ``q_len`` may carry, in order, and the running sums of their
+        weighted and unweighted P (one pass per distinct ``q_len``)."""
+        if q_len not in prefix:
+            kept = order[depth < q_len - 1]
+            prefix[q_len] = (kept, np.concatenate([[0.0], np.cumsum(score[kept])]),
+                             np.concatenate([[0.0], np.cumsum(flat[kept])]))
+        return prefix[q_len]
+
     best, best_rate = None, -1.0
     # every row bucket that holds the rows: where the step-cost model times a small bucket's
     # programs above a larger one's (a backend that runs few rows badly), the tail runs padded
     pairs = [(r, t, q) for r in seq_buckets(plan.max_slots) if r >= smallest
              for t, q in verify_pairs(r, plan.verify_budget)]
     for rows, t_total, q_len in pairs:
-        take = order[depth[order] < q_len - 1][: t_total - n]
-        rate = (float(w.sum()) + float(score[take].sum())) / max(cost(rows, t_total, q_len), 1e-12)
+        kept, weighted, plain = sums(q_len)
+        m = min(t_total - n, kept.size)
+        rate = (total_w + float(weighted[m])) / max(cost(rows, t_total, q_len), 1e-12)
         if rate > best_rate * (1 + 1e-9):
-            lens = np.bincount(take // max(k, 1), minlength=n).astype(np.int64) if k else np.zeros(n, np.int64)
-            best, best_rate = StepChoice(rows, t_total, q_len, lens, n + float(flat[take].sum())), rate
+            lens = np.bincount(kept[:m] % max(n, 1), minlength=n).astype(np.int64)
+            best, best_rate = StepChoice(rows, t_total, q_len, lens, n + float(plain[m])), rate
     return best
 
 

@@ -68,6 +68,7 @@ class StepCost:
     meta: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict, compare=False, repr=False)  # key -> (recent times, median)
     scale: dict = field(default_factory=dict, compare=False, repr=False)  # rows -> live / profiled
+    _medians: dict = field(default_factory=dict, compare=False, repr=False)  # rows -> {key: live median}
 
     @classmethod
     def prior(cls) -> "StepCost":
@@ -121,8 +122,12 @@ class StepCost:
         key = (int(rows), int(tokens), int(q_len))
         times, _ = self.live.get(key, ((), None))
         times = (*times[1 - LIVE_WINDOW:], float(seconds))
-        self.live[key] = (times, sorted(times)[len(times) // 2] if len(times) >= LIVE_MIN else None)
-        medians = {k: m for k, (_, m) in self.live.items() if k[0] == key[0] and m is not None}
+        median = sorted(times)[len(times) // 2] if len(times) >= LIVE_MIN else None
+        self.live[key] = (times, median)
+        if median is None:
+            return  # no live median in the bucket changed
+        medians = self._medians.setdefault(key[0], {})  # the bucket's programs with a live median
+        medians[key] = median
         self.scale.update(bucket_scales(self.seconds, medians))
 
     def _linear(self) -> tuple[float, float, float]:
@@ -189,7 +194,15 @@ def bucket_scales(seconds: dict, medians: dict) -> dict[int, float]:
     for k, m in medians.items():
         if k in seconds:
             ratios.setdefault(k[0], []).append(m / seconds[k])
-    return {r: float(np.median(v)) for r, v in ratios.items()}
+    return {r: _median(v) for r, v in ratios.items()}
+
+
+def _median(values: list[float]) -> float:
+    """``np.median`` of a short list (the mean of the middle two for an even count), without
+    numpy's per-call overhead (``observe`` runs after every pass)."""
+    v = sorted(values)
+    h = len(v) // 2
+    return float(v[h]) if len(v) % 2 else float((v[h - 1] + v[h]) / 2)
 
 
 def cache_key(parts: dict) -> str:
