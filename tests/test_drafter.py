@@ -307,3 +307,16 @@ def test_drafter_falls_back_to_self_lookup_only_without_a_history_match():
         off.close()
     finally:
         d.close()
+
+
+def test_a_batch_without_history_or_lookup_sources_is_idle():
+    """``DraftBatch.idle``: true only when no prompt of the batch has history and neither
+    self-lookup nor siblings could draft (the engine then skips the drafter)."""
+    store = HistoryStore()
+    with Drafter(_cfg(window="goodput"), store) as d:
+        assert d.batch([0, 0, 1]).idle
+    with Drafter(_cfg(window="goodput", self_lookup=True), store) as d:
+        assert not d.batch([0, 0, 1]).idle
+    store = _store(np.random.default_rng(0), [0])  # prompt 0 gets history
+    with Drafter(_cfg(window="goodput"), store) as d:
+        assert not d.batch([0, 0, 1]).idle and d.batch([1]).idle

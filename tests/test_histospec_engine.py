@@ -320,3 +320,35 @@ def test_step_cost_profile_times_every_program_and_leaves_outputs_unchanged():
     ran = {(s.rows, s.tokens, s.q_len) for s in eng.programs_run if s.kind != "prefill"}
     assert set(cost.live) == ran and ran
     assert sum(len(times) for times, _ in cost.live.values()) == min(res.stats["decode_steps"], 15 * len(ran))
+
+
+def test_an_idle_drafter_is_never_called_and_a_step_without_proposals_is_plain_decode(monkeypatch):
+    """A drafter that says it is ``idle`` (no request can get a draft) is not called at all, and
+    a step where an estimating drafter proposes nothing runs plain decode's program without the
+    goodput choice: both rollouts emit plain decode's tokens in plain decode's passes."""
+    from rhyme_jax.rollout import allocation
+
+    prompts, eos, want, _ = _reference_with_eos()
+    plain = _greedy(prompts, eos)
+
+    class Idle(EstimatingDrafter):
+        idle = True
+
+        def draft(self, reqs, tails, budgets):
+            raise AssertionError("an idle drafter was asked for drafts")
+
+    history = [np.concatenate([p, w]).astype(np.int32) for p, w in zip(prompts, want)]
+    idle = _greedy(prompts, eos, Idle(history, 0.99))
+    never = [np.full(3, -7, np.int32) for _ in prompts]  # no PATTERN-token match: no proposals
+    proposing_nothing = EstimatingDrafter(never, 0.99)
+
+    def no_choice(*args, **kw):
+        raise AssertionError("the goodput choice ran on a step without proposals")
+
+    monkeypatch.setattr(allocation, "choose_step", no_choice)
+    silent = _greedy(prompts, eos, proposing_nothing)
+    assert len(proposing_nothing.observed) == plain.stats["decode_steps"]
+    for res in (idle, silent):
+        assert res.stats["decode_steps"] == plain.stats["decode_steps"] and res.stats["drafted_tokens"] == 0
+        for got, exp in zip(res.tokens, plain.tokens):
+            np.testing.assert_array_equal(got, exp)

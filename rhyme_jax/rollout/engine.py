@@ -317,7 +317,8 @@ class RolloutEngine:
         the bonus token) nor ``shapes.MAX_DRAFT``; with the drafter's acceptance estimates the
         goodput allocation keeps what pays under ``self.step_cost``, else they are cut
         longest-first to the step's token budget; they only use pages the pool can give without
-        preempting anyone (a draft is cut to the pages its slot holds otherwise). With ``backoff``
+        preempting anyone (a draft is cut to the pages its slot holds otherwise); a step where
+        the drafter proposes nothing is the plain decode step (``allocation.fixed_rule``). With ``backoff``
         (goodput) the drafter is skipped while the choice keeps sending nothing
         (``allocation.DraftBackoff``)."""
         if (drafter is None or ids.size == 0
@@ -332,6 +333,8 @@ class RolloutEngine:
         table.stats["drafting_seconds"] += time.perf_counter() - t0
         d_tok = np.asarray(d_tok, np.int32)
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
+        if not got.any():  # nothing proposed: the plain decode step, no choice to make
+            return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
         choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
         if backoff is not None and est is not None:
             backoff.chose(bool(got.any()), bool(choice.draft_lens.any()))
@@ -435,6 +438,8 @@ class RolloutEngine:
         t0 = time.perf_counter()
         reqs = self._validate(prompts, sampling)
         self._ensure_pool(state)
+        if getattr(drafter, "idle", False):  # nothing to draft from: plain decoding, no drafter calls
+            drafter = None
         run = _Passes(self, self._flat_state(state), key, sampling)
         backoff = allocation.DraftBackoff()
         table = SlotTable(reqs, self.allocator, limit=sampling.max_new_tokens, eos_ids=self.eos_ids,

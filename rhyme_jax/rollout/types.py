@@ -124,6 +124,9 @@ class Drafter(Protocol):
       priorities: optionally, after each ``draft`` call, ``float32[n]`` tokens each row is
         predicted still to generate (the allocation weighs rows predicted long up to twice), or
         ``None``.
+      idle: optionally, ``True`` when no request of the call can ever get a draft (HistoSpec:
+        no prompt has history and no lookup source is on, e.g. a run's first epoch); the engine
+        then decodes plainly without calling the drafter, exactly as without one.
     """
 
     context_width: int

@@ -307,6 +307,14 @@ class DraftBatch:
         self._window[r] = next_window(p.window_policy, self._window[r], drafted, accepted, p.fixed_window)
 
     @property
+    def idle(self) -> bool:
+        """Whether no request of this batch can ever get a draft: none of their prompts has
+        history and neither self-lookup nor siblings is on (a run's first epoch). The engine then
+        decodes plainly without calling ``draft`` (``rollout.types.Drafter``)."""
+        p = self.parent
+        return not (self._slots >= 0).any() and not (p.self_lookup or p.siblings)
+
+    @property
     def windows(self) -> Int[np.ndarray, "R"]:
         """Copy of the current ``int32[R]`` windows of the batch's requests."""
         return self._window.copy()
