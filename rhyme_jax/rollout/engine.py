@@ -337,7 +337,7 @@ class RolloutEngine:
             return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
         choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
         if backoff is not None and est is not None:
-            backoff.chose(bool(got.any()), bool(choice.draft_lens.any()))
+            backoff.chose(True, bool(choice.draft_lens.any()))  # proposed: got has a draft
         lens = self._page_cut(table, ids, choice.draft_lens)
         table.stats["predicted_accepted"] += allocation.expected_accepted(curve, lens)
         return d_tok, dataclasses.replace(choice, draft_lens=lens)
