@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,15 +195,7 @@ def bucket_scales(seconds: dict, medians: dict) -> dict[int, float]:
     for k, m in medians.items():
         if k in seconds:
             ratios.setdefault(k[0], []).append(m / seconds[k])
-    return {r: _median(v) for r, v in ratios.items()}
-
-
-def _median(values: list[float]) -> float:
-    """``np.median`` of a short list (the mean of the middle two for an even count), without
-    numpy's per-call overhead (``observe`` runs after every pass)."""
-    v = sorted(values)
-    h = len(v) // 2
-    return float(v[h]) if len(v) % 2 else float((v[h - 1] + v[h]) / 2)
+    return {r: float(statistics.median(v)) for r, v in ratios.items()}  # not np.median: runs every pass
 
 
 def cache_key(parts: dict) -> str:
