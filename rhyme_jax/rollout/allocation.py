@@ -107,7 +107,7 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
     Returns:
       ``StepChoice`` (ties: the smaller program, i.e. plain decode first).
     """
-    n, k = curve.shape
+    n = curve.shape[0]
     smallest = seq_bucket(n, plan.max_slots)
     w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
     # depth-major: entry j * n + i is row i's draft token j, so a stable sort on the score alone
