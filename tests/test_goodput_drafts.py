@@ -426,3 +426,42 @@ def test_priorities_are_the_tokens_the_history_predicts_left():
         batch = d.batch([2])
         _draft(batch, [0], [prompt])
         assert batch.priorities is None
+
+
+def _alternates(batch):
+    tokens, lens, est = batch.alternates
+    return [tokens[i, : lens[i]].tolist() for i in range(lens.size)], est
+
+
+def test_runner_up_is_the_best_other_candidate_across_match_lengths_and_sources():
+    """``spec.second_candidate``: beside its best candidate each row gets its runner-up (what a
+    shadow row verifies, ``rollout/shadow.py``): the other match length's walk, or the history's
+    candidate where self-lookup wins and the other way round; none without one."""
+    prompt = [50, 51, 52, 53, 54, 55]
+    responses = [[9, 1, 2, 3, 30], [9, 1, 2, 3, 31]] + [[8, 2, 3, 10, 11, 12, 13, 14, 15]] * 6
+    store = _store(1, prompt, responses)
+    kw = dict(branch="count", pattern_min=2, min_token_prob=0.0)
+    with Drafter(_cfg(second_candidate=True, **kw), store) as d:
+        d.rebuild([1])
+        batch = d.batch([1])
+        assert _draft(batch, [0], [prompt + [7, 9, 1, 2, 3]])[0] == [[10, 11, 12, 13, 14, 15]]
+        alt, est = _alternates(batch)
+        assert alt == [[30]]  # the 4-token match "9 1 2 3": 30 or 31 (count ties: the smaller token)
+        assert est[0, 0] == pytest.approx(d._calibration.estimate("history", 4, 0, 0.5, once=False))
+    with Drafter(_cfg(**kw), store) as d:  # off: no runner-ups handed out
+        d.rebuild([1])
+        batch = d.batch([1])
+        _draft(batch, [0], [prompt + [7, 9, 1, 2, 3]])
+        assert batch.alternates is None
+    prompt = list(range(40, 50))
+    a, b, c = 1, 2, 3
+    seq = prompt + [11, 12, a, b, c, 21, 22, 23, 24, 11, 12, a, b, c]
+    cfg = _cfg(self_lookup=True, min_token_prob=0.0, second_candidate=True)
+    for history, best, runner_up in (([[a, b, c, 60 + i] for i in range(8)], [21, 22, 23, 24], [60]),
+                                     ([[a, b, c, 4, 5, 6, 7]] * 8, [4, 5, 6, 7], [21, 22, 23, 24])):
+        with Drafter(cfg, _store(5, prompt, history)) as d:
+            d.rebuild([5])
+            batch = d.batch([5, 5])
+            drafts, _ = _draft(batch, [0, 1], [seq, prompt + [99, 98, 97]])
+            assert drafts == [best, []]
+            assert _alternates(batch)[0] == [runner_up, []]
