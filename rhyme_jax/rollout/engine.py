@@ -421,7 +421,6 @@ class RolloutEngine:
         table.stats["accepted_tokens"] += int(advanced.sum())
         if m:
             table.stats["shadow_wins"] += int((n_emit[:n] > own).sum())
-            table.stats["shadow_tokens"] += int((n_emit[:n] - own).sum())
         if drafter is not None:
             drafter.observe(table.req[ids], d_lens, own - 1, *((advanced,) if m else ()))
         # KV now holds the pending token and the accepted drafts; the last emitted token is the

@@ -162,19 +162,14 @@ def plan(alternates: tuple[np.ndarray, np.ndarray, np.ndarray], drafts: Int[np.n
     free_rows = rows - n
     if free_rows <= 0 or not caps.any():
         return None, sent_lens
-    w = np.asarray(weights, np.float64)
-    kc = curve.shape[1]
-    sent_value = np.asarray(curve, np.float64) * w[:, None] if kc else np.zeros((n, 0))
-    spare = t_total - n - int(sent_lens.sum())
-    # a token's price: the least a sent draft token is worth (0 while the program has room)
-    sent = np.arange(kc)[None, :] < sent_lens[:, None]
-    price = 0.0 if spare > 0 or not sent.any() else float(sent_value[sent].min())
-    _, alt_curve = gains(drafts, sent_lens, alt, caps, alt_est)
-    caps = np.minimum(caps, (alt_curve * w[:, None] >= price).sum(axis=1))  # the runner-up's tokens worth it
     gain, _ = gains(drafts, sent_lens, alt, caps, alt_est)
     first = lengths // ps
     need = allocator.pages_for(lengths + 1 + caps) - first
     cost = np.where((caps > 0) & (need <= allocator.num_free), 1 + caps, 0)
+    w = np.asarray(weights, np.float64)
+    kc = curve.shape[1]
+    sent_value = np.asarray(curve, np.float64) * w[:, None] if kc else np.zeros((n, 0))
+    spare = t_total - n - int(sent_lens.sum())
     chosen, lens = select(free_rows, spare, cost, gain * w, sent_value, sent_lens)
     keep, free = [], allocator.num_free
     for i in chosen:  # each fits alone; together they may not

@@ -245,12 +245,11 @@ def _score_into(seq, span, key, max_len, table, best, out):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _mode(seq, occ, k, r, own, skip=-1):
+def _mode(seq, occ, k, r, own):
     """Among the first k of ``occ`` (``Occurrences``) of request r itself (``own``) or of its
     siblings: the longest match m, one occurrence ``(s, e)`` whose next token is the most common
     among those matching m tokens (ties: the newest), that token's share q and whether one
-    occurrence matches. Returns ``(m, s, e, q, once)`` (m = 0: none). With ``skip >= 0``: the
-    most common next token other than ``skip`` (m = 0 when every occurrence continues with it)."""
+    occurrence matches. Returns ``(m, s, e, q, once)`` (m = 0: none)."""
     rr, ee, mm = occ
     m = 0
     for i in range(k):
@@ -260,16 +259,12 @@ def _mode(seq, occ, k, r, own, skip=-1):
     for i in range(k):
         if (rr[i] == r) == own and mm[i] == m:
             tot += 1
-            if seq[rr[i], ee[i]] == skip:
-                continue
             agree = 0
             for j in range(k):
                 if (rr[j] == r) == own and mm[j] == m and seq[rr[j], ee[j]] == seq[rr[i], ee[i]]:
                     agree += 1
             if agree > best:
                 best, s, e = agree, rr[i], ee[i]
-    if best == 0:
-        return 0, 0, 0, 0.0, False
     return m, s, e, best / max(tot, 1), tot == 1
 
 
@@ -324,10 +319,8 @@ def lookup_candidates(store, grow, rows, rule, sources, cal, best, alt):
         if ml <= 0:
             continue
         k = _query_row(store, r, rule, sources, occ)
-        skip = -1
-        for source in (C.SELF, C.SIBLING, C.SIBLING):  # siblings twice: their two most common continuations
-            m, s, e, q, once = _mode(seq, occ, k, r, source == C.SELF, skip)
-            skip = seq[s, e] if source == C.SIBLING and m > 0 else -2
+        for source in (C.SELF, C.SIBLING):
+            m, s, e, q, once = _mode(seq, occ, k, r, source == C.SELF)
             if m > 0:
                 n, sc = _score_into(seq, (s, e, slen[s]), (source, m, q, once), ml, cal.table, alt.score[b],
                                     scratch)
