@@ -313,9 +313,6 @@ class SpecSection:
     history_depth: int = 1  # rollouts of each prompt kept in the history store
     self_lookup: bool = False  # extension: no history match -> draft from the sequence's own earlier tokens
     siblings: bool = False  # extension: also draft from the same step's other responses to the prompt (GRPO group)
-    # extension (goodput only): verify each row's runner-up candidate too, in a shadow row of the step's
-    # spare rows and tokens (rhyme_jax/rollout/shadow.py); the longer accepted run wins, the tokens stay exact
-    second_candidate: bool = True
     # step-cost model of window=goodput: a profile JSON | "" = profiled at start-up, cached per model and backend
     # | "prior" = the analytical stand-in (2 x rows + packed tokens; no profiling)
     step_cost: str = ""

@@ -34,7 +34,7 @@ from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
-from rhyme_jax.rollout import allocation, batching, shadow, shapes
+from rhyme_jax.rollout import allocation, batching, shapes
 from rhyme_jax.rollout.allocation import StepChoice
 from rhyme_jax.rollout.step_cost import PROFILE_VERSION, StepCost, profile
 from rhyme_jax.rollout.step_cost import cache_path as step_cost_cache_path
@@ -310,10 +310,9 @@ class RolloutEngine:
         return out
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
-               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, StepChoice, np.ndarray | None]:
-        """Drafts ``i32[n, K]`` of the live slots ``ids``, the step that carries them
-        (``allocation.StepChoice``: program and kept draft lengths; ``K = 0`` without a drafter)
-        and the drafts' acceptance curve (``allocation.accept_curve``; ``None`` without estimates).
+               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, StepChoice]:
+        """Drafts ``i32[n, K]`` of the live slots ``ids`` and the step that carries them
+        (``allocation.StepChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
         The engine alone sizes drafts: they never pass the request's ``max_new_tokens`` (room for
         the bonus token) nor ``shapes.MAX_DRAFT``; with the drafter's acceptance estimates the
         goodput allocation keeps what pays under ``self.step_cost``, else they are cut
@@ -324,7 +323,7 @@ class RolloutEngine:
         (``allocation.DraftBackoff``)."""
         if (drafter is None or ids.size == 0
                 or backoff is not None and backoff.skip(shapes.seq_bucket(ids.size, self.max_slots))):
-            return np.zeros((ids.size, 0), np.int32), allocation.fixed_rule(self.plan, np.zeros(ids.size, np.int64)), None
+            return np.zeros((ids.size, 0), np.int32), allocation.fixed_rule(self.plan, np.zeros(ids.size, np.int64))
         t0 = time.perf_counter()
         reqs = table.req[ids]
         budgets = np.maximum(table.limit - table.n_generated[reqs] - 1, 0)
@@ -335,28 +334,13 @@ class RolloutEngine:
         d_tok = np.asarray(d_tok, np.int32)
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
         if not got.any():  # nothing proposed: the plain decode step, no choice to make
-            return d_tok[:, :0], allocation.fixed_rule(self.plan, got), None
+            return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
         choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
         if backoff is not None and est is not None:
             backoff.chose(True, bool(choice.draft_lens.any()))  # proposed: got has a draft
         lens = self._page_cut(table, ids, choice.draft_lens)
         table.stats["predicted_accepted"] += allocation.expected_accepted(curve, lens)
-        return d_tok, dataclasses.replace(choice, draft_lens=lens), curve
-
-    def _shadows(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray, drafts: np.ndarray,
-                 choice: StepChoice, curve: np.ndarray | None) -> tuple[shadow.ShadowPlan | None, StepChoice]:
-        """Shadow rows of this step for the drafter's runner-up candidates (``rollout/shadow.py``;
-        only when it gives them, ``alternates``, and a verify program was chosen) and the step's
-        draft lengths after making room for them."""
-        alternates = getattr(drafter, "alternates", None)
-        if alternates is None or curve is None or choice.q_len == 1:
-            return None, choice
-        width = self.plan.width(int(self.allocator.num_held[ids].max()))
-        weights = allocation.makespan_weights(getattr(drafter, "priorities", None), ids.size)
-        plan, lens = shadow.plan(alternates, drafts, choice.draft_lens, curve, weights,
-                                 (choice.rows, choice.tokens, choice.q_len, width), ids, table.length[ids],
-                                 self.allocator)
-        return plan, dataclasses.replace(choice, draft_lens=lens)
+        return d_tok, dataclasses.replace(choice, draft_lens=lens)
 
     def _page_cut(self, table: SlotTable, ids: np.ndarray, got: np.ndarray) -> np.ndarray:
         """Draft lengths ``got`` cut to the pages each slot holds after taking the pages the pool
@@ -396,36 +380,22 @@ class RolloutEngine:
         """One decode/verify pass over the live slots: each feeds its pending token plus its draft;
         the emitted tokens (accepted drafts + one sampled) are recorded and the drafter told."""
         ids = table.live()
-        n = ids.size
-        drafts, choice, curve = self._draft(drafter, table, ids, backoff)
-        sh, choice = self._shadows(drafter, table, ids, drafts, choice, curve)
+        drafts, choice = self._draft(drafter, table, ids, backoff)
         inp = self._step_inputs(ids, drafts, choice, table)
-        d_lens = inp.draft_lens[:n]
-        m = 0 if sh is None else sh.rows.size
-        if m:
-            at = ids[sh.rows]
-            inp = shadow.append_rows(inp, n, sh, table.length[at], table.pending[at], table.req[at], self.page_size)
-            if sh.copies[0].size:
-                self.kv = shadow.copy_pages(self.kv, *sh.copies)
-            table.stats["shadow_rows"] += m
-            table.stats["drafted_tokens"] += int(sh.lens.sum())
+        d_lens = inp.draft_lens[: ids.size]
         toks, lps, n_emit = run(inp)
         cu = inp.meta.cu_q_lens
-        toks = batching.unpack_rows(toks, cu, n + m, inp.max_q_len)
-        lps = batching.unpack_rows(lps, cu, n + m, inp.max_q_len)
-        n_emit = np.array(n_emit[: n + m], np.int64)
-        own = n_emit[:n].copy() if not m else shadow.resolve(sh, n, toks, lps, n_emit, ids, self.allocator)
+        toks = batching.unpack_rows(toks, cu, ids.size, inp.max_q_len)
+        lps = batching.unpack_rows(lps, cu, ids.size, inp.max_q_len)
         table.stats["decode_steps"] += 1
-        table.stats["sequence_steps"] += n
-        advanced = n_emit[:n] - 1
-        table.stats["accepted_tokens"] += int(advanced.sum())
-        if m:
-            table.stats["shadow_wins"] += int((n_emit[:n] > own).sum())
+        table.stats["sequence_steps"] += ids.size
+        accepted = n_emit[: ids.size] - 1
+        table.stats["accepted_tokens"] += int(accepted.sum())
         if drafter is not None:
-            drafter.observe(table.req[ids], d_lens, own - 1, *((advanced,) if m else ()))
+            drafter.observe(table.req[ids], d_lens, accepted)
         # KV now holds the pending token and the accepted drafts; the last emitted token is the
         # new pending one (rejected draft positions are overwritten later).
-        table.length[ids] += table.record(ids, toks[:n], lps[:n], n_emit[:n])
+        table.length[ids] += table.record(ids, toks[: ids.size], lps[: ids.size], n_emit[: ids.size])
 
     # ------------------------------------------------------------------ main loop
     def generate(self, state: nnx.State, prompts: list[list[int]], sampling: SamplingParams,

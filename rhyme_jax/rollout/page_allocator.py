@@ -40,7 +40,6 @@ class PageAllocator:
         self.num_held = np.zeros(max_slots, np.int32)
         self._refs = np.zeros(num_pages, np.int64)  # slots holding each page
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
-        self._loose: set[int] = set()  # pages taken for a shadow row, held by no slot yet
 
     @property
     def num_free(self) -> int:
@@ -107,59 +106,6 @@ class PageAllocator:
         self._refs[pages] += 1
         self.num_held[slot] = num_pages
 
-    def take(self, num_pages: int) -> np.ndarray:
-        """``int32[num_pages]`` free pages held by no slot yet (a shadow row's,
-        ``rollout/shadow.py``): each goes back with ``give_back`` or to a slot with ``adopt``.
-
-        Raises:
-          PageAllocationError: fewer pages free (nothing is taken then).
-        """
-        if num_pages > len(self._free):
-            raise PageAllocationError(f"page_allocator: {num_pages} pages asked, only {len(self._free)} free")
-        pages = np.array([self._free.pop() for _ in range(num_pages)], np.int32)
-        self._refs[pages] = 1
-        self._loose.update(pages.tolist())
-        return pages
-
-    def give_back(self, pages: np.ndarray) -> None:
-        """Return pages from ``take`` to the free list.
-
-        Raises:
-          PageAllocationError: a page was not taken.
-        """
-        for page in np.asarray(pages, np.int64).tolist():
-            if page not in self._loose:
-                raise PageAllocationError(f"page_allocator: page {page} was not taken")
-            self._loose.discard(page)
-            self._refs[page] = 0
-            self._free.append(page)
-
-    def adopt(self, slot: int, first: int, pages: np.ndarray) -> None:
-        """Slot ``slot`` holds ``pages`` (from ``take``) as its pages ``first, first + 1, ...``
-        in place of those it held there (released as ``free`` would) and none after.
-
-        Raises:
-          PageAllocationError: slot out of range, a page not taken, ``first`` past the pages the
-            slot holds or the pages past its page-table row.
-        """
-        pages = np.asarray(pages, np.int32)
-        if not 0 <= slot < self.max_slots:
-            raise PageAllocationError(f"page_allocator: slot {slot} out of range [0, {self.max_slots})")
-        held = int(self.num_held[slot])
-        if not 0 <= first <= held or first + pages.size > self.pages_per_seq:
-            raise PageAllocationError(f"page_allocator: slot {slot} holds {held} pages, cannot adopt "
-                                      f"{pages.size} from page {first}")
-        if not set(pages.tolist()) <= self._loose:
-            raise PageAllocationError(f"page_allocator: adopt takes pages from take(), got {pages.tolist()}")
-        for page in self.page_table[slot, first:held][::-1]:
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                self._free.append(int(page))
-        self._loose.difference_update(pages.tolist())
-        self.page_table[slot, first:] = 0
-        self.page_table[slot, first: first + pages.size] = pages
-        self.num_held[slot] = first + pages.size
-
     def free(self, slot: int) -> int:
         """Release ``slot``'s pages (a page returns to the free list when no slot holds it any
         more); returns how many pages the slot held."""
@@ -184,7 +130,7 @@ class PageAllocator:
           PageAllocationError: an invariant is broken.
         """
         used = [self.page_table[s, : self.num_held[s]] for s in range(self.max_slots)]
-        flat = np.concatenate(used + [np.array(sorted(self._loose), np.int32)])
+        flat = np.concatenate(used) if used else np.zeros(0, np.int32)
         if (flat == 0).any():
             raise PageAllocationError("page_allocator: scratch page 0 assigned to a sequence")
         if any(len(np.unique(u)) != len(u) for u in used):

@@ -14,8 +14,7 @@ below ``min_token_prob``. Each token's acceptance estimate is its calibration ce
 (``calibration.py``: source history, match length, depth, q, whether the match
 occurred once). A candidate's score is its expected
 accepted length ``sum_j prod_{i <= j} est_i`` (SuffixDecoding, Oliaro et al. 2024, arXiv
-2411.04975); the row keeps the best (ties: the longer match) and the runner-up, which the
-engine may verify beside it in a shadow row (``rollout/shadow.py``).
+2411.04975); the row keeps the best (ties: the longer match).
 
 This subsumes the prompt-head fallback: at the start of a response the whole tail matches only
 the plain prompt string (continuation END, no draft), but its 5-token suffix also occurs as the
@@ -23,7 +22,7 @@ prompt head stored before every response, whose walk drafts the responses' first
 
 A walk also stops when its cumulative estimate falls below ``MIN_CUM`` (the rest adds under 1%
 of a token per position) or when even perfect remaining tokens (each at the table's largest
-estimate) could not beat the runner-up so far (exact pruning: the best is never pruned).
+estimate) could not beat the best candidate so far (exact pruning).
 
 The kernels take their state as small records (``HistoryTables``, ``IndexView``, ``DraftRows``,
 ``Candidates``, ``Draft``, ``Scoring``; the settings as ``sam_kernels.DraftRule``, the
@@ -284,51 +283,32 @@ def walk(ix, v, m, max_len, min_prob, scoring, best, draft):
     return n, score
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def offer(cands, b, draft, n, score):
-    """Row b of ``cands`` (``Candidates``) := the first n tokens of ``draft`` (``Draft``) with
-    expected accepted length ``score``."""
-    for j in range(n):
-        cands.tokens[b, j] = draft.tokens[j]
-        cands.est[b, j] = draft.est[j]
-        cands.cell[b, j] = draft.cell[j]
-    cands.lens[b] = n
-    cands.score[b] = score
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def rank(best, alt, b, draft, n, score):
-    """Place a candidate of row b (n tokens of ``draft``, expected accepted length ``score``)
-    among the row's best and runner-up (``alt``; both ``Candidates``): a new best pushes the old
-    one down to runner-up, else it replaces the runner-up when it scores higher."""
-    if score > best.score[b]:
-        if best.lens[b] > 0:
-            offer(alt, b, Draft(best.tokens[b], best.est[b], best.cell[b]), best.lens[b], best.score[b])
-        offer(best, b, draft, n, score)
-    elif score > alt.score[b]:
-        offer(alt, b, draft, n, score)
-
-
 @numba.njit(cache=True, nogil=True)
-def _best_walk(ix, v, m, max_len, rule, scoring, scratch, best, alt, b):
-    """Best two history candidates of row b (into rows b of ``best`` and ``alt``, both
-    ``Candidates``, emptied first) whose longest match is state v (m tokens) of index ``ix``: a
-    ``walk`` (into ``scratch``, a ``Draft``) from every state of v's suffix-link chain whose
-    match is at least ``rule.pmin`` tokens. A walk is pruned once it cannot beat the runner-up."""
+def _best_walk(ix, v, m, max_len, rule, scoring, scratch, out):
+    """Best history candidate of one row whose longest match is state v (m tokens) of index
+    ``ix``: a ``walk`` (into ``scratch``) from every state of v's suffix-link chain whose match is
+    at least ``rule.pmin`` tokens, the best copied into ``out`` (both ``Draft``). Returns
+    ``(n, score)``."""
     states, s0 = ix.states, ix.s0
-    best.lens[b], best.score[b], alt.lens[b], alt.score[b] = 0, 0.0, 0, 0.0
+    n_best = 0
+    s_best = 0.0
     while v != 0 and m >= rule.pmin:
-        n, s = walk(ix, v, m, max_len, rule.min_prob, scoring, alt.score[b], scratch)
-        if s > 0.0:
-            rank(best, alt, b, scratch, n, s)
+        n, s = walk(ix, v, m, max_len, rule.min_prob, scoring, s_best, scratch)
+        if s > s_best:
+            s_best = s
+            n_best = n
+            for j in range(n):
+                out.tokens[j] = scratch.tokens[j]
+                out.est[j] = scratch.est[j]
+                out.cell[j] = scratch.cell[j]
         v = states[s0 + v, LINK]
         m = states[s0 + v, LENGTH]
+    return n_best, s_best
 
 
 @numba.njit(cache=True, nogil=True)
-def history_candidates(hist, slots, rows, grow, memo, rule, cal, best, alt):
-    """Best and runner-up history candidates of B rows into ``best`` and ``alt``
-    (``Candidates``, every row overwritten).
+def history_candidates(hist, slots, rows, grow, memo, rule, cal, best):
+    """Best history candidate of B rows into ``best`` (``Candidates``, every row overwritten).
 
     ``hist`` is a ``HistoryTables``; row b of ``rows`` (``DraftRows``: request ``reqs[b]``,
     ``tails[b]``, ``budgets[b]``) uses index ``slots[b]`` (-1: none) and drafts at most
@@ -336,14 +316,14 @@ def history_candidates(hist, slots, rows, grow, memo, rule, cal, best, alt):
     in the tables); its request's tail grew by ``grow[r]`` tokens since its last draft (-1
     unknown) and ``memo int64[R, 3]`` holds its last match (-1 none; updated). ``cal`` is a
     ``calibration.Estimates``. ``best.score[b]``: expected accepted tokens (0 for an empty
-    draft); the runner-up is the best other walk that was not pruned (a walk stops once it
-    cannot beat the runner-up so far)."""
+    draft)."""
     ub = np.zeros(MAX_DRAFT + 1, np.float64)
     tail_bounds(cal.top, ub)
     scoring = Scoring(cal.table, ub)
     scratch = Draft(np.zeros(MAX_DRAFT, np.int32), np.zeros(MAX_DRAFT, np.float32), np.zeros(MAX_DRAFT, np.int32))
     for b in range(rows.tails.shape[0]):
-        best.lens[b], best.score[b], alt.lens[b], alt.score[b] = 0, 0.0, 0, 0.0
+        best.lens[b] = 0
+        best.score[b] = 0.0
         i = slots[b]
         ml = min(rows.budgets[b], MAX_DRAFT)
         if i < 0 or ml <= 0:
@@ -352,4 +332,6 @@ def history_candidates(hist, slots, rows, grow, memo, rule, cal, best, alt):
         r = rows.reqs[b]
         ix = IndexView(hist.states, hist.so[i], hist.trans, h0, np.int64(hist.ho[i + 1] - h0 - 1))
         v, m = _match_since(ix, rows.tails[b], rule.pmax, grow[r], memo[r])
-        _best_walk(ix, v, m, ml, rule, scoring, scratch, best, alt, b)
+        n, s = _best_walk(ix, v, m, ml, rule, scoring, scratch, Draft(best.tokens[b], best.est[b], best.cell[b]))
+        best.lens[b] = n
+        best.score[b] = s

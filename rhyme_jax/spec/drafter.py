@@ -73,8 +73,6 @@ class Drafter:
         self.goodput = self.window_policy == "goodput"
         # Extension (goodput only): draft from the batch's other requests with the same prompt.
         self.siblings = bool(getattr(cfg, "siblings", False)) and self.goodput
-        # Extension (goodput only): hand the engine each row's runner-up candidate as well.
-        self.second_candidate = bool(getattr(cfg, "second_candidate", False)) and self.goodput
         # Tokens of each running sequence the engine passes as ``tails``.
         wide = self.self_lookup or self.siblings
         self.context_width = SELF_LOOKUP_WIDTH if wide else self.pattern_max
@@ -193,10 +191,6 @@ class DraftBatch:
         row still has to generate (its prompt's mean response length last time minus the tokens
         it emitted in verified passes so far, >= 0; 0 without history), so the engine can favour
         the rows that bound the rollout's makespan; ``None`` with the window policies.
-      alternates: after each goodput ``draft`` with ``spec.second_candidate``, each row's
-        runner-up candidate ``(tokens int32[B, K2], lens int32[B], estimates float32[B, K2])``
-        (``goodput.GoodputDrafts``), which the engine may verify in a shadow row
-        (``rollout/shadow.py``); ``None`` otherwise.
     """
 
     def __init__(self, parent: Drafter, pack: IndexPack | HistoryPack, slots: np.ndarray,
@@ -207,7 +201,6 @@ class DraftBatch:
         self.seconds = 0.0
         self.estimates: np.ndarray | None = None
         self.priorities: np.ndarray | None = None
-        self.alternates: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.predicted_lengths = np.zeros(slots.size, np.float64)
         self._emitted = np.zeros(slots.size, np.int64)
         self._goodput: GoodputDrafts | None = None
@@ -267,8 +260,6 @@ class DraftBatch:
         if goodput:  # no window: the kernel caps drafts at 32 tokens
             drafts, lens, self.estimates, self.priorities = self._goodput.draft(r, tails, budgets,
                                                                                 self.predicted_lengths, self._emitted)
-            if p.second_candidate:
-                self.alternates = self._goodput.alternates
             self._spent(time.perf_counter() - t0)
             return drafts, lens
         max_lens = np.minimum(self._window[r], budgets)
@@ -299,19 +290,15 @@ class DraftBatch:
         self.parent.seconds += dt
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"],
-                accepted: Int[np.ndarray, "B"], advanced: Int[np.ndarray, "B"] | None = None) -> None:
+                accepted: Int[np.ndarray, "B"]) -> None:
         """Window update after a verify step (``window.next_window``) for distinct requests;
         with ``window = "goodput"`` the calibration update instead (``GoodputDrafts.observe``).
-        ``advanced``: tokens each row emitted minus one when that is more than ``accepted`` (its
-        shadow row's runner-up won, ``rollout/shadow.py``; default ``accepted``): the goodput
-        state advances by those, the calibration counts ``accepted`` of the draft it scored.
 
         Raises:
           ValueError: repeated or out-of-range requests, or bad drafted/accepted (named).
         """
         if self._goodput is not None:  # the calibration checks range and repeats as it counts
-            self._goodput.observe(_int64(reqs), _int64(drafted), _int64(accepted), self._emitted,
-                                  None if advanced is None else _int64(advanced))
+            self._goodput.observe(_int64(reqs), _int64(drafted), _int64(accepted), self._emitted)
             return
         r = self._reqs(reqs)
         if np.unique(r).size != r.size:

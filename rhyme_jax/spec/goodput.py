@@ -59,7 +59,6 @@ class DraftOut(NamedTuple):
     est: np.ndarray  # float32[B, K] acceptance estimate of each token (0 past lens[b])
     lens: np.ndarray  # int32[B] draft length
     prio: np.ndarray  # float32[B] max(predicted - emitted, 0) of the row's request
-    alt: Candidates  # each row's runner-up (tokens 0 and estimates 0 past its lens)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -82,15 +81,6 @@ def _finish(reqs, best, requests):
             requests.cells[r, j] = cell[b, j]
             requests.ests[r, j] = est[b, j]
     return k
-
-
-@numba.njit(cache=True, nogil=True)
-def _clear_past(cands):
-    """Zero the tokens and estimates of every row of ``cands`` (``Candidates``) past its lens."""
-    for b in range(cands.lens.shape[0]):
-        for j in range(cands.lens[b], MAX_DRAFT):
-            cands.tokens[b, j] = 0
-            cands.est[b, j] = 0.0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -132,8 +122,7 @@ def draft_kernel(hist, requests, rows, rule, sources, cal, store, out):
     the self / sibling candidates (``lookup_candidates`` over ``store``, a
     ``siblings.StoreArrays``), then ``_finish``. ``requests``: ``RequestState``; ``rows``:
     ``candidates.DraftRows``; ``rule``: ``sam_kernels.DraftRule``; ``cal``:
-    ``calibration.Estimates``; ``out``: ``DraftOut``. Returns the longest draft (runner-ups
-    not counted)."""
+    ``calibration.Estimates``; ``out``: ``DraftOut``. Returns the longest draft."""
     code = _prologue(requests, rows, sources, store, out.prio)
     if code:
         return -code
@@ -144,10 +133,9 @@ def draft_kernel(hist, requests, rows, rule, sources, cal, store, out):
     for i in range(b):
         rs[i] = requests.slots[rows.reqs[i]]
     best = Candidates(out.tokens, out.est, cell, out.lens, score)
-    history_candidates(hist, rs, rows, requests.grow, requests.memo, rule, cal, best, out.alt)
+    history_candidates(hist, rs, rows, requests.grow, requests.memo, rule, cal, best)
     if sources.self_lookup or sources.siblings:
-        lookup_candidates(store, requests.grow, rows, rule, sources, cal, best, out.alt)
-    _clear_past(out.alt)
+        lookup_candidates(store, requests.grow, rows, rule, sources, cal, best)
     return _finish(rows.reqs, best, requests)
 
 
@@ -160,12 +148,6 @@ class GoodputDrafts:
       pack / slots: the batch's indexes (``candidates.HistoryPack``) and each request's slot
         (-1: no history).
       groups: ``int[R]`` group of each request (same prompt id = same group).
-
-    Attributes:
-      alternates: after each ``draft``, each row's runner-up candidate ``(tokens int32[B, K2],
-        lens int32[B], estimates float32[B, K2])`` (the best other candidate the sources gave;
-        ``lens`` 0 where none), which the engine may verify beside the best in a shadow row
-        (``rollout/shadow.py``).
     """
 
     def __init__(self, parent: "Drafter", pack: HistoryPack, slots: np.ndarray, groups: np.ndarray):
@@ -185,7 +167,6 @@ class GoodputDrafts:
         self.store = SequenceStore(groups if self.lookup else np.zeros(0, np.int64), parent.pattern_min,
                                    parent.pattern_max, cap=512 if self.lookup else 1)
         self._zeros = (np.zeros(r, np.float64), np.zeros(r, np.int64))
-        self.alternates: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def draft(self, reqs: Int[np.ndarray, "B"], tails: Int[np.ndarray, "B W"], budgets: Int[np.ndarray, "B"],
               predicted: Float[np.ndarray, "R"] | None = None, emitted: Int[np.ndarray, "R"] | None = None
@@ -215,10 +196,8 @@ class GoodputDrafts:
             predicted, emitted = self._zeros
         requests = RequestState(self.slots, self.grow, self.memo, self.cells, self.ests, predicted, emitted)
         rows = DraftRows(reqs, tails, budgets)
-        alt = Candidates(np.empty((b, MAX_DRAFT), np.int32), np.empty((b, MAX_DRAFT), np.float32),
-                         np.empty((b, MAX_DRAFT), np.int32), np.empty(b, np.int32), np.empty(b, np.float64))
         out = DraftOut(np.empty((b, MAX_DRAFT), np.int32), np.empty((b, MAX_DRAFT), np.float32), np.empty(b, np.int32),
-                       np.empty(b, np.float32), alt)
+                       np.empty(b, np.float32))
         for _ in range(2):
             k = draft_kernel(self.pack.tables, requests, rows, self.rule, self.sources, cal.estimates(), st.arrays(),
                              out)
@@ -228,16 +207,13 @@ class GoodputDrafts:
         if k == -1:
             raise ValueError(f"reqs: expected request indices in [0, {self.slots.size}) of the batch given to "
                              f"Drafter.batch(), got {reqs.tolist()}")
-        k2 = int(alt.lens.max(initial=0))
-        self.alternates = (alt.tokens[:, :k2], alt.lens, alt.est[:, :k2])
         return out.tokens[:, :k], out.lens, out.est[:, :k], out.prio
 
     def observe(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"], accepted: Int[np.ndarray, "B"],
-                emitted: Int[np.ndarray, "R"], advanced: Int[np.ndarray, "B"] | None = None) -> None:
+                emitted: Int[np.ndarray, "R"]) -> None:
         """Feed the calibration with each row's verify outcome (``drafted`` tokens sent after the
         engine's cuts, the first ``accepted`` accepted), note how many tokens the next tails
-        add (``advanced + 1``, default ``accepted + 1``: more when a shadow row's runner-up
-        won; the history match and the sequence store advance by those) and add them to
+        add (the history match and the sequence store advance by those) and add them to
         ``emitted`` (``int64[R]``, per request). The drafts observed are forgotten (a request
         observed twice without a draft in between counts once). All ``int64``.
 
@@ -246,4 +222,4 @@ class GoodputDrafts:
             noted then).
         """
         self.calibration.update(reqs, self.cells, self.ests, drafted, accepted)
-        _note(reqs, accepted if advanced is None else advanced, self.grow, emitted)
+        _note(reqs, accepted, self.grow, emitted)

@@ -45,7 +45,7 @@ import numpy as np
 from jaxtyping import Int
 
 from rhyme_jax.spec import calibration as C
-from rhyme_jax.spec.candidates import MAX_DRAFT, MIN_CUM, Draft, rank
+from rhyme_jax.spec.candidates import MAX_DRAFT, MIN_CUM, Draft
 
 CHAIN_MAX = 16  # occurrences of a gram examined per query (newest first)
 ALIGN = 8  # tokens compared when lining a tail up with the stored sequence
@@ -300,19 +300,17 @@ def _query_row(store, r, rule, sources, occ):
 
 
 @numba.njit(cache=True, nogil=True)
-def lookup_candidates(store, grow, rows, rule, sources, cal, best, alt):
+def lookup_candidates(store, grow, rows, rule, sources, cal, best):
     """Extend every row's sequence in ``store`` (``StoreArrays``) with its tail (``rows``:
     ``candidates.DraftRows``; ``grow int64[R]`` tokens each request's tail gained, -1 unknown),
-    then rank its self / sibling candidates (``sources``: ``LookupSources``; match lengths by
+    then let its best self / sibling candidate (``sources``: ``LookupSources``; match lengths by
     ``rule``: ``sam_kernels.DraftRule``; estimates from ``cal``: ``calibration.Estimates``)
-    with its history candidates in ``best`` and ``alt`` (``candidates.Candidates`` from
-    ``history_candidates``; ``candidates.rank``): one that scores higher than the best replaces
-    it (the old best becomes the runner-up), else it may replace the runner-up."""
+    replace its history candidate in ``best`` (``candidates.Candidates`` from
+    ``history_candidates``) where that scores higher."""
     seq, slen = store.seq, store.slen
     for b in range(rows.reqs.shape[0]):
         _extend_row(store, grow, rows.reqs[b], rows.tails[b], rule.pmin)
     occ = Occurrences(np.zeros(CHAIN_MAX, np.int64), np.zeros(CHAIN_MAX, np.int64), np.zeros(CHAIN_MAX, np.int64))
-    scratch = Draft(np.zeros(MAX_DRAFT, np.int32), np.zeros(MAX_DRAFT, np.float32), np.zeros(MAX_DRAFT, np.int32))
     for b in range(rows.reqs.shape[0]):
         r = rows.reqs[b]
         ml = min(rows.budgets[b], MAX_DRAFT)
@@ -322,10 +320,10 @@ def lookup_candidates(store, grow, rows, rule, sources, cal, best, alt):
         for source in (C.SELF, C.SIBLING):
             m, s, e, q, once = _mode(seq, occ, k, r, source == C.SELF)
             if m > 0:
-                n, sc = _score_into(seq, (s, e, slen[s]), (source, m, q, once), ml, cal.table, alt.score[b],
-                                    scratch)
+                n, sc = _score_into(seq, (s, e, slen[s]), (source, m, q, once), ml, cal.table, best.score[b],
+                                    Draft(best.tokens[b], best.est[b], best.cell[b]))
                 if n >= 0:
-                    rank(best, alt, b, scratch, n, sc)
+                    best.lens[b], best.score[b] = n, sc
 
 
 @numba.njit(cache=True, nogil=True)
