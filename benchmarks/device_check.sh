@@ -86,10 +86,9 @@ for name in ("jax", "jaxlib", "flax", "numpy", "jaxtyping", "tokenizers", "safet
         print(f"{name:<12} MISSING ({type(exc).__name__}: {exc})")
 import jax
 print("backend", jax.default_backend(), "devices", jax.devices())
-from pallas_kernels import compat
 from pallas_kernels.ragged_paged_attention import api
 import rhyme_jax.rollout.engine  # noqa: F401  (the engine check needs it)
-print("pallas backends", compat.available(), "runnable implementations", api.available_implementations())
+print("runnable implementations", api.available_implementations())
 EOF
 }
 
@@ -143,6 +142,61 @@ if want update; then
   if [ "$SMOKE" = 1 ]; then UPD=(--rows 2 --tokens 64 --steps 1 --config configs/tiny_test.yaml)
   else UPD=(--config configs/gsm8k_qwen2.5_1.5b.yaml --model-config configs/models/qwen2.5-1.5b --rows 128 --steps 2); fi
   phase update "${T_UPDATE:-200}" "$PY" -m benchmarks.update_step "${UPD[@]}" --out "$OUT/update_step.json"
+fi
+
+# Issue 32: the learning suite's paired oracle units on the GPU, the measured ratios beside the
+# projection. learn_demo: L1's unit (demo model, full scale) from the suite's SFT, carried in
+# .gpu_b/demo_sft, in what is left of the call (CALL_BUDGET). learn_real: L2's unit (SmolLM2-135M-Instruct, quick scale: 8 steps); its GGUF
+# (98 MB, over one call's 64 MiB) travels in two calls, split (`split -n 2 -d`) into
+# .gpu_a/smol.gguf.part00 and .gpu_b/smol.gguf.part01 with smol.gguf.sha256 beside each: every call
+# stashes the parts it carries in /tmp/rhyme_stash (kept while the machine stays warm), and the
+# phase joins, checks and converts them (transformers + torch of the image, gguf from .whl).
+# Each unit's JSON, its runs (rollouts, metrics, analysis; no checkpoints) and the step-cost
+# profiles come back in $OUT. Two calls, learn_real before learn_demo in the second:
+#   run(command="PHASES=env bash benchmarks/device_check.sh", timeout_s=60, carry=[".whl", ".gpu_a"])
+#   run(command="PHASES='learn_real learn_demo' bash benchmarks/device_check.sh", timeout_s=600,
+#       carry=[".whl", ".gpu_b"])   # at once: the machine stays warm 30 s
+STASH=/tmp/rhyme_stash
+mkdir -p "$STASH"
+for d in .gpu_a .gpu_b; do [ -d "$d" ] && cp -r "$d"/. "$STASH"/; done
+export RHYME_JAX_CACHE=${RHYME_JAX_CACHE:-/tmp/rhyme_cache}
+LEARN_OUT=/tmp/rhyme_learn
+learn_unit() {  # learn_unit UNIT SCALE SECONDS [--set KEY=VALUE ...]: run, then pack what it wrote
+  local unit=$1 scale=$2 secs=$3
+  shift 3
+  phase "$unit" "$secs" "$PY" -m rhyme_jax.ablate.units "$unit" --out "$LEARN_OUT" --scale "$scale" "$@"
+  cp "$LEARN_OUT/units/$unit.json" "$OUT/" 2>/dev/null
+  tar -czf "$OUT/${unit}_runs.tgz" --exclude=checkpoints -C "$LEARN_OUT" "runs/$unit" \
+    -C "$RHYME_JAX_CACHE" step_cost 2>>"$LOG"
+}
+if want learn_real; then
+  SMOL="$RHYME_JAX_CACHE/models/smollm2-135m-instruct"
+  if [ -f "$STASH/smol.gguf.part00" ] && [ -f "$STASH/smol.gguf.part01" ]; then
+    mkdir -p /tmp/smol && cat "$STASH"/smol.gguf.part00 "$STASH"/smol.gguf.part01 >/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+    (cd /tmp/smol && sed 's#/tmp/smol.gguf#SmolLM2-135M-Instruct.Q4_1.gguf#' "$STASH/smol.gguf.sha256" | sha256sum -c) 2>&1 | tee -a "$LOG"
+    phase convert 90 "$PY" -c "import sys; from rhyme_jax.model import hub; hub.convert_gguf(sys.argv[1], sys.argv[2], overwrite=True)" \
+      /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf "$SMOL"
+    if [ "$SMOKE" = 1 ]; then learn_unit learn_real_oracle_paired quick "${T_LEARN_REAL:-900}" \
+      --set grpo.steps=2 --set rollout.max_new_tokens=8 --set grpo.prompts_per_step=2
+    else learn_unit learn_real_oracle_paired quick "${T_LEARN_REAL:-400}"; fi
+  else
+    echo "=== learn_real: SKIPPED, the GGUF parts are not both in $STASH (carry .gpu_a, then .gpu_b)" | tee -a "$LOG"
+    STATUS+=("learn_real: SKIPPED (GGUF parts missing)")
+  fi
+fi
+if want learn_demo; then
+  if [ -d "$STASH/demo_sft/sft/params" ]; then
+    mkdir -p "$LEARN_OUT/runs" && rm -rf "$LEARN_OUT/runs/demo_sft" && cp -r "$STASH/demo_sft" "$LEARN_OUT/runs/"
+    if [ "$SMOKE" = 1 ]; then learn_unit learn_oracle_paired full "${T_LEARN_DEMO:-300}" --set grpo.steps=3
+    else  # what is left of the call's budget (CALL_BUDGET seconds from the script's start)
+      T_LEARN_DEMO=${T_LEARN_DEMO:-$(( ${CALL_BUDGET:-580} - SECONDS - 20 ))}
+      if [ "$T_LEARN_DEMO" -ge 60 ]; then learn_unit learn_oracle_paired full "$T_LEARN_DEMO"
+      else echo "=== learn_demo: SKIPPED, ${T_LEARN_DEMO} s left" | tee -a "$LOG"; STATUS+=("learn_demo: SKIPPED (time)"); fi
+    fi
+  else
+    echo "=== learn_demo: SKIPPED, no demo_sft (carry .gpu_b)" | tee -a "$LOG"
+    STATUS+=("learn_demo: SKIPPED (no .gpu_b/demo_sft)")
+  fi
 fi
 
 {
