@@ -8,7 +8,10 @@ standard error over steps: ``rhyme_jax.ablate.pool`` (the method).
 
 Usage::
 
-    python -m benchmarks.paired_pool results/rep1 results/rep2 [--unit learn_goodput_paired] [--json]
+    python -m benchmarks.paired_pool results/rep1 results/rep2 [--unit learn_goodput_paired] [--json] [--passes]
+
+``--passes`` adds where the passes go: per epoch each rollout's batch passes, milliseconds per pass,
+the drafter's acceptance and its host drafting share (``pool.pass_lines``).
 
 Each argument is a results directory (``units/<unit>.json`` inside) or a unit JSON file.
 """
@@ -19,7 +22,7 @@ import argparse
 import json
 import sys
 
-from rhyme_jax.ablate.pool import load_unit, pooled, table_lines
+from rhyme_jax.ablate.pool import load_unit, pass_lines, pooled, table_lines
 
 
 def main(argv=None) -> int:
@@ -29,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("paths", nargs="+", help="results directories or unit JSON files")
     ap.add_argument("--unit", default="learn_oracle_paired", help="unit name inside results directories")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--passes", action="store_true", help="add the table of passes per epoch")
     args = ap.parse_args(argv)
     try:
         units = [load_unit(p, args.unit) for p in args.paths]
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
             each, pool = pooled(units)
             out = json.dumps({"commits": [u["commit"] for u in units], "units": each, "pooled": pool})
         else:
-            out = "\n".join(table_lines(units))
+            out = "\n".join(table_lines(units) + (["", *pass_lines(units)] if args.passes else []))
     except ValueError as exc:
         print(f"benchmarks.paired_pool: {exc}", file=sys.stderr)
         return 2

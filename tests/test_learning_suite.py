@@ -240,8 +240,20 @@ def test_pooled_units_give_ratios_with_their_errors(tmp_path):
         return pool.load_unit(path, "any")
 
     a, b = unit(tmp_path / "a.json", 1.25), unit(tmp_path / "b.json", 2.0)
-    # epoch 2 (steps 3, 4 of both): oracle 1.0 s (search time out) against 1.25 and 2.0 s
-    assert "| 2 | 4 | 80%, 50% | 61.5% ± 8.2% | 1.85 | 3.00 |" in pool.table_lines([a, b])
+    # epoch 2 (steps 3, 4 of both): oracle 1.0 s (search time out) against 1.25 and 2.0 s; goodput
+    # 12 / 6.5 s of rollout, and end to end with the rest of each step (10 - 3 - 1.2 - own s) on
+    # both sides: (7.55 + 6.8) x 2 / (5.8 x 4)
+    assert "| 2 | 4 | 80%, 50% | 61.5% ± 8.2% | 1.85 ± 0.25 | 3.00 | 1.24 ± 0.04 |" in pool.table_lines([a, b])
+    assert pool.pooled([a, b])[1][2]["own_e2e"] == pytest.approx(28.7 / 23.2)
+    # where the passes go: steps 3, 4 of both units, 10 passes per rollout, 4 drafted and 2
+    # accepted per goodput rollout; ms per pass 3 s / 10, the oracle's search (0.2 s) left out
+    for u in (a, b):
+        for s in u["steps"]:
+            for n in ("plain", "own", "spec"):
+                s[n].update(forward_passes=10.0, drafted_tokens=4.0, accepted_tokens=2.0)
+            s["own"]["drafting_seconds"] = 0.1
+    rows = pool.pass_lines([a, b])
+    assert rows[3] == "| 2 | 40 / 40 / 40 | 300.00 / 162.50 / 100.00 | 0.50 | 6.2% |"
     # plain paired units: rollout 3 / 1.2 and 3 / 1.5 s per step, pooled 12 / 5.4 with its error
     c, d = unit(tmp_path / "c.json"), unit(tmp_path / "d.json", spec_s=1.5)
     lines = pool.table_lines([c, d])

@@ -179,7 +179,8 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
     An oracle unit also decodes each step with the run's own drafter (``"own"``; after plain, in
     turns with the oracle): then ``"own_rollout"`` is that drafter's ratio and
     ``"of_bound"`` its share of the bound in the same steps (oracle seconds / own seconds), with
-    ``"of_bound_se"``, its standard error over the epoch's steps. Every ratio is a ratio of sums
+    ``"of_bound_se"``, its standard error over the epoch's steps, and ``"own_e2e"`` its end-to-end
+    ratio (the same rest of the step on both sides). Every ratio is a ratio of sums
     over the epoch's steps; ``"rollout_se"`` / ``"e2e_se"`` / ``"of_bound_se"`` are their
     standard errors (``measures.ratio_of_sums``; None for a single step)."""
     out = {}
@@ -193,7 +194,10 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
         out[ep] = {"rollout": roll, "rollout_se": roll_se, "e2e": e2e, "e2e_se": e2e_se, "steps": len(st)}
         if own.sum() > 0 and all("own" in s for s in st):
             share, se = ratio_of_sums(spec, own)
-            out[ep].update(own_rollout=float(plain.sum() / own.sum()), of_bound=share, of_bound_se=se)
+            own_roll, own_se = ratio_of_sums(plain, own)
+            own_e2e, own_e2e_se = ratio_of_sums(rest + plain, rest + own)
+            out[ep].update(own_rollout=own_roll, own_rollout_se=own_se, own_e2e=own_e2e, own_e2e_se=own_e2e_se,
+                           of_bound=share, of_bound_se=se)
     return out
 
 
