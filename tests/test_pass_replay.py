@@ -74,3 +74,34 @@ def test_replay_with_siblings_runs_the_goodput_drafter():
     known = replay.replay_step(cfg, 64, {0: prompt}, pids, [response] * 4, ones, store, siblings=True)
     unknown = replay.replay_step(cfg, 64, {0: prompt}, pids, [response] * 4, ones, HistoryStore(), siblings=True)
     assert known.tolist() == [1] * 4 and unknown.tolist() == [29] * 4
+
+
+def test_draft_gap_counts_the_tokens_the_oracle_would_have_drafted():
+    """``measure.draft_gap.gap_step`` (``python -m benchmarks.draft_gap``): a response that repeats
+    its first five tokens. Without self-lookup the drafter sends nothing, and each pass of the
+    repeat emits one token the oracle's self source held (positions 6-8 missed, cause ``no draft``,
+    source ``self``; position 9 ends the response, where a longer draft saves no pass); with
+    self-lookup it drafts the repeat and misses none. A response known from the history is drafted
+    in one pass: nothing missed."""
+    from rhyme_jax.measure import draft_gap
+
+    def spec(self_lookup):
+        return SimpleNamespace(branch="reward", window="fixed", fixed_window=8, min_token_prob=0.0, pattern_max=7,
+                               pattern_min=1, self_lookup=self_lookup, siblings=False, history_depth=1)
+
+    prompt = np.array([1, 2, 3], np.int32)
+    response = np.array([5, 6, 7, 8, 9, 5, 6, 7, 8, 9], np.int32)
+    pids, one = np.zeros(1, np.int64), np.ones(1, np.float32)
+    blind = draft_gap.gap_step(spec(False), 64, {0: prompt}, pids, [response], one, HistoryStore())
+    assert (blind["tokens"], blind["passes"], blind["drafted"], blind["accepted"], blind["missed"]) == (10, 9, 0, 0, 3)
+    assert blind["by_cause"] == {"no draft": 3} and blind["by_source"] == {"self": 3}
+    assert blind["by_position"] == {"4-7": 2, "8-15": 1}
+    seeing = draft_gap.gap_step(spec(True), 64, {0: prompt}, pids, [response], one, HistoryStore())
+    # positions 1-5 have nothing earlier to look up; at 6 the draft from the first 5 carries 6-9
+    assert (seeing["passes"], seeing["accepted"], seeing["missed"]) == (6, 4, 0)
+    store = HistoryStore()
+    store.update(1, pids, [prompt], [response], one)
+    known = draft_gap.gap_step(spec(False), 64, {0: prompt}, pids, [response], one, store)
+    assert (known["passes"], known["accepted"], known["missed"]) == (1, 8, 0)  # 8 drafted + its own token
+    merged = draft_gap.merge([blind, known])
+    assert (merged["tokens"], merged["missed"], merged["by_source"]) == (20, 3, {"self": 3})

@@ -31,7 +31,7 @@ from rhyme_jax.config import load_config
 from rhyme_jax.config.loader import schema_fields
 from rhyme_jax.data import load_problems
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
-from rhyme_jax.measure import pass_replay
+from rhyme_jax.measure import draft_gap, pass_replay
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train.prompts import PromptTokens, epoch_of_step
@@ -53,6 +53,32 @@ def _oracle_step(prompts: dict, pids, responses, history: HistoryStore, max_new:
                      for p, y in zip(pids, responses)])
 
 
+def saved_steps(run, overrides=()):
+    """Walk a run's saved steps as the trainer saw them: yields ``(cfg, step, epoch, prompts, pids,
+    responses, rewards, history)`` per step (``prompts``: prompt id -> ``int32[p]`` of the step's
+    prompts; ``history``: the store as the trainer held it when the step ran, written back after
+    the caller is done with the step).
+
+    Raises:
+      CorpusError: no ``config.yaml`` in ``run`` (names the path).
+    """
+    from rhyme_jax.train.policy import build_tokenizer
+
+    run = Path(run)
+    if not (run / "config.yaml").is_file():
+        raise CorpusError(f"{run / 'config.yaml'}: no such file")
+    cfg = load_config(str(run / "config.yaml"), list(overrides))
+    train, _ = load_problems(cfg.data)
+    tokens = PromptTokens(build_tokenizer(cfg, run, train), train, cfg.model.prompt_template)
+    history = HistoryStore(cfg.spec.history_depth)  # written back after each step, as the trainer does
+    for step in list_rollout_steps(run):
+        ro = load_rollouts(run, step)
+        pids, resp, rew = ro["prompt_ids"], ro["responses"], ro["rewards"]
+        prompts = {int(p): np.array(tokens(int(p)), np.int32) for p in np.unique(pids)}
+        yield cfg, step, epoch_of_step(cfg, len(train), step), prompts, pids, resp, rew, history
+        history.update(step, pids, [prompts[int(p)] for p in pids], resp, rew)
+
+
 def pass_replay_run(run, overrides=(), from_epoch: int = 3, siblings: bool = False, oracle: bool = False,
                     oracle_window: int = 32) -> tuple[dict, list[dict]]:
     """Replay HistoSpec's passes over a run's saved steps of epoch >= ``from_epoch``.
@@ -68,31 +94,35 @@ def pass_replay_run(run, overrides=(), from_epoch: int = 3, siblings: bool = Fal
     Raises:
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
-    from rhyme_jax.train.policy import build_tokenizer
-
-    run = Path(run)
-    if not (run / "config.yaml").is_file():
-        raise CorpusError(f"{run / 'config.yaml'}: no such file")
-    cfg = load_config(str(run / "config.yaml"), list(overrides))
-    train, _ = load_problems(cfg.data)
-    tokens = PromptTokens(build_tokenizer(cfg, run, train), train, cfg.model.prompt_template)
-    history = HistoryStore(cfg.spec.history_depth)  # written back after each step, as the trainer does
-    rows, max_new = [], cfg.rollout.max_new_tokens
-    for step in list_rollout_steps(run):
-        ro = load_rollouts(run, step)
-        pids, resp, rew = ro["prompt_ids"], ro["responses"], ro["rewards"]
-        epoch = epoch_of_step(cfg, len(train), step)
+    rows = []
+    for cfg, step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
         if epoch >= from_epoch:
-            prompts = {int(p): np.array(tokens(int(p)), np.int32) for p in np.unique(pids)}
+            max_new = cfg.rollout.max_new_tokens
             if oracle:
                 passes = _oracle_step(prompts, pids, resp, history, max_new, oracle_window)
             else:
                 passes = pass_replay.replay_step(cfg.spec, max_new, prompts, pids, resp, rew, history, siblings)
             rows.append(pass_replay.step_row(step, epoch, resp, passes))
-        history.update(step, pids, [np.array(tokens(int(p)), np.int32) for p in pids], resp, rew)
     if not rows:
         raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
     return {"run": str(run), "siblings": siblings, "oracle": oracle, **pass_replay.summarize(rows)}, rows
+
+
+def draft_gap_run(run, overrides=(), from_epoch: int = 2) -> dict[int, dict]:
+    """``measure.draft_gap.gap_step`` over a run's saved steps, merged per epoch (epochs >=
+    ``from_epoch``): ``{epoch: merged gap}``.
+
+    Raises:
+      CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
+    """
+    steps: dict[int, list[dict]] = {}
+    for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
+        if epoch >= from_epoch:
+            steps.setdefault(epoch, []).append(
+                draft_gap.gap_step(cfg.spec, cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history))
+    if not steps:
+        raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
+    return {ep: draft_gap.merge(st) for ep, st in sorted(steps.items())}
 
 
 def parse_steps(text: str, option: str) -> list[int]:

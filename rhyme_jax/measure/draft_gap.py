@@ -1,0 +1,148 @@
+"""Where a drafter's accepted tokens fall short of the source-bound oracle's, pass by pass.
+
+The paired oracle units show the goodput drafter's drafts carrying 88% of the generated tokens
+where the source-bound oracle's carry 92% (docs/results.md, L1). This module says where the
+difference is, without a model: it replays the run's own drafter over one step's emitted tokens
+(``pass_replay.replay_step``'s way: the history store as the trainer held it, finished siblings
+as sources, every drafted token sent) and, at each sequence pass, asks what the oracle could have
+had accepted from the same context: ``oracle_drafters.held_run`` (the longest run of the next
+emitted tokens that follows an occurrence of the context's last token) over each source apart,
+
+* ``history``: the prompt's earlier responses (prompt prepended), as the history store keeps them;
+* ``siblings``: the same prompt's responses in this step, up to what they had emitted before
+  the pass (prompt prepended; the drafter sees a sibling only once it finished);
+* ``self``: the sequence's own context.
+
+Each pass emits its accepted draft tokens and one more (the resampled or bonus token); that one
+token is **missed** when the oracle's run there is longer than what the drafter got accepted and
+the pass did not end the response (the oracle would have carried it in a draft and gone on). Every generated token after the prefill's is either
+carried by an accepted draft or the one token of a pass, so the missed tokens count, without
+overlap, tokens a drafter over the same sources could have drafted. A missed token has one cause:
+
+* ``no draft``: the drafter sent nothing;
+* ``wrong draft``: it sent a draft whose first tokens were rejected before the oracle's run ended;
+* ``short draft``: every sent token was accepted, but the oracle's run was longer.
+
+and one source: the first of history, siblings, self whose run is the oracle's (ties go to the
+earlier), and the response position of the pass (``POSITION_EDGES``). It is a count along the
+drafter's own passes, not the token gap of two rollouts (the oracle's passes split the
+responses differently), but it says which cause and which source to work on, and where.
+
+Source: issue 32 (speed on a learning run), the next step of its note; RhymeRL section 4.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from jaxtyping import Int
+
+from rhyme_jax.measure.draft_replay import drive
+from rhyme_jax.measure.oracle_drafters import held_run
+from rhyme_jax.measure.pass_replay import WithSiblings
+from rhyme_jax.spec.drafter import Drafter
+from rhyme_jax.spec.history import HistoryStore
+
+SOURCES = ("history", "siblings", "self")
+CAUSES = ("no draft", "wrong draft", "short draft")
+POSITION_EDGES = (0, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # response position buckets [a, b)
+
+
+def position_bucket(pos: int) -> str:
+    """``"a-b"``: the ``POSITION_EDGES`` bucket holding response position ``pos`` (``">=N"`` past
+    the last edge)."""
+    for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
+        if lo <= pos < hi:
+            return f"{lo}-{hi - 1}"
+    return f">={POSITION_EDGES[-1]}"
+
+
+def oracle_runs(ctx: np.ndarray, rest: np.ndarray, history: list[np.ndarray],
+                siblings: list[np.ndarray]) -> dict[str, int]:
+    """``held_run`` of ``rest`` (``int32[n]`` the next emitted tokens) after ``ctx`` (``int32[c]``)
+    over each source apart: ``{"history": .., "siblings": .., "self": ..}`` (token counts)."""
+    return {"history": held_run(history, ctx, rest) if history else 0,
+            "siblings": held_run(siblings, ctx, rest) if siblings else 0,
+            "self": held_run([], ctx, rest)}
+
+
+def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
+             history: HistoryStore, window: int = 32) -> dict:
+    """One step's shortfall against the oracle (module docstring).
+
+    Args:
+      spec: the ``spec`` config section of the run; ``max_new``: ``rollout.max_new_tokens``.
+      prompts: prompt id -> ``int32[p]``; ``pids``: ``int[N]`` prompt id per row.
+      responses, rewards: the step's emitted ``int32[L_i]`` responses and their rewards.
+      history: the history store as the trainer held it when the step ran.
+      window: most tokens the oracle drafts per pass (the engine's ``shapes.MAX_DRAFT``).
+
+    Returns ``{"tokens", "passes", "drafted", "accepted", "missed", "by_cause": {cause: tokens},
+    "by_source": {source: tokens}, "by_position": {bucket: tokens}}``: generated tokens, sequence
+    passes after the prefill, draft tokens sent and accepted, missed tokens and their split
+    (token counts).
+    """
+    store = WithSiblings(history, prompts, responses, rewards)
+    drafter = Drafter(spec, store)
+    rows = [np.asarray(prompts[int(p)], np.int64) for p in pids]
+    targets = [np.asarray(r, np.int64) for r in responses]
+    hist = {int(p): [np.concatenate([prompts[int(p)], h]) for h in history.responses(int(p))[0]]
+            if int(p) in history else [] for p in np.unique(pids)}
+    sibs = {int(p): np.flatnonzero(np.asarray(pids) == p) for p in np.unique(pids)}
+    out = {"tokens": int(sum(t.size for t in targets)), "passes": 0, "drafted": 0, "accepted": 0, "missed": 0,
+           "by_cause": defaultdict(int), "by_source": defaultdict(int), "by_position": defaultdict(int)}
+    before = np.minimum(1, np.array([t.size for t in targets], np.int64))  # the prefill's token
+    log: list = []
+
+    def tally(live, lens, accepted):
+        for r, n, a in zip(live, lens, accepted):
+            pos, pid = int(before[r]), int(pids[r])
+            ctx = np.concatenate([rows[r], targets[r][:pos]])
+            rest = targets[r][pos: pos + min(window, max(max_new - pos - 1, 0))]
+            sib = [np.concatenate([rows[j], targets[j][: before[j]]]) for j in sibs[pid] if j != r]
+            runs = oracle_runs(ctx, rest, hist[pid], sib)
+            best = max(runs.values())
+            out["passes"] += 1
+            out["drafted"] += int(n)
+            out["accepted"] += int(a)
+            if best <= a or a + 1 >= targets[r].size - pos:  # nothing longer held, or the response ended
+                continue
+            out["missed"] += 1
+            out["by_cause"]["no draft" if n == 0 else ("wrong draft" if a < n else "short draft")] += 1
+            out["by_source"][next(s for s in SOURCES if runs[s] == best)] += 1
+            out["by_position"][position_bucket(pos)] += 1
+
+    def rebatch(live, lens, accepted, done):
+        tally(live, lens, accepted)
+        before[live] = done[live]
+        log.append((live, lens, accepted))
+        ended = live[done[live] >= np.array([targets[i].size for i in live])]
+        if not ended.size:
+            return None
+        for i in ended:  # finished responses become draft sources from the next pass on
+            store.finish(pids[i], i)
+        batch = drafter.batch(pids)
+        for obs in log:  # the windows are a function of the observations: replay them
+            batch.observe(*obs)
+        return batch
+
+    try:
+        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, rebatch=rebatch)
+    finally:
+        drafter.close()
+    return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in out.items()}
+
+
+def merge(steps: list[dict]) -> dict:
+    """Sum of ``gap_step`` results."""
+    total: dict = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "missed": 0, "by_cause": {},
+                   "by_source": {},
+                   "by_position": {}}
+    for s in steps:
+        for k in ("tokens", "passes", "drafted", "accepted", "missed"):
+            total[k] += s[k]
+        for k in ("by_cause", "by_source", "by_position"):
+            for key, v in s[k].items():
+                total[k][key] = total[k].get(key, 0) + v
+    return total
