@@ -13,6 +13,8 @@ Usage::
 
     python -m benchmarks.draft_gap results/learning/runs/learn_oracle_paired [--from-epoch 2] [--json]
     python -m benchmarks.draft_gap RUN --set spec.siblings=false     # the drafter without siblings
+    python -m benchmarks.draft_gap RUN --unit results/learning/units/learn_oracle_paired.json
+        # each pass sends what the engine's allocation would under the unit's step-cost profile
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ def table(gaps: dict[int, dict]) -> list[str]:
     return head + ["", "Missed tokens by response position (share of the epoch's generated tokens):", ""] + pos
 
 
+def unit_cost(path: str):
+    """The ``StepCost`` a unit JSON recorded (``result.step_cost.profiled``: ``[rows, tokens,
+    q_len, seconds]`` per program). Raises ``OSError`` / ``ValueError`` / ``KeyError`` on a file
+    that is not such a unit."""
+    from rhyme_jax.rollout.step_cost import StepCost
+
+    with open(path) as f:
+        rec = json.load(f)["result"]["step_cost"]
+    return StepCost({(int(r), int(t), int(q)): float(sec) for r, t, q, sec in rec["profiled"]}, rec.get("meta", {}))
+
+
 def main(argv=None) -> int:
     """Command line (module docstring); returns the exit status (2: no config or no steps)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -48,11 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--from-epoch", type=int, default=2, help="report steps of this epoch on")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override the run's config (its spec section is the drafter replayed)")
+    ap.add_argument("--unit", default="", help="a unit JSON whose recorded step-cost profile sizes each pass as "
+                    "the engine's allocation would (default: every drafted token sent)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
-        gaps = draft_gap_run(args.run, args.overrides, args.from_epoch)
-    except CorpusError as exc:
+        gaps = draft_gap_run(args.run, args.overrides, args.from_epoch, unit_cost(args.unit) if args.unit else None)
+    except (CorpusError, OSError, ValueError, KeyError) as exc:
         print(f"benchmarks.draft_gap: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(gaps) if args.json else "\n".join(table(gaps)))

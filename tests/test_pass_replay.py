@@ -103,5 +103,9 @@ def test_draft_gap_counts_the_tokens_the_oracle_would_have_drafted():
     store.update(1, pids, [prompt], [response], one)
     known = draft_gap.gap_step(spec(False), 64, {0: prompt}, pids, [response], one, store)
     assert (known["passes"], known["accepted"], known["missed"]) == (1, 8, 0)  # 8 drafted + its own token
+    # a pass that sends nothing (``send``: the engine's cut) misses every held token but the last
+    cut = draft_gap.gap_step(spec(False), 64, {0: prompt}, pids, [response], one, store,
+                             send=lambda batch, lens, left: np.zeros_like(lens))
+    assert (cut["passes"], cut["drafted"], cut["missed"], cut["by_source"]) == (9, 0, 8, {"history": 8})
     merged = draft_gap.merge([blind, known])
     assert (merged["tokens"], merged["missed"], merged["by_source"]) == (20, 3, {"self": 3})

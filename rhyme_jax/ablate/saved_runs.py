@@ -108,18 +108,27 @@ def pass_replay_run(run, overrides=(), from_epoch: int = 3, siblings: bool = Fal
     return {"run": str(run), "siblings": siblings, "oracle": oracle, **pass_replay.summarize(rows)}, rows
 
 
-def draft_gap_run(run, overrides=(), from_epoch: int = 2) -> dict[int, dict]:
+def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int, dict]:
     """``measure.draft_gap.gap_step`` over a run's saved steps, merged per epoch (epochs >=
-    ``from_epoch``): ``{epoch: merged gap}``.
+    ``from_epoch``): ``{epoch: merged gap}``. With ``cost`` (a ``StepCost``, e.g. the run's own
+    profile) each pass sends what the engine's allocation would (``draft_replay.EngineSteps``
+    over the run's shape plan; pages and backoff not simulated), else every drafted token.
 
     Raises:
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
+    from rhyme_jax.measure.draft_replay import EngineSteps
+    from rhyme_jax.rollout import shapes
+
     steps: dict[int, list[dict]] = {}
     for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
         if epoch >= from_epoch:
+            r = cfg.rollout
+            send = None if cost is None else EngineSteps(
+                shapes.plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
+                            max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens), cost)
             steps.setdefault(epoch, []).append(
-                draft_gap.gap_step(cfg.spec, cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history))
+                draft_gap.gap_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, send=send))
     if not steps:
         raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
     return {ep: draft_gap.merge(st) for ep, st in sorted(steps.items())}

@@ -68,7 +68,7 @@ def oracle_runs(ctx: np.ndarray, rest: np.ndarray, history: list[np.ndarray],
 
 
 def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
-             history: HistoryStore, window: int = 32) -> dict:
+             history: HistoryStore, window: int = 32, send=None) -> dict:
     """One step's shortfall against the oracle (module docstring).
 
     Args:
@@ -77,6 +77,8 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
       responses, rewards: the step's emitted ``int32[L_i]`` responses and their rewards.
       history: the history store as the trainer held it when the step ran.
       window: most tokens the oracle drafts per pass (the engine's ``shapes.MAX_DRAFT``).
+      send: ``drive``'s ``send`` (``draft_replay.EngineSteps``: the engine's cost-aware cut of
+        each pass's drafts); ``None``: every drafted token is sent.
 
     Returns ``{"tokens", "passes", "drafted", "accepted", "missed", "by_cause": {cause: tokens},
     "by_source": {source: tokens}, "by_position": {bucket: tokens}}``: generated tokens, sequence
@@ -128,7 +130,7 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
         return batch
 
     try:
-        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, rebatch=rebatch)
+        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, send=send, rebatch=rebatch)
     finally:
         drafter.close()
     return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in out.items()}
