@@ -33,7 +33,7 @@
 #      PHASES (default "check rollout bench": the phases to run after env, e.g. PHASES=rollout
 #      for a rerun of the rollout benchmark alone, which then uses the kernel path; "update"
 #      times the 1.5B GRPO update, issue 14: PHASES="env update"; learn_real, learn_demo and
-#      passcost: issue 32, below).
+#      passcost: issue 32, below; passcost also brings back the optimised HLO of the decode and verify programs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -223,6 +223,13 @@ if want passcost; then
     phase "passcost[$attn]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.step_cost --model configs/models/smollm2-135m \
       --attention "$attn" --out "$OUT/passcost_$attn" "${PC[@]}"
   done
+  # the optimised HLO of the decode (K = 0) and verify (K = 3) programs as the GPU compiler left
+  # them: their kernels (fusions, custom calls) per layer, read here without a device
+  rm -rf /tmp/hlo_dump
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step_fn.*" \
+    phase "passcost[hlo]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.step_cost --model configs/models/smollm2-135m \
+      --out /tmp/passcost_hlo --rows "${PC[1]}" --context "${PC[3]}" --drafts 0,3 --iters 3
+  (cd /tmp/hlo_dump 2>/dev/null && ls | grep -E 'after_optimizations\.txt$' | tar -czf "$OUT/passcost_hlo.tgz" -T -) 2>>"$LOG"
 fi
 
 {
