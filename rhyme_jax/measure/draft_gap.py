@@ -40,7 +40,7 @@ from jaxtyping import Int
 
 from rhyme_jax.measure.draft_replay import drive
 from rhyme_jax.measure.oracle_drafters import held_run
-from rhyme_jax.measure.pass_replay import WithSiblings
+from rhyme_jax.measure.pass_replay import WithSiblings, sibling_rebatch
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 
@@ -95,9 +95,8 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
     out = {"tokens": int(sum(t.size for t in targets)), "passes": 0, "drafted": 0, "accepted": 0, "missed": 0,
            "by_cause": defaultdict(int), "by_source": defaultdict(int), "by_position": defaultdict(int)}
     before = np.minimum(1, np.array([t.size for t in targets], np.int64))  # the prefill's token
-    log: list = []
 
-    def tally(live, lens, accepted):
+    def tally(live, lens, accepted, done):
         for r, n, a in zip(live, lens, accepted):
             pos, pid = int(before[r]), int(pids[r])
             ctx = np.concatenate([rows[r], targets[r][:pos]])
@@ -114,23 +113,11 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
             out["by_cause"]["no draft" if n == 0 else ("wrong draft" if a < n else "short draft")] += 1
             out["by_source"][next(s for s in SOURCES if runs[s] == best)] += 1
             out["by_position"][position_bucket(pos)] += 1
-
-    def rebatch(live, lens, accepted, done):
-        tally(live, lens, accepted)
         before[live] = done[live]
-        log.append((live, lens, accepted))
-        ended = live[done[live] >= np.array([targets[i].size for i in live])]
-        if not ended.size:
-            return None
-        for i in ended:  # finished responses become draft sources from the next pass on
-            store.finish(pids[i], i)
-        batch = drafter.batch(pids)
-        for obs in log:  # the windows are a function of the observations: replay them
-            batch.observe(*obs)
-        return batch
 
     try:
-        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, send=send, rebatch=rebatch)
+        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, send=send,
+              rebatch=sibling_rebatch(drafter, store, pids, targets, on_pass=tally))
     finally:
         drafter.close()
     return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in out.items()}

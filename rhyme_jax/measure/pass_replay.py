@@ -91,24 +91,36 @@ def replay_step(spec, max_new: int, prompts: dict, pids, responses, rewards, his
     drafter = Drafter(spec, store)
     rows = [np.asarray(prompts[int(p)]) for p in pids]
     targets = [np.asarray(r) for r in responses]
+    try:
+        return drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new,
+                     rebatch=sibling_rebatch(drafter, store if siblings else None, pids, targets))
+    finally:
+        drafter.close()
+
+
+def sibling_rebatch(drafter: Drafter, store: WithSiblings | None, pids, targets, on_pass=None):
+    """``drive``'s ``rebatch`` for a step replay: calls ``on_pass(live, lens, accepted, done)``
+    after each pass, and with ``store`` makes the responses that just ended draft sources of
+    their siblings (``WithSiblings.finish``), returning a fresh batch of ``drafter`` that has
+    seen every observation so far (its windows are a function of them)."""
     log: list = []
+    sizes = np.array([t.size for t in targets])
 
     def rebatch(live, lens, accepted, done):
+        if on_pass is not None:
+            on_pass(live, lens, accepted, done)
         log.append((live, lens, accepted))
-        ended = live[done[live] >= np.array([targets[i].size for i in live])]
-        if not (siblings and ended.size):
+        ended = live[done[live] >= sizes[live]]
+        if store is None or not ended.size:
             return None
         for i in ended:  # their responses become draft sources from the next pass on
             store.finish(pids[i], i)
         batch = drafter.batch(pids)
-        for step_obs in log:  # the windows are a function of the observations: replay them
-            batch.observe(*step_obs)
+        for obs in log:
+            batch.observe(*obs)
         return batch
 
-    try:
-        return drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, rebatch=rebatch)
-    finally:
-        drafter.close()
+    return rebatch
 
 
 def best_continuation(ctx: np.ndarray, rest: np.ndarray, sources: list[np.ndarray], pattern_max: int,
