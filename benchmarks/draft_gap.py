@@ -7,7 +7,8 @@ have had accepted from the same context, per source (history, siblings, self): a
 non-draft token is missed where the oracle's run is longer. Prints per epoch, as shares of the
 generated tokens, what the drafter's accepted drafts carry and the missed tokens, split by cause
 (no draft / wrong draft / short draft), by the source that held the oracle's run, and by response
-position. No model runs; a 50-step demo run takes about a minute.
+position; and the drafter's acceptance estimates (what the engine's cut weighs) binned against
+whether each sent draft token was accepted. No model runs; a 50-step demo run takes seconds.
 
 Usage::
 
@@ -24,7 +25,7 @@ import json
 import sys
 
 from rhyme_jax.ablate.saved_runs import CorpusError, draft_gap_run
-from rhyme_jax.measure.draft_gap import CAUSES, SOURCES
+from rhyme_jax.measure.draft_gap import CAUSES, ESTIMATE_BINS, SOURCES
 
 
 def table(gaps: dict[int, dict]) -> list[str]:
@@ -40,7 +41,14 @@ def table(gaps: dict[int, dict]) -> list[str]:
         head.append(f"| {ep} | {g['tokens']:,} | {g['passes']:,} | {acc:.2f} | {g['accepted'] / n:.1%} | {g['missed'] / n:.1%} |" + "".join(f" {g['by_cause'].get(c, 0) / n:.1%} |" for c in CAUSES)
                     + "".join(f" {g['by_source'].get(s, 0) / n:.1%} |" for s in SOURCES))
         pos.append(f"| {ep} |" + "".join(f" {g['by_position'].get(k, 0) / n:.1%} |" for k in pos_keys))
-    return head + ["", "Missed tokens by response position (share of the epoch's generated tokens):", ""] + pos
+    cal = ["| epoch |" + "".join(f" estimate {b / ESTIMATE_BINS:.1f}-{(b + 1) / ESTIMATE_BINS:.1f} |"
+                                 for b in range(ESTIMATE_BINS)), "|---" * (1 + ESTIMATE_BINS) + "|"]
+    for ep, g in gaps.items():
+        c = g["calibration"]
+        cal.append(f"| {ep} |" + "".join(f" {a / n:.2f} ({n:,}) |" if n else " - |" for n, a in zip(c["sent"], c["accepted"])))
+    return (head + ["", "Missed tokens by response position (share of the epoch's generated tokens):", ""] + pos
+            + ["", "The drafter's estimates: acceptance of the sent draft tokens per estimate bin (tokens sent):", ""]
+            + cal)
 
 
 def unit_cost(path: str):

@@ -28,6 +28,10 @@ earlier), and the response position of the pass (``POSITION_EDGES``). It is a co
 drafter's own passes, not the token gap of two rollouts (the oracle's passes split the
 responses differently), but it says which cause and which source to work on, and where.
 
+It also checks the drafter's acceptance estimates (``DraftBatch.estimates``, what the engine's
+cost-aware cut weighs): every sent draft token's estimate, binned, against whether the token was
+accepted (``calibration``: tokens sent and accepted per bin).
+
 Source: issue 32 (speed on a learning run), the next step of its note; RhymeRL section 4.
 """
 
@@ -45,6 +49,7 @@ from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 
 SOURCES = ("history", "siblings", "self")
+ESTIMATE_BINS = 10  # equal-width bins of [0, 1] for the calibration of the drafter's estimates
 CAUSES = ("no draft", "wrong draft", "short draft")
 POSITION_EDGES = (0, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # response position buckets [a, b)
 
@@ -81,9 +86,11 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
         each pass's drafts); ``None``: every drafted token is sent.
 
     Returns ``{"tokens", "passes", "drafted", "accepted", "missed", "by_cause": {cause: tokens},
-    "by_source": {source: tokens}, "by_position": {bucket: tokens}}``: generated tokens, sequence
-    passes after the prefill, draft tokens sent and accepted, missed tokens and their split
-    (token counts).
+    "by_source": {source: tokens}, "by_position": {bucket: tokens}, "calibration": {"sent":
+    [ESTIMATE_BINS], "accepted": [ESTIMATE_BINS]}}``: generated tokens, sequence passes after the
+    prefill, draft tokens sent and accepted, missed tokens and their split, and the sent / accepted
+    draft tokens per estimate bin (token counts; no calibration counts for a drafter without
+    estimates).
     """
     store = WithSiblings(history, prompts, responses, rewards)
     drafter = Drafter(spec, store)
@@ -95,9 +102,20 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
     out = {"tokens": int(sum(t.size for t in targets)), "passes": 0, "drafted": 0, "accepted": 0, "missed": 0,
            "by_cause": defaultdict(int), "by_source": defaultdict(int), "by_position": defaultdict(int)}
     before = np.minimum(1, np.array([t.size for t in targets], np.int64))  # the prefill's token
+    cal = {"sent": np.zeros(ESTIMATE_BINS, np.int64), "accepted": np.zeros(ESTIMATE_BINS, np.int64)}
+    seen: dict = {}
+
+    def sending(batch, lens, left):  # what the pass's drafts were estimated at, then the cut
+        seen["estimates"] = getattr(batch, "estimates", None)
+        return lens if send is None else send(batch, lens, left)
 
     def tally(live, lens, accepted, done):
-        for r, n, a in zip(live, lens, accepted):
+        est = seen.get("estimates")
+        for i, (r, n, a) in enumerate(zip(live, lens, accepted)):
+            if est is not None and n:
+                b = np.minimum((np.asarray(est[i, :n]) * ESTIMATE_BINS).astype(np.int64), ESTIMATE_BINS - 1)
+                np.add.at(cal["sent"], b, 1)
+                np.add.at(cal["accepted"], b[:a], 1)
             pos, pid = int(before[r]), int(pids[r])
             ctx = np.concatenate([rows[r], targets[r][:pos]])
             rest = targets[r][pos: pos + min(window, max(max_new - pos - 1, 0))]
@@ -116,22 +134,25 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
         before[live] = done[live]
 
     try:
-        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, send=send,
+        drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, send=sending,
               rebatch=sibling_rebatch(drafter, store, pids, targets, on_pass=tally))
     finally:
         drafter.close()
+    out["calibration"] = {k: v.tolist() for k, v in cal.items()}
     return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in out.items()}
 
 
 def merge(steps: list[dict]) -> dict:
     """Sum of ``gap_step`` results."""
     total: dict = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "missed": 0, "by_cause": {},
-                   "by_source": {},
-                   "by_position": {}}
+                   "by_source": {}, "by_position": {},
+                   "calibration": {"sent": [0] * ESTIMATE_BINS, "accepted": [0] * ESTIMATE_BINS}}
     for s in steps:
         for k in ("tokens", "passes", "drafted", "accepted", "missed"):
             total[k] += s[k]
         for k in ("by_cause", "by_source", "by_position"):
             for key, v in s[k].items():
                 total[k][key] = total[k].get(key, 0) + v
+        for k in ("sent", "accepted"):
+            total["calibration"][k] = [x + y for x, y in zip(total["calibration"][k], s["calibration"][k])]
     return total
