@@ -8,7 +8,7 @@ non-draft token is missed where the oracle's run is longer. Prints per epoch, as
 generated tokens, what the drafter's accepted drafts carry and the missed tokens, split by cause
 (no draft / wrong draft / short draft), by the source that held the oracle's run, and by response
 position; and the drafter's acceptance estimates (what the engine's cut weighs) binned against
-whether each sent draft token was accepted. No model runs; a 50-step demo run takes seconds.
+whether each tested draft token (accepted, or the first rejected) was accepted. No model runs; a 50-step demo run takes seconds.
 
 Usage::
 
@@ -45,9 +45,11 @@ def table(gaps: dict[int, dict]) -> list[str]:
                                  for b in range(ESTIMATE_BINS)), "|---" * (1 + ESTIMATE_BINS) + "|"]
     for ep, g in gaps.items():
         c = g["calibration"]
-        cal.append(f"| {ep} |" + "".join(f" {a / n:.2f} ({n:,}) |" if n else " - |" for n, a in zip(c["sent"], c["accepted"])))
+        cal.append(f"| {ep} |" + "".join(f" {e / n:.3f} -> {a / n:.3f} ({n:,}) |" if n else " - |"
+                                         for n, a, e in zip(c["tested"], c["accepted"], c["estimate_sum"])))
     return (head + ["", "Missed tokens by response position (share of the epoch's generated tokens):", ""] + pos
-            + ["", "The drafter's estimates: acceptance of the sent draft tokens per estimate bin (tokens sent):", ""]
+            + ["", "The drafter's estimates (acceptance given the earlier draft tokens were accepted): acceptance "
+                   "of the tested draft tokens per estimate bin, mean estimate -> acceptance (tokens tested):", ""]
             + cal)
 
 

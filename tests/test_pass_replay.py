@@ -107,14 +107,14 @@ def test_draft_gap_counts_the_tokens_the_oracle_would_have_drafted():
     cut = draft_gap.gap_step(spec(False), 64, {0: prompt}, pids, [response], one, store,
                              send=lambda batch, lens, left: np.zeros_like(lens))
     assert (cut["passes"], cut["drafted"], cut["missed"], cut["by_source"]) == (9, 0, 8, {"history": 8})
-    # the goodput drafter gives estimates: every sent draft token lands in one bin, and a bin's
-    # accepted tokens are those of its sent ones the pass accepted
+    # the goodput drafter gives estimates: every accepted draft token, and the first rejected one
+    # of each draft, is a tested token of one bin
     est = draft_gap.gap_step(SimpleNamespace(**{**vars(spec(True)), "window": "goodput"}), 64, {0: prompt}, pids,
                              [response], one, store)
     cal = est["calibration"]
-    assert sum(cal["sent"]) == est["drafted"] > 0 and sum(cal["accepted"]) == est["accepted"] > 0
-    assert all(0 <= a <= n for n, a in zip(cal["sent"], cal["accepted"]))
-    assert blind["calibration"]["sent"] == [0] * draft_gap.ESTIMATE_BINS  # a fixed window has no estimates
+    assert sum(cal["accepted"]) == est["accepted"] > 0 and est["accepted"] < sum(cal["tested"]) <= est["drafted"]
+    assert all(0 <= a <= n for n, a in zip(cal["tested"], cal["accepted"]))
+    assert blind["calibration"]["tested"] == [0] * draft_gap.ESTIMATE_BINS  # a fixed window has no estimates
     merged = draft_gap.merge([blind, known])
     assert (merged["tokens"], merged["missed"], merged["by_source"]) == (20, 3, {"self": 3})
-    assert draft_gap.merge([est, est])["calibration"]["sent"] == [2 * n for n in cal["sent"]]
+    assert draft_gap.merge([est, est])["calibration"]["tested"] == [2 * n for n in cal["tested"]]

@@ -110,25 +110,35 @@ def pass_replay_run(run, overrides=(), from_epoch: int = 3, siblings: bool = Fal
 
 def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int, dict]:
     """``measure.draft_gap.gap_step`` over a run's saved steps, merged per epoch (epochs >=
-    ``from_epoch``): ``{epoch: merged gap}``. With ``cost`` (a ``StepCost``, e.g. the run's own
-    profile) each pass sends what the engine's allocation would (``draft_replay.EngineSteps``
-    over the run's shape plan; pages and backoff not simulated), else every drafted token.
+    ``from_epoch``): ``{epoch: merged gap}``. One ``Drafter`` drafts every step, the earlier
+    epochs too, so its calibration learns over the run as the engine's does. With ``cost`` (a
+    ``StepCost``, e.g. the run's own profile) each pass sends what the engine's allocation would
+    (``draft_replay.EngineSteps`` over the run's shape plan; pages and backoff not simulated),
+    else every drafted token.
 
     Raises:
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
     from rhyme_jax.measure.draft_replay import EngineSteps
     from rhyme_jax.rollout import shapes
+    from rhyme_jax.spec.drafter import Drafter
 
     steps: dict[int, list[dict]] = {}
-    for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
-        if epoch >= from_epoch:
+    drafter = None  # one for the run, as the trainer keeps one: its calibration learns over the steps
+    try:
+        for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
+            drafter = drafter or Drafter(cfg.spec, history)
             r = cfg.rollout
             send = None if cost is None else EngineSteps(
                 shapes.plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
                             max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens), cost)
-            steps.setdefault(epoch, []).append(
-                draft_gap.gap_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, send=send))
+            gap = draft_gap.gap_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, send=send,
+                                     drafter=drafter)
+            if epoch >= from_epoch:
+                steps.setdefault(epoch, []).append(gap)
+    finally:
+        if drafter is not None:
+            drafter.close()
     if not steps:
         raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
     return {ep: draft_gap.merge(st) for ep, st in sorted(steps.items())}

@@ -28,9 +28,11 @@ earlier), and the response position of the pass (``POSITION_EDGES``). It is a co
 drafter's own passes, not the token gap of two rollouts (the oracle's passes split the
 responses differently), but it says which cause and which source to work on, and where.
 
-It also checks the drafter's acceptance estimates (``DraftBatch.estimates``, what the engine's
-cost-aware cut weighs): every sent draft token's estimate, binned, against whether the token was
-accepted (``calibration``: tokens sent and accepted per bin).
+It also checks the drafter's acceptance estimates (``DraftBatch.estimates``: a token's
+acceptance given the draft tokens before it were accepted, what the engine's cost-aware cut
+weighs): every tested draft token's estimate (the accepted ones and the first rejected one of
+each sent draft, as ``spec.calibration`` counts trials), binned, against whether it was accepted
+(``calibration``: tokens tested and accepted and the sum of their estimates, per bin).
 
 Source: issue 32 (speed on a learning run), the next step of its note; RhymeRL section 4.
 """
@@ -73,7 +75,7 @@ def oracle_runs(ctx: np.ndarray, rest: np.ndarray, history: list[np.ndarray],
 
 
 def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
-             history: HistoryStore, window: int = 32, send=None) -> dict:
+             history: HistoryStore, window: int = 32, send=None, drafter: Drafter | None = None) -> dict:
     """One step's shortfall against the oracle (module docstring).
 
     Args:
@@ -84,16 +86,22 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
       window: most tokens the oracle drafts per pass (the engine's ``shapes.MAX_DRAFT``).
       send: ``drive``'s ``send`` (``draft_replay.EngineSteps``: the engine's cost-aware cut of
         each pass's drafts); ``None``: every drafted token is sent.
+      drafter: the run's ``Drafter`` to draft with (its store is set to this step's; its
+        calibration carries over from earlier steps, as the engine's does over a run); ``None``:
+        a fresh one for this step (estimates from the calibration's prior).
 
     Returns ``{"tokens", "passes", "drafted", "accepted", "missed", "by_cause": {cause: tokens},
-    "by_source": {source: tokens}, "by_position": {bucket: tokens}, "calibration": {"sent":
-    [ESTIMATE_BINS], "accepted": [ESTIMATE_BINS]}}``: generated tokens, sequence passes after the
-    prefill, draft tokens sent and accepted, missed tokens and their split, and the sent / accepted
-    draft tokens per estimate bin (token counts; no calibration counts for a drafter without
-    estimates).
+    "by_source": {source: tokens}, "by_position": {bucket: tokens}, "calibration": {"tested",
+    "accepted", "estimate_sum": [ESTIMATE_BINS] each}}``: generated tokens, sequence passes after
+    the prefill, draft tokens sent and accepted, missed tokens and their split, and per estimate
+    bin the tested and accepted draft tokens and the sum of the tested ones' estimates (token
+    counts; none for a drafter without estimates).
     """
     store = WithSiblings(history, prompts, responses, rewards)
-    drafter = Drafter(spec, store)
+    own = drafter is None
+    if own:
+        drafter = Drafter(spec, store)
+    drafter.store = store
     rows = [np.asarray(prompts[int(p)], np.int64) for p in pids]
     targets = [np.asarray(r, np.int64) for r in responses]
     hist = {int(p): [np.concatenate([prompts[int(p)], h]) for h in history.responses(int(p))[0]]
@@ -102,7 +110,8 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
     out = {"tokens": int(sum(t.size for t in targets)), "passes": 0, "drafted": 0, "accepted": 0, "missed": 0,
            "by_cause": defaultdict(int), "by_source": defaultdict(int), "by_position": defaultdict(int)}
     before = np.minimum(1, np.array([t.size for t in targets], np.int64))  # the prefill's token
-    cal = {"sent": np.zeros(ESTIMATE_BINS, np.int64), "accepted": np.zeros(ESTIMATE_BINS, np.int64)}
+    cal = {"tested": np.zeros(ESTIMATE_BINS, np.int64), "accepted": np.zeros(ESTIMATE_BINS, np.int64),
+           "estimate_sum": np.zeros(ESTIMATE_BINS)}
     seen: dict = {}
 
     def sending(batch, lens, left):  # what the pass's drafts were estimated at, then the cut
@@ -113,8 +122,10 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
         est = seen.get("estimates")
         for i, (r, n, a) in enumerate(zip(live, lens, accepted)):
             if est is not None and n:
-                b = np.minimum((np.asarray(est[i, :n]) * ESTIMATE_BINS).astype(np.int64), ESTIMATE_BINS - 1)
-                np.add.at(cal["sent"], b, 1)
+                e = np.asarray(est[i, : min(a + 1, n)], np.float64)  # later tokens were not tested
+                b = np.minimum((e * ESTIMATE_BINS).astype(np.int64), ESTIMATE_BINS - 1)
+                np.add.at(cal["tested"], b, 1)
+                np.add.at(cal["estimate_sum"], b, e)
                 np.add.at(cal["accepted"], b[:a], 1)
             pos, pid = int(before[r]), int(pids[r])
             ctx = np.concatenate([rows[r], targets[r][:pos]])
@@ -137,7 +148,8 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
         drive(drafter.batch(pids), rows, targets, emitted=1, max_new=max_new, send=sending,
               rebatch=sibling_rebatch(drafter, store, pids, targets, on_pass=tally))
     finally:
-        drafter.close()
+        if own:
+            drafter.close()
     out["calibration"] = {k: v.tolist() for k, v in cal.items()}
     return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in out.items()}
 
@@ -146,13 +158,13 @@ def merge(steps: list[dict]) -> dict:
     """Sum of ``gap_step`` results."""
     total: dict = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "missed": 0, "by_cause": {},
                    "by_source": {}, "by_position": {},
-                   "calibration": {"sent": [0] * ESTIMATE_BINS, "accepted": [0] * ESTIMATE_BINS}}
+                   "calibration": {k: [0] * ESTIMATE_BINS for k in ("tested", "accepted", "estimate_sum")}}
     for s in steps:
         for k in ("tokens", "passes", "drafted", "accepted", "missed"):
             total[k] += s[k]
         for k in ("by_cause", "by_source", "by_position"):
             for key, v in s[k].items():
                 total[k][key] = total[k].get(key, 0) + v
-        for k in ("sent", "accepted"):
+        for k in ("tested", "accepted", "estimate_sum"):
             total["calibration"][k] = [x + y for x, y in zip(total["calibration"][k], s["calibration"][k])]
     return total
