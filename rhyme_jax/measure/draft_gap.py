@@ -74,6 +74,31 @@ def oracle_runs(ctx: np.ndarray, rest: np.ndarray, history: list[np.ndarray],
             "self": held_run([], ctx, rest)}
 
 
+class EstimateTally:
+    """Tested and accepted draft tokens and the sum of their estimates per estimate bin
+    (``ESTIMATE_BINS`` equal bins of [0, 1]): ``add`` one sent draft at a time."""
+
+    def __init__(self):
+        self.tested = np.zeros(ESTIMATE_BINS, np.int64)
+        self.accepted = np.zeros(ESTIMATE_BINS, np.int64)
+        self.estimate_sum = np.zeros(ESTIMATE_BINS)
+
+    def add(self, estimates: np.ndarray, sent: int, accepted: int) -> None:
+        """A draft of ``sent`` tokens whose first ``accepted`` were accepted; ``estimates``: its
+        tokens' conditional acceptance estimates (``float[>= sent]``). The accepted tokens and
+        the first rejected one were tested; later ones were not."""
+        e = np.asarray(estimates[: min(accepted + 1, sent)], np.float64)
+        b = np.minimum((e * ESTIMATE_BINS).astype(np.int64), ESTIMATE_BINS - 1)
+        np.add.at(self.tested, b, 1)
+        np.add.at(self.estimate_sum, b, e)
+        np.add.at(self.accepted, b[:accepted], 1)
+
+    def as_dict(self) -> dict:
+        """``{"tested", "accepted", "estimate_sum"}`` as lists."""
+        return {"tested": self.tested.tolist(), "accepted": self.accepted.tolist(),
+                "estimate_sum": self.estimate_sum.tolist()}
+
+
 def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
              history: HistoryStore, window: int = 32, send=None, drafter: Drafter | None = None) -> dict:
     """One step's shortfall against the oracle (module docstring).
@@ -110,9 +135,7 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
     out = {"tokens": int(sum(t.size for t in targets)), "passes": 0, "drafted": 0, "accepted": 0, "missed": 0,
            "by_cause": defaultdict(int), "by_source": defaultdict(int), "by_position": defaultdict(int)}
     before = np.minimum(1, np.array([t.size for t in targets], np.int64))  # the prefill's token
-    cal = {"tested": np.zeros(ESTIMATE_BINS, np.int64), "accepted": np.zeros(ESTIMATE_BINS, np.int64),
-           "estimate_sum": np.zeros(ESTIMATE_BINS)}
-    seen: dict = {}
+    cal, seen = EstimateTally(), {}
 
     def sending(batch, lens, left):  # what the pass's drafts were estimated at, then the cut
         seen["estimates"] = getattr(batch, "estimates", None)
@@ -122,11 +145,7 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
         est = seen.get("estimates")
         for i, (r, n, a) in enumerate(zip(live, lens, accepted)):
             if est is not None and n:
-                e = np.asarray(est[i, : min(a + 1, n)], np.float64)  # later tokens were not tested
-                b = np.minimum((e * ESTIMATE_BINS).astype(np.int64), ESTIMATE_BINS - 1)
-                np.add.at(cal["tested"], b, 1)
-                np.add.at(cal["estimate_sum"], b, e)
-                np.add.at(cal["accepted"], b[:a], 1)
+                cal.add(est[i], int(n), int(a))
             pos, pid = int(before[r]), int(pids[r])
             ctx = np.concatenate([rows[r], targets[r][:pos]])
             rest = targets[r][pos: pos + min(window, max(max_new - pos - 1, 0))]
@@ -150,7 +169,7 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
     finally:
         if own:
             drafter.close()
-    out["calibration"] = {k: v.tolist() for k, v in cal.items()}
+    out["calibration"] = cal.as_dict()
     return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in out.items()}
 
 
