@@ -153,8 +153,9 @@ fi
 # Issue 32: the learning suite's paired oracle units on the GPU, the measured ratios beside the
 # projection. learn_demo: L1's unit (demo model, full scale) from the suite's SFT, carried in
 # .gpu_b/demo_sft, in what is left of the call (CALL_BUDGET). learn_real: L2's unit
-# (SmolLM2-135M-Instruct, quick scale: 8 steps); its GGUF (98 MB, over one call's 64 MiB) travels
-# in two calls, split into .gpu_a/smol.gguf.part00 and .gpu_b/smol.gguf.part01 with
+# (SmolLM2-135M-Instruct, quick scale: 8 steps; LEARN_REAL_SCALE=full: 16, 4 per epoch, so
+# epoch 1 has 3 timed steps); its GGUF (98 MB, over one call's 64 MiB) travels in two calls,
+# split into .gpu_a/smol.gguf.part00 and .gpu_b/smol.gguf.part01 with
 # smol.gguf.sha256 beside each: every call stashes the parts it carries in /tmp/rhyme_stash (kept
 # while the machine stays warm), and the phase joins, checks and converts them (transformers +
 # torch of the image, gguf from .whl). Prepared here (`.gpu_a`, `.gpu_b` ignored like `.whl`):
@@ -191,7 +192,7 @@ if want learn_real; then
       /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf "$SMOL"
     if [ "$SMOKE" = 1 ]; then learn_unit learn_real_oracle_paired quick "${T_LEARN_REAL:-900}" \
       --set grpo.steps=2 --set rollout.max_new_tokens=8 --set grpo.prompts_per_step=2
-    else learn_unit learn_real_oracle_paired quick "${T_LEARN_REAL:-400}"; fi
+    else learn_unit learn_real_oracle_paired "${LEARN_REAL_SCALE:-quick}" "${T_LEARN_REAL:-400}"; fi
   else
     echo "=== learn_real: SKIPPED, the GGUF parts are not both in $STASH (carry .gpu_a, then .gpu_b)" | tee -a "$LOG"
     STATUS+=("learn_real: SKIPPED (GGUF parts missing)")
