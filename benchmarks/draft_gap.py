@@ -8,7 +8,8 @@ non-draft token is missed where the oracle's run is longer. Prints per epoch, as
 generated tokens, what the drafter's accepted drafts carry and the missed tokens, split by cause
 (no draft / wrong draft / short draft), by the source that held the oracle's run, and by response
 position; and the drafter's acceptance estimates (what the engine's cut weighs) binned against
-whether each tested draft token (accepted, or the first rejected) was accepted. No model runs; a 50-step demo run takes seconds.
+whether each tested draft token (accepted, or the first rejected) was accepted. No model runs; a
+50-step demo run takes seconds.
 
 Usage::
 
@@ -33,12 +34,14 @@ def table(gaps: dict[int, dict]) -> list[str]:
     head = ["| epoch | tokens | sequence passes | acceptance | carried by accepted drafts | missed |"
             + "".join(f" {c} |" for c in CAUSES) + "".join(f" from {s} |" for s in SOURCES),
             "|---" * (6 + len(CAUSES) + len(SOURCES)) + "|"]
-    pos_keys = sorted({k for g in gaps.values() for k in g["by_position"]}, key=lambda k: int(k.split("-")[0].lstrip(">=")))
+    pos_keys = sorted({k for g in gaps.values() for k in g["by_position"]},
+                      key=lambda k: int(k.split("-")[0].lstrip(">=")))
     pos = ["| epoch |" + "".join(f" positions {k} |" for k in pos_keys), "|---" * (1 + len(pos_keys)) + "|"]
     for ep, g in gaps.items():
         n = max(g["tokens"], 1)
         acc = g["accepted"] / max(g["drafted"], 1)
-        head.append(f"| {ep} | {g['tokens']:,} | {g['passes']:,} | {acc:.2f} | {g['accepted'] / n:.1%} | {g['missed'] / n:.1%} |" + "".join(f" {g['by_cause'].get(c, 0) / n:.1%} |" for c in CAUSES)
+        head.append(f"| {ep} | {g['tokens']:,} | {g['passes']:,} | {acc:.2f} | {g['accepted'] / n:.1%} | "
+                    f"{g['missed'] / n:.1%} |" + "".join(f" {g['by_cause'].get(c, 0) / n:.1%} |" for c in CAUSES)
                     + "".join(f" {g['by_source'].get(s, 0) / n:.1%} |" for s in SOURCES))
         pos.append(f"| {ep} |" + "".join(f" {g['by_position'].get(k, 0) / n:.1%} |" for k in pos_keys))
     cal = ["| epoch |" + "".join(f" estimate {b / ESTIMATE_BINS:.1f}-{(b + 1) / ESTIMATE_BINS:.1f} |"
@@ -54,14 +57,14 @@ def table(gaps: dict[int, dict]) -> list[str]:
 
 
 def unit_cost(path: str):
-    """The ``StepCost`` a unit JSON recorded (``result.step_cost.profiled``: ``[rows, tokens,
-    q_len, seconds]`` per program). Raises ``OSError`` / ``ValueError`` / ``KeyError`` on a file
-    that is not such a unit."""
-    from rhyme_jax.rollout.step_cost import StepCost
+    """The ``StepCost`` of the profile a unit JSON recorded (``result.step_cost``, its profiled
+    programs; ``ablate.oracle.cost_model``). Raises ``OSError`` / ``ValueError`` / ``KeyError`` on
+    a file that is not such a unit."""
+    from rhyme_jax.ablate.oracle import cost_model
 
     with open(path) as f:
         rec = json.load(f)["result"]["step_cost"]
-    return StepCost({(int(r), int(t), int(q)): float(sec) for r, t, q, sec in rec["profiled"]}, rec.get("meta", {}))
+    return cost_model({"profiled": rec["profiled"], "meta": rec.get("meta", {})})[0]
 
 
 def main(argv=None) -> int:

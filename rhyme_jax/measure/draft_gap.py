@@ -4,7 +4,8 @@ The paired oracle units show the goodput drafter's drafts carrying 88% of the ge
 where the source-bound oracle's carry 92% (docs/results.md, L1). This module says where the
 difference is, without a model: it replays the run's own drafter over one step's emitted tokens
 (``pass_replay.replay_step``'s way: the history store as the trainer held it, finished siblings
-as sources, every drafted token sent) and, at each sequence pass, asks what the oracle could have
+as sources; every drafted token sent, or what the engine's cost-aware cut would send) and, at
+each sequence pass, asks what the oracle could have
 had accepted from the same context: ``oracle_drafters.held_run`` (the longest run of the next
 emitted tokens that follows an occurrence of the context's last token) over each source apart,
 
@@ -15,9 +16,10 @@ emitted tokens that follows an occurrence of the context's last token) over each
 
 Each pass emits its accepted draft tokens and one more (the resampled or bonus token); that one
 token is **missed** when the oracle's run there is longer than what the drafter got accepted and
-the pass did not end the response (the oracle would have carried it in a draft and gone on). Every generated token after the prefill's is either
-carried by an accepted draft or the one token of a pass, so the missed tokens count, without
-overlap, tokens a drafter over the same sources could have drafted. A missed token has one cause:
+the pass did not end the response (the oracle would have carried it in a draft and gone on).
+Every generated token after the prefill's is either carried by an accepted draft or the one
+token of a pass, so the missed tokens count, without overlap, tokens a drafter over the same
+sources could have drafted. A missed token has one cause:
 
 * ``no draft``: the drafter sent nothing;
 * ``wrong draft``: it sent a draft whose first tokens were rejected before the oracle's run ended;
