@@ -17,6 +17,13 @@ Usage::
     python -m benchmarks.draft_gap RUN --set spec.siblings=false     # the drafter without siblings
     python -m benchmarks.draft_gap RUN --unit results/learning/units/learn_oracle_paired.json
         # each pass sends what the engine's allocation would under the unit's step-cost profile
+    python -m benchmarks.draft_gap RUN --unit UNIT.json --bound
+        # estimates or drafts? (``rhyme_jax.measure.cut_bound``): modelled speed-up over plain of
+        # the drafter with its own estimates, the same drafter knowing which of its draft tokens
+        # hold, and the source-bound oracle, all sized by the engine's allocation under the profile
+    python -m benchmarks.draft_gap RUN --rules
+        # which history occurrence to draft from (``rhyme_jax.measure.occurrence_rules``): passes and
+        # carried tokens of causal choice rules against hindsight, every drafted token sent
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import argparse
 import json
 import sys
 
-from rhyme_jax.ablate.saved_runs import CorpusError, draft_gap_run
+from rhyme_jax.ablate.saved_runs import CorpusError, cut_bound_run, draft_gap_run, occurrence_rules_run
+from rhyme_jax.measure import cut_bound, occurrence_rules
 from rhyme_jax.measure.draft_gap import CAUSES, ESTIMATE_BINS, SOURCES
 
 
@@ -56,6 +64,35 @@ def table(gaps: dict[int, dict]) -> list[str]:
             + cal)
 
 
+def bound_table(bounds: dict[int, dict]) -> list[str]:
+    """Markdown table of ``cut_bound_run``'s result: per epoch, each mode's modelled speed-up over
+    plain decode, its share of the oracle's, the draft tokens its accepted drafts carry (share of
+    the generated tokens), its acceptance and sequence passes."""
+    modes = cut_bound.MODES
+    own = [m for m in modes if m != "oracle"]
+    out = ["| epoch | tokens |" + "".join(f" {m} x | {m}: of the oracle |" for m in own) + " oracle x |"
+           + "".join(f" {m}: carried / acceptance / passes |" for m in modes), "|---" * (3 + 2 * len(own) + len(modes)) + "|"]
+    for ep, b in bounds.items():
+        r, n = cut_bound.ratios(b), max(b["tokens"], 1)
+        out.append(f"| {ep} | {b['tokens']:,} |" + "".join(f" {r[m]:.2f} | {r[m + '_share']:.1%} |" for m in own)
+                   + f" {r['oracle']:.2f} |"
+                   + "".join(f" {b[m]['accepted'] / n:.1%} / {b[m]['accepted'] / max(b[m]['drafted'], 1):.2f} / "
+                             f"{b[m]['passes']:,} |" for m in modes))
+    return out
+
+
+def rules_table(rules: dict[int, dict]) -> list[str]:
+    """Markdown table of ``occurrence_rules_run``'s result: per epoch and rule, the sequence passes
+    and the share of the generated tokens its accepted drafts carry (rows with history only)."""
+    names = occurrence_rules.RULES
+    out = ["| epoch | tokens |" + "".join(f" {r}: passes / carried |" for r in names), "|---" * (2 + len(names)) + "|"]
+    for ep, got in rules.items():
+        n = max(got[names[0]]["tokens"], 1)
+        out.append(f"| {ep} | {n:,} |" + "".join(f" {got[r]['passes']:,} / {got[r]['carried'] / n:.1%} |"
+                                                for r in names))
+    return out
+
+
 def unit_cost(path: str):
     """The ``StepCost`` of the profile a unit JSON recorded (``result.step_cost``, its profiled
     programs; ``ablate.oracle.cost_model``). Raises ``OSError`` / ``ValueError`` / ``KeyError`` on
@@ -76,14 +113,27 @@ def main(argv=None) -> int:
                     help="override the run's config (its spec section is the drafter replayed)")
     ap.add_argument("--unit", default="", help="a unit JSON whose recorded step-cost profile sizes each pass as "
                     "the engine's allocation would (default: every drafted token sent)")
+    ap.add_argument("--bound", action="store_true", help="with --unit: the drafter with its estimates, knowing "
+                    "its acceptance, and the source-bound oracle under the profile (rhyme_jax.measure.cut_bound)")
+    ap.add_argument("--rules", action="store_true", help="causal rules for the history occurrence to draft from, "
+                    "against hindsight (rhyme_jax.measure.occurrence_rules)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    if args.bound and not args.unit:
+        print("benchmarks.draft_gap: --bound needs --unit (the step-cost profile that sizes each pass)", file=sys.stderr)
+        return 2
     try:
-        gaps = draft_gap_run(args.run, args.overrides, args.from_epoch, unit_cost(args.unit) if args.unit else None)
+        cost = unit_cost(args.unit) if args.unit else None
+        if args.rules:
+            got, lines = occurrence_rules_run(args.run, args.overrides, args.from_epoch), rules_table
+        elif args.bound:
+            got, lines = cut_bound_run(args.run, cost, args.overrides, args.from_epoch), bound_table
+        else:
+            got, lines = draft_gap_run(args.run, args.overrides, args.from_epoch, cost), table
     except (CorpusError, OSError, ValueError, KeyError) as exc:
         print(f"benchmarks.draft_gap: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(gaps) if args.json else "\n".join(table(gaps)))
+    print(json.dumps(got) if args.json else "\n".join(lines(got)))
     return 0
 
 

@@ -118,3 +118,68 @@ def test_draft_gap_counts_the_tokens_the_oracle_would_have_drafted():
     merged = draft_gap.merge([blind, known])
     assert (merged["tokens"], merged["missed"], merged["by_source"]) == (20, 3, {"self": 3})
     assert draft_gap.merge([est, est])["calibration"]["tested"] == [2 * n for n in cal["tested"]]
+
+
+def test_cut_bound_separates_estimates_from_drafts():
+    """``measure.cut_bound.bound_step`` (``python -m benchmarks.draft_gap --unit U --bound``): the
+    history holds 5 6 7 8 9 10 11 12 and the row emits 5 6 7 8 20 10 11 12. The source-bound
+    oracle (one-token matches) gets 6 7 8 accepted after the prefill's 5, then emits 20 (held
+    nowhere), 10, then 11 12 in one draft: 3 passes, 5 accepted tokens, none rejected. The
+    drafter that knows its acceptance never sends a rejected token; plain decode is one step per
+    token after the prefill's (7 steps of the cost model's unit)."""
+    from rhyme_jax.measure import cut_bound
+    from rhyme_jax.rollout import shapes
+
+    spec = SimpleNamespace(branch="reward", window="goodput", fixed_window=8, min_token_prob=0.0, pattern_max=7,
+                           pattern_min=1, self_lookup=True, siblings=False, history_depth=1)
+    prompt = np.array([1, 2, 3], np.int32)
+    pids, one = np.zeros(1, np.int64), np.ones(1, np.float32)
+    store = HistoryStore()
+    store.update(1, pids, [prompt], [np.array([5, 6, 7, 8, 9, 10, 11, 12], np.int32)], one)
+    response = np.array([5, 6, 7, 8, 20, 10, 11, 12], np.int32)
+    plan = shapes.plan(max_slots=4, page_size=16, max_prompt_len=16, max_new_tokens=64, max_verify_tokens=64)
+
+    def cost(rows, tokens, q_len):  # a step's seconds: 1 per step, 0.01 per draft token slot
+        return 1.0 + 0.01 * (tokens - rows)
+
+    drafters = {m: Drafter(spec, store) for m in ("estimates", "known")}
+    try:
+        got = cut_bound.bound_step(spec, 64, {0: prompt}, pids, [response], one, store, plan, cost, drafters)
+    finally:
+        for d in drafters.values():
+            d.close()
+    assert got["tokens"] == 8 and got["plain_seconds"] == pytest.approx(7.0)
+    oracle, known, own = got["oracle"], got["known"], got["estimates"]
+    assert (oracle["passes"], oracle["accepted"], oracle["drafted"]) == (3, 5, 5)
+    assert 3 <= oracle["seconds"] < 3.5  # three steps and the slots of five draft tokens (bucketed)
+    assert known["accepted"] == known["drafted"] >= 3  # nothing rejected: it sends what holds
+    assert own["drafted"] >= own["accepted"] >= 3
+    merged = cut_bound.merge([got, got])
+    assert merged["tokens"] == 16 and merged["oracle"]["passes"] == 6
+    r = cut_bound.ratios(merged)
+    assert r["oracle"] == pytest.approx(7.0 / oracle["seconds"]) and r["oracle_share"] == pytest.approx(1.0)
+    assert r["known_share"] == pytest.approx(oracle["seconds"] / known["seconds"])
+
+
+def test_occurrence_rules_on_constructed_sequences():
+    """``measure.occurrence_rules`` (``python -m benchmarks.draft_gap RUN --rules``): the history
+    ``7 1 2 8 7 1 4 5 6`` holds the context's last token ``7`` twice. After ``3 3 3 3 7`` the
+    first occurrence drafts ``1 2 ..`` (one token held, then ``4`` emitted and ``5`` from
+    ``7 1 4``: 2 passes, 2 carried), the one nearest the row's position drafts ``1 4 5`` (1 pass,
+    3 carried, the pass's own token ends the response), as hindsight does."""
+    from rhyme_jax.measure import occurrence_rules as occ
+
+    table = occ.suffix_matches(np.array([1, 2, 3]), np.array([2, 3, 1, 2]))
+    assert table[2].tolist() == [0, 1, 0, 0, 2] and table[3].tolist() == [0, 0, 2, 0, 0]
+    prompt, hist = np.array([9]), [np.array([7, 1, 2, 8, 7, 1, 4, 5, 6])]
+    response = np.array([3, 3, 3, 3, 7, 1, 4, 5, 6])
+    got = {r: occ.rule_passes(prompt, response, hist, r, emitted=5) for r in occ.RULES}
+    assert got == {"longest": (2, 2), "count": (2, 2), "nearest": (1, 3), "sticky": (1, 3), "top2": (2, 2),
+                   "hindsight": (1, 3)}
+    with pytest.raises(ValueError, match="occurrence rule"):
+        occ.rule_passes(prompt, response, hist, "random")
+    store = HistoryStore()
+    store.update(1, np.zeros(1, np.int64), [prompt], hist, np.ones(1, np.float32))
+    step = occ.rules_step({0: prompt, 1: prompt}, np.array([0, 1]), [response, response], store)
+    one = {r: occ.rule_passes(prompt, response, hist, r) for r in occ.RULES}  # the prefill's token emitted
+    assert step == {r: {"passes": n, "carried": c, "tokens": 9} for r, (n, c) in one.items()}  # row 1: no history

@@ -4,6 +4,9 @@
   analysis; ``python -m benchmarks.pass_replay``): the run's own drafter (its ``spec`` settings,
   ``--set`` overrides) over a history store written back step by step as the trainer writes it,
   or the pass oracle (``oracle_passes``) over the prompt's previous rollout;
+* ``draft_gap_run`` / ``cut_bound_run`` / ``occurrence_rules_run``: ``measure.draft_gap`` /
+  ``measure.cut_bound`` / ``measure.occurrence_rules`` over the run's steps (``python -m
+  benchmarks.draft_gap``, ``--bound``, ``--rules``);
 * ``build``: the JSONL corpus that ``rhyme-jax replay-drafts`` and ``benchmarks.replay_peer``
   read (issue 16 scope 4; ``python -m benchmarks.replay_corpus``), one line per target response:
   ``{"prompt": str, "history": [str, ...], "history_rewards": [float, ...], "target": str}``.
@@ -120,7 +123,6 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
     from rhyme_jax.measure.draft_replay import EngineSteps
-    from rhyme_jax.rollout import shapes
     from rhyme_jax.spec.drafter import Drafter
 
     steps: dict[int, list[dict]] = {}
@@ -129,9 +131,7 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
         for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
             drafter = drafter or Drafter(cfg.spec, history)
             r = cfg.rollout
-            send = None if cost is None else EngineSteps(
-                shapes.plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
-                            max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens), cost)
+            send = None if cost is None else EngineSteps(_plan(r), cost)
             gap = draft_gap.gap_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, send=send,
                                      drafter=drafter)
             if epoch >= from_epoch:
@@ -142,6 +142,67 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
     if not steps:
         raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
     return {ep: draft_gap.merge(st) for ep, st in sorted(steps.items())}
+
+
+def _plan(r):
+    """The engine's ``shapes.plan`` of a run's ``rollout`` section."""
+    from rhyme_jax.rollout import shapes
+
+    return shapes.plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
+                       max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
+
+
+def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dict]:
+    """``measure.cut_bound.bound_step`` over a run's saved steps under the step-cost model
+    ``cost`` (e.g. the run's own profile), merged per epoch (epochs >= ``from_epoch``): ``{epoch:
+    merged}``. One ``Drafter`` per mode drafts every step, the earlier epochs too (its calibration
+    learns over the run as the engine's does).
+
+    Raises:
+      CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
+    """
+    from rhyme_jax.measure import cut_bound
+    from rhyme_jax.spec.drafter import Drafter
+
+    steps: dict[int, list[dict]] = {}
+    drafters: dict = {}
+    try:
+        for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
+            drafters = drafters or {m: Drafter(cfg.spec, history) for m in ("estimates", "known")}
+            r = cfg.rollout
+            got = cut_bound.bound_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, _plan(r), cost,
+                                       drafters)
+            if epoch >= from_epoch:
+                steps.setdefault(epoch, []).append(got)
+    finally:
+        for d in drafters.values():
+            d.close()
+    if not steps:
+        raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
+    return {ep: cut_bound.merge(st) for ep, st in sorted(steps.items())}
+
+
+def occurrence_rules_run(run, overrides=(), from_epoch: int = 2) -> dict[int, dict]:
+    """``measure.occurrence_rules.rules_step`` over a run's saved steps of epoch >=
+    ``from_epoch``, summed per epoch: ``{epoch: {rule: {"passes", "carried", "tokens"}}}``.
+
+    Raises:
+      CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
+    """
+    from rhyme_jax.measure import occurrence_rules
+
+    out: dict[int, dict] = {}
+    for _cfg, _step, epoch, prompts, pids, resp, _rew, history in saved_steps(run, overrides):
+        if epoch < from_epoch:
+            continue
+        got = occurrence_rules.rules_step(prompts, pids, resp, history)
+        total = out.setdefault(epoch, {r: {"passes": 0, "carried": 0, "tokens": 0} for r in got})
+        for r, v in got.items():
+            for k in v:
+                total[r][k] += v[k]
+    if not out:
+        raise CorpusError(f"no steps of epoch >= {from_epoch} in {run}")
+    return dict(sorted(out.items()))
 
 
 def parse_steps(text: str, option: str) -> list[int]:
