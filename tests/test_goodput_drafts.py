@@ -132,6 +132,77 @@ def test_history_candidates_equal_brute_force(branch, pmin, min_prob):
         assert drafted > 40
 
 
+def _reference_nearest(prompt, responses, rewards, tail, pos, max_len, cfg, cal):
+    """``spec.occurrence = "nearest"``: the occurrence of the longest match (>= pattern_min) whose
+    next token is a response token nearest response position ``pos`` (ties: the first in text
+    order), its text walked with each token's branch share of the context so far; nothing there:
+    ``_reference``."""
+    strings = [(list(prompt) + [END], False, 0.0)]
+    strings += [(list(prompt[-PROMPT_HEAD:]) + list(r) + [SEP], True, float(w)) for r, w in zip(responses, rewards)]
+    head = min(PROMPT_HEAD, len(prompt))
+    tail = [t for t in tail if t >= 0][-cfg.pattern_max:]
+    m = max([k for k in range(1, len(tail) + 1) if _occurrences(strings, tail[-k:])], default=0)
+    occ = [(k, e) for k, e in _occurrences(strings, tail[-m:]) if m >= cfg.pattern_min and strings[k][1]
+           and strings[k][0][e] >= 0 and e - head >= 0]
+    if not occ:
+        return _reference(prompt, responses, rewards, tail, max_len, cfg, cal)
+    k, e = min(occ, key=lambda o: abs(o[1] - head - pos))
+    ctx, toks, ests, prob, cum = list(tail[-m:]), [], [], 1.0, 1.0
+    while len(toks) < max_len and strings[k][0][e + len(toks)] >= 0:
+        c = strings[k][0][e + len(toks)]
+        here = _occurrences(strings, ctx)
+        q = sum(strings[j][0][f] == c for j, f in here) / len(here)
+        if prob * q < cfg.min_token_prob:
+            break
+        prob *= q
+        est = cal.estimate("history", m, len(toks), q, once=len(here) == 1)
+        cum *= est
+        toks.append(c)
+        ests.append(est)
+        ctx.append(c)
+        if cum < MIN_CUM:
+            break
+    return (toks, ests) if toks else _reference(prompt, responses, rewards, tail, max_len, cfg, cal)
+
+
+@pytest.mark.parametrize("pmin,min_prob", [(1, 0.0), (2, 0.1)])
+def test_nearest_occurrence_equals_brute_force(pmin, min_prob):
+    """``spec.occurrence = "nearest"``: each row drafts the text of the occurrence of its longest
+    match nearest its response position (the tokens it emitted after the prefill's, + 1), as a
+    brute-force search over the indexed strings finds it, with the same estimates."""
+    rng = np.random.default_rng(10 + pmin)
+    cfg = _cfg(pattern_min=pmin, min_token_prob=min_prob, pattern_max=5, occurrence="nearest")
+    prompt = rng.integers(0, 4, 8)
+    base = rng.integers(0, 4, 30)
+    responses = []
+    for _ in range(6):
+        r = base.copy()
+        r[rng.integers(0, 30, 4)] = rng.integers(0, 4, 4)
+        responses.append(np.r_[rng.integers(0, 4, rng.integers(0, 4)), r[: rng.integers(12, 31)]])
+    rewards = rng.choice([0.0, 0.5, 1.0], 6)
+    with Drafter(cfg, _store(3, prompt, responses, rewards)) as d:
+        d.rebuild([3])
+        batch = d.batch([3] * 40)
+        for _ in range(3):  # positions and calibration move on
+            seqs = [np.r_[prompt, responses[i % 6][: rng.integers(0, 12)]] for i in range(40)]
+            drafts, _ = _draft(batch, range(40), seqs)
+            lens = np.array([len(x) for x in drafts])
+            batch.observe(np.arange(40), lens, np.array([rng.integers(0, n + 1) for n in lens]))
+        seqs = [np.r_[prompt, responses[i % 6][: rng.integers(0, 12)], rng.integers(0, 4, i % 3)] for i in range(40)]
+        budgets = rng.integers(0, 40, 40)
+        drafts, lens = batch.draft(np.arange(40), _tails(seqs, cfg.pattern_max), budgets)
+        est, nearer = batch.estimates, 0
+        for i, s in enumerate(seqs):
+            pos = int(batch._emitted[i]) + 1
+            toks, ests = _reference_nearest(prompt, responses, rewards, s, pos, min(budgets[i], 32), cfg,
+                                            d._calibration)
+            assert drafts[i, : lens[i]].tolist() == toks, i
+            np.testing.assert_allclose(est[i, : lens[i]], np.float32(ests), rtol=1e-6)
+            plain = _reference(prompt, responses, rewards, s, min(budgets[i], 32), cfg, d._calibration)[0]
+            nearer += toks != plain
+        assert nearer > 0  # the rule drafts something else than the branch walk in some rows
+
+
 def test_match_advanced_from_the_last_step_equals_a_fresh_match():
     """Each step the history match is advanced over the tokens observe() reported; a batch
     without that memory (fresh every step) must draft the same, also after a tail that is not
