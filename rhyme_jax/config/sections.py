@@ -24,7 +24,6 @@ LRSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean"]
 ScaleRewards = Literal["group", "batch", "none"]
 DraftBranch = Literal["reward", "count"]
-DraftOccurrence = Literal["branch", "nearest"]
 DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
 SchedPipeline = Literal["sync", "one_step_off"]
@@ -308,9 +307,6 @@ class SpecSection:
     # 32 with acceptance estimates; the engine sizes each row's draft for expected tokens per second)
     window: DraftWindow = "aimd"
     fixed_window: int = 8  # draft length of window=fixed
-    # which history occurrence a goodput draft follows: branch = the suffix tree's best child by `branch` at every
-    # token | nearest = the text of the longest match's occurrence nearest the row's response position
-    occurrence: DraftOccurrence = "branch"
     min_token_prob: float = 0.1  # stop drafting when the branch probability falls below (0 = off)
     pattern_max: int = 7  # longest suffix of the running sequence matched in the index
     pattern_min: int = 3  # shortest match accepted (back-off floor)
@@ -330,8 +326,6 @@ class SpecSection:
         at_least(self, 1, "pattern_min", "history_depth")
         if not self.pattern_min <= self.pattern_max <= MAX_PATTERN:
             raise fail(self, "pattern_max", f"must be in [spec.pattern_min={self.pattern_min}, {MAX_PATTERN}]")
-        if self.occurrence == "nearest" and self.window != "goodput":
-            raise fail(self, "occurrence", "'nearest' needs spec.window = goodput")
         if self.step_cost not in ("", "prior") and not Path(self.step_cost).is_file():
             raise fail(self, "step_cost", "is not a file (a step-cost profile JSON; '' = profile at start-up, 'prior' = no profile)")
 

@@ -66,9 +66,6 @@ class HistoryTables(NamedTuple):
     ho: np.ndarray  # int64[N + 1] first hash row of each index
     states: np.ndarray  # int32[S, 5] (length, link, count, best child, its token) per state
     trans: np.ndarray  # int64[H, 2] (key state << 32 | token (-1 empty), target state) per slot
-    to: np.ndarray  # int64[N + 1] first text row of each index (all 0: ``occurrence = branch``)
-    text: np.ndarray  # int32[T] the indexes' texts (``SuffixIndex.text``; empty unless ``nearest``)
-    rpos: np.ndarray  # int32[T] each text token's response position (``SuffixIndex.rpos``)
 
 
 class IndexView(NamedTuple):
@@ -235,25 +232,19 @@ class HistoryPack:
     Args:
       indexes: the batch's ``SuffixIndex`` objects (slot i = ``indexes[i]``).
       branch: ``"reward"`` | ``"count"`` (the best child followed by walks).
-      nearest: also pack the texts (``spec.occurrence = "nearest"``: ``near_walk``).
 
     Attributes:
-      so, ho, states, trans, to, text, rpos: as in ``HistoryTables``; ``tables`` holds them (what
+      so, ho, states, trans: as in ``HistoryTables``; ``tables`` holds the four (what
         ``history_candidates`` takes).
     """
 
-    def __init__(self, indexes: list, branch: str, nearest: bool = False):
+    def __init__(self, indexes: list, branch: str):
         tables = [ix.compact(branch) for ix in indexes]
         self.so = np.r_[0, np.cumsum([t[0].shape[0] for t in tables])].astype(np.int64)
         self.ho = np.r_[0, np.cumsum([t[1].shape[0] for t in tables])].astype(np.int64)
         self.states = np.concatenate([t[0] for t in tables]) if tables else np.zeros((0, 5), np.int32)
         self.trans = np.concatenate([t[1] for t in tables]) if tables else np.zeros((0, 2), np.int64)
-        texts = [ix.text if nearest else ix.text[:0] for ix in indexes]
-        self.to = np.r_[0, np.cumsum([t.size for t in texts])].astype(np.int64)
-        self.text = np.concatenate([np.zeros(0, np.int32), *texts]).astype(np.int32)
-        self.rpos = np.concatenate([np.zeros(0, np.int32), *(ix.rpos[: t.size] for ix, t in zip(indexes, texts))]
-                                   ).astype(np.int32)
-        self.tables = HistoryTables(self.so, self.ho, self.states, self.trans, self.to, self.text, self.rpos)
+        self.tables = HistoryTables(self.so, self.ho, self.states, self.trans)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -316,53 +307,7 @@ def _best_walk(ix, v, m, max_len, rule, scoring, scratch, out):
 
 
 @numba.njit(cache=True, nogil=True)
-def nearest_occurrence(hist, i, tail, m, pos):
-    """Text row (``hist.text``) of the occurrence of ``tail``'s last ``m`` tokens in index i whose
-    continuation is a response token nearest response position ``pos`` (ties: the first), or -1."""
-    text, rpos, t0, t1 = hist.text, hist.rpos, hist.to[i], hist.to[i + 1]
-    w = tail.shape[0]
-    best, gap = -1, np.int64(1) << 40
-    for p in range(t0 + m - 1, t1 - 1):
-        if text[p + 1] < 0 or rpos[p + 1] < 0:
-            continue
-        k = 0
-        while k < m and tail[w - 1 - k] >= 0 and text[p - k] == tail[w - 1 - k]:
-            k += 1
-        if k == m and abs(np.int64(rpos[p + 1]) - pos) < gap:
-            best, gap = p, abs(np.int64(rpos[p + 1]) - pos)
-    return best
-
-
-@numba.njit(cache=True, nogil=True)
-def near_walk(ix, text, p, v, m, max_len, min_prob, scoring, draft):
-    """Walk of ``spec.occurrence = "nearest"``: the text after row p (``text[p + 1:]``, up to its
-    SEP) from state v (match length m) of index ``ix``, at most ``max_len`` tokens into ``draft``,
-    each token scored as ``walk`` scores it (its branch share q of the state it leaves) and the
-    walk stopped as ``walk`` stops (``min_prob``, ``MIN_CUM``). Returns ``(n, score)``."""
-    states, s0, table = ix.states, ix.s0, scoring.table
-    prob, cum, score, n = 1.0, 1.0, 0.0, 0
-    while n < max_len and text[p + 1 + n] >= 0:
-        c = text[p + 1 + n]
-        nxt = _step(ix, v, c)
-        if nxt == -1:
-            break
-        q = states[s0 + nxt, COUNT] / states[s0 + v, COUNT]
-        if prob * q < min_prob:
-            break
-        prob *= q
-        cl = C.cell_of(C.HISTORY, m, n, q, states[s0 + v, COUNT] == 1)
-        cum *= table[cl]
-        score += cum
-        draft.tokens[n], draft.est[n], draft.cell[n] = c, table[cl], cl
-        n += 1
-        v = nxt
-        if cum < MIN_CUM:
-            break
-    return n, score
-
-
-@numba.njit(cache=True, nogil=True)
-def history_candidates(hist, slots, rows, grow, memo, rule, cal, best, emitted):
+def history_candidates(hist, slots, rows, grow, memo, rule, cal, best):
     """Best history candidate of B rows into ``best`` (``Candidates``, every row overwritten).
 
     ``hist`` is a ``HistoryTables``; row b of ``rows`` (``DraftRows``: request ``reqs[b]``,
@@ -371,10 +316,7 @@ def history_candidates(hist, slots, rows, grow, memo, rule, cal, best, emitted):
     in the tables); its request's tail grew by ``grow[r]`` tokens since its last draft (-1
     unknown) and ``memo int64[R, 3]`` holds its last match (-1 none; updated). ``cal`` is a
     ``calibration.Estimates``. ``best.score[b]``: expected accepted tokens (0 for an empty
-    draft). With texts in ``hist`` (``spec.occurrence = "nearest"``) a row whose longest match
-    has at least ``rule.pmin`` tokens drafts ``near_walk`` from the occurrence nearest its
-    response position (``emitted int64[R]`` tokens after the prefill's, so position
-    ``emitted[r] + 1``), the match lengths' best walks only where that drafts nothing."""
+    draft)."""
     ub = np.zeros(MAX_DRAFT + 1, np.float64)
     tail_bounds(cal.top, ub)
     scoring = Scoring(cal.table, ub)
@@ -390,13 +332,6 @@ def history_candidates(hist, slots, rows, grow, memo, rule, cal, best, emitted):
         r = rows.reqs[b]
         ix = IndexView(hist.states, hist.so[i], hist.trans, h0, np.int64(hist.ho[i + 1] - h0 - 1))
         v, m = _match_since(ix, rows.tails[b], rule.pmax, grow[r], memo[r])
-        out = Draft(best.tokens[b], best.est[b], best.cell[b])
-        n, s = 0, 0.0
-        if hist.text.shape[0] > 0 and v != 0 and m >= rule.pmin:
-            p = nearest_occurrence(hist, i, rows.tails[b], m, emitted[r] + 1)
-            if p >= 0:
-                n, s = near_walk(ix, hist.text, p, v, m, ml, rule.min_prob, scoring, out)
-        if n == 0:
-            n, s = _best_walk(ix, v, m, ml, rule, scoring, scratch, out)
+        n, s = _best_walk(ix, v, m, ml, rule, scoring, scratch, Draft(best.tokens[b], best.est[b], best.cell[b]))
         best.lens[b] = n
         best.score[b] = s

@@ -63,9 +63,6 @@ class Drafter:
 
     def __init__(self, cfg: SpecSection, store: HistoryStore):
         self.branch = str(cfg.branch)
-        occurrence = str(getattr(cfg, "occurrence", "branch"))
-        if occurrence not in ("branch", "nearest"):
-            raise ValueError(f"spec.occurrence: expected 'branch' or 'nearest', got {occurrence!r}")
         self.window_policy = str(cfg.window)
         self.fixed_window = int(cfg.fixed_window)
         self.min_token_prob = float(cfg.min_token_prob)
@@ -74,8 +71,6 @@ class Drafter:
         # Extension beyond the paper: fall back to the sequence's own earlier tokens.
         self.self_lookup = bool(getattr(cfg, "self_lookup", False))
         self.goodput = self.window_policy == "goodput"
-        # Extension (goodput only): follow the history occurrence nearest each row's position.
-        self.nearest = occurrence == "nearest" and self.goodput
         # Extension (goodput only): draft from the batch's other requests with the same prompt.
         self.siblings = bool(getattr(cfg, "siblings", False)) and self.goodput
         # Tokens of each running sequence the engine passes as ``tails``.
@@ -151,7 +146,7 @@ class Drafter:
             if ix is not None:
                 slot_of[pid] = len(indexes)
                 indexes.append(ix)
-        pack = HistoryPack(indexes, self.branch, self.nearest) if self.goodput else IndexPack.of(indexes)
+        pack = HistoryPack(indexes, self.branch) if self.goodput else IndexPack.of(indexes)
         batch = DraftBatch(self, pack, np.array([slot_of.get(p, -1) for p in pids], np.int64),
                            np.array([group_of[p] for p in pids], np.int64))
         if self.goodput:  # makespan priority: each request's prompt's mean length last time

@@ -133,7 +133,7 @@ def draft_kernel(hist, requests, rows, rule, sources, cal, store, out):
     for i in range(b):
         rs[i] = requests.slots[rows.reqs[i]]
     best = Candidates(out.tokens, out.est, cell, out.lens, score)
-    history_candidates(hist, rs, rows, requests.grow, requests.memo, rule, cal, best, requests.emitted)
+    history_candidates(hist, rs, rows, requests.grow, requests.memo, rule, cal, best)
     if sources.self_lookup or sources.siblings:
         lookup_candidates(store, requests.grow, rows, rule, sources, cal, best)
     return _finish(rows.reqs, best, requests)

@@ -41,7 +41,6 @@ from rhyme_jax.spec import sam_kernels as K
 SEP = -1  # ends each response string
 END = -2  # ends the plain prompt string
 PROMPT_HEAD = 5  # prompt tokens prepended to each response string
-NO_RESPONSE = -(1 << 30)  # ``SuffixIndex.rpos`` of the plain prompt string's tokens
 BRANCHES = {"reward": K.BRANCH_REWARD, "count": K.BRANCH_COUNT}
 _FIELDS = K.SamArrays._fields  # length, link, cnt, rcnt, rsum, cptr, ctok, cto, htab
 
@@ -104,18 +103,12 @@ class SuffixIndex:
     """Suffix automaton of one prompt's history with count and reward statistics (module doc).
 
     Attributes (numpy arrays, S states, E edges; not to be modified): ``length, link, cnt, rcnt,
-    rsum, cptr, ctok, cto, htab`` as documented in ``sam_kernels``; ``text int32[N]``, the indexed
-    strings one after another (module docstring; SEP / END included) and ``rpos int32[N]``, each
-    text token's position in its response (the ``prompt[-5:]`` head before it negative, the plain
-    prompt string ``NO_RESPONSE``); both empty for an index not made by ``build``.
+    rsum, cptr, ctok, cto, htab`` as documented in ``sam_kernels``.
     """
 
-    def __init__(self, arrays: tuple[np.ndarray, ...], text: np.ndarray | None = None,
-                 rpos: np.ndarray | None = None):
+    def __init__(self, arrays: tuple[np.ndarray, ...]):
         for f, a in zip(_FIELDS, arrays):
             setattr(self, f, a)
-        self.text = np.zeros(0, np.int32) if text is None else text
-        self.rpos = np.zeros(0, np.int32) if rpos is None else rpos
         self._pack: IndexPack | None = None
         self._derived: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # best_children / compact, per branch
 
@@ -203,9 +196,7 @@ class SuffixIndex:
         sizes = np.asarray(sizes)
         pos_reward = np.repeat(np.concatenate([[0.0], rw]), sizes)
         pos_resp = np.repeat(np.r_[0, np.ones(len(resp))].astype(np.int8), sizes)
-        starts = np.repeat(np.cumsum(sizes) - sizes + np.r_[0, np.full(len(resp), head.size)], sizes)
-        rpos = np.where(pos_resp > 0, np.arange(text.size) - starts, NO_RESPONSE).astype(np.int32)
-        return cls(K.build_sam(text, pos_reward, pos_resp), text, rpos)
+        return cls(K.build_sam(text, pos_reward, pos_resp))
 
     def count(self, pattern: Int[np.ndarray, "m"]) -> int:
         """Occurrences of ``pattern`` (ids >= 0, m >= 1) in the indexed strings (0 if absent)."""
