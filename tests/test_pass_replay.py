@@ -144,7 +144,7 @@ def test_cut_bound_separates_estimates_from_drafts():
 
     drafters = {m: Drafter(spec, store) for m in ("estimates", "known")}
     try:
-        got = cut_bound.bound_step(spec, 64, {0: prompt}, pids, [response], one, store, plan, cost, drafters)
+        got = cut_bound.bound_step(64, {0: prompt}, pids, [response], one, store, plan, cost, drafters)
     finally:
         for d in drafters.values():
             d.close()

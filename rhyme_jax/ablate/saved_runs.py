@@ -170,8 +170,7 @@ def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dic
         for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
             drafters = drafters or {m: Drafter(cfg.spec, history) for m in ("estimates", "known")}
             r = cfg.rollout
-            got = cut_bound.bound_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, _plan(r), cost,
-                                       drafters)
+            got = cut_bound.bound_step(r.max_new_tokens, prompts, pids, resp, rew, history, _plan(r), cost, drafters)
             if epoch >= from_epoch:
                 steps.setdefault(epoch, []).append(got)
     finally:

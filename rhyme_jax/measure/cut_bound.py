@@ -95,12 +95,12 @@ def _figures(steps: EngineSteps, tally: Tally) -> dict:
             "accepted": int(tally.accepted)}
 
 
-def bound_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
+def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
                history: HistoryStore, plan, cost, drafters: dict[str, Drafter]) -> dict:
     """One saved step under the three modes (module docstring) and plain decode.
 
     Args:
-      spec: the run's ``spec`` section; ``max_new``: ``rollout.max_new_tokens``.
+      max_new: ``rollout.max_new_tokens``.
       prompts: prompt id -> ``int32[p]``; ``pids``: ``int[N]`` prompt id per row.
       responses, rewards: the step's emitted ``int32[L_i]`` responses and their rewards.
       history: the history store as the trainer held it when the step ran.
