@@ -160,6 +160,17 @@ def test_load_config_rejects_invalid_yaml_and_non_mapping(tmp_path):
         load_config(lst)
 
 
+def test_resume_of_a_run_that_does_not_exist_fails_before_any_work(tmp_path, capsys):
+    """``--resume`` with a run name that has no directory: exit 2 naming the run directory and
+    the way out, and nothing is created (a typo in run.name must not start a fresh run)."""
+    args = ["demo", "--config", CONFIG, "--set", f"run.runs_dir={tmp_path}", "--set", "run.name=no_such_run",
+            "--resume"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "no_such_run") in err and "nothing to resume" in err and "drop --resume" in err
+    assert not (tmp_path / "no_such_run").exists()
+
+
 def test_rerunning_a_finished_run_needs_resume_and_resume_is_a_no_op(demo_run, capsys):
     rc, run_dir = demo_run
     assert rc == 0

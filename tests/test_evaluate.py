@@ -39,6 +39,20 @@ def tiny_policy(tmp_path_factory):
     return cfg, tok, held_out, make_engine(graphdef, model.cfg, cfg, eos_ids(model, tok)), state
 
 
+def test_demo_tokenizer_learns_the_prompt_templates_characters(tmp_path):
+    """Train problems without a newline and the template ``"{question}\\n"``: the demo tokenizer
+    still encodes every prompt (its corpus takes the template's text where that has characters
+    the problems lack), and round-trips it."""
+    from rhyme_jax.data import Problem
+
+    cfg = load_config("configs/tiny_test.yaml", [f"run.runs_dir={tmp_path}"])
+    assert cfg.model.prompt_template == "{question}\n"
+    train = [Problem(i, f"What is {i} plus {i}?", f"It is {2 * i}. #### {2 * i}", str(2 * i)) for i in range(20)]
+    tok = build_tokenizer(cfg, tmp_path, train)
+    prompt = cfg.model.prompt_template.format(question=train[3].question)
+    assert tok.decode(tok.encode(prompt)) == prompt
+
+
 def test_evaluate_scores_greedy_and_sampled_responses(tiny_policy, tmp_path):
     cfg, tok, problems, engine, state = tiny_policy
     problems = problems[:6]

@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   rhyme-jax train --config configs/arith_smollm2_135m.yaml    # GRPO on SmolLM2-135M-Instruct
   rhyme-jax train --config configs/arith_smollm2_135m.yaml --dry-run   # config, memory plan, programs
   rhyme-jax eval --config configs/arith_smollm2_135m.yaml --checkpoint initial --set run.eval_samples=8
-  rhyme-jax memory --config configs/gsm8k_qwen2.5_1.5b.yaml --devices 8
+  rhyme-jax memory --config configs/gsm8k_qwen2.5_1.5b.yaml --model-config configs/models/qwen2.5-1.5b --devices 8
   rhyme-jax ablate paper --quick                              # the paper's ablations at CPU scale
   rhyme-jax COMMAND --help                                    # a command's flags and examples"""
 

@@ -14,7 +14,8 @@ def register(sub) -> None:
     sp = add_command(sub, "memory", "per-device memory of params, optimizer state and one GRPO update "
                      "under the config (from shapes; allocates nothing)", run,
                      examples=("rhyme-jax memory --config configs/arith_smollm2_135m.yaml",
-                               "rhyme-jax memory --config configs/gsm8k_qwen2.5_1.5b.yaml --devices 8 --json"))
+                               "rhyme-jax memory --config configs/gsm8k_qwen2.5_1.5b.yaml "
+                               "--model-config configs/models/qwen2.5-1.5b --devices 8 --json"))
     sp.add_argument("--model-config", default="", help="HF config.json (or its directory) to size; "
                     "default: model.path's, else the tiny demo model")
     sp.add_argument("--devices", type=int, default=0,

@@ -127,6 +127,9 @@ def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False, reward_
 
     t0 = time.perf_counter()
     run_dir = run_dir_of(cfg)
+    if resume and not run_dir.is_dir():
+        raise FileNotFoundError(f"--resume: {run_dir} does not exist, so there is nothing to resume (run.name="
+                                f"{cfg.run.name!r}); drop --resume to start a fresh run")
     if not resume and has_checkpoints(run_dir):
         raise RunExistsError(f"{run_dir} already has GRPO checkpoints: pass --resume to continue "
                              f"it, or --set run.name=NEW for a fresh run")

@@ -87,7 +87,8 @@ def build_tokenizer(cfg: RunConfig, run_dir: Path, train_problems: Sequence[Prob
     """Load the run's tokenizer, training the demo tokenizer on first use.
 
     For the tiny demo model (``model.path == ""``) the tokenizer is trained on the train split's
-    questions and solutions and written to ``run_dir/tokenizer.json`` (or ``model.tokenizer_path``).
+    questions and solutions (and the prompt template's text where it has characters they lack, so
+    every prompt encodes) and written to ``run_dir/tokenizer.json`` (or ``model.tokenizer_path``).
 
     Raises:
       PolicyConfigError: a real checkpoint directory has no tokenizer.json.
@@ -100,7 +101,11 @@ def build_tokenizer(cfg: RunConfig, run_dir: Path, train_problems: Sequence[Prob
     if cfg.model.path or cfg.model.tokenizer_path:
         raise PolicyConfigError(f"model.tokenizer_path: no tokenizer file at {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return train_demo_tokenizer(corpus(train_problems), cfg.data.tokenizer_vocab_size, path)
+    texts = corpus(train_problems)
+    template = cfg.model.prompt_template.format(question="")
+    if not set(template) <= set("".join(texts)):  # the template's own characters (e.g. its newline)
+        texts.append(template)
+    return train_demo_tokenizer(texts, cfg.data.tokenizer_vocab_size, path)
 
 
 def tiny_model_config(cfg: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
