@@ -123,6 +123,7 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
     from rhyme_jax.measure.draft_replay import EngineSteps
+    from rhyme_jax.rollout.shapes import plan_from_config
     from rhyme_jax.spec.drafter import Drafter
 
     steps: dict[int, list[dict]] = {}
@@ -131,7 +132,7 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
         for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
             drafter = drafter or Drafter(cfg.spec, history)
             r = cfg.rollout
-            send = None if cost is None else EngineSteps(_plan(r), cost)
+            send = None if cost is None else EngineSteps(plan_from_config(cfg), cost)
             gap = draft_gap.gap_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, send=send,
                                      drafter=drafter)
             if epoch >= from_epoch:
@@ -144,14 +145,6 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
     return {ep: draft_gap.merge(st) for ep, st in sorted(steps.items())}
 
 
-def _plan(r):
-    """The engine's ``shapes.plan`` of a run's ``rollout`` section."""
-    from rhyme_jax.rollout import shapes
-
-    return shapes.plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
-                       max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
-
-
 def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dict]:
     """``measure.cut_bound.bound_step`` over a run's saved steps under the step-cost model
     ``cost`` (e.g. the run's own profile), merged per epoch (epochs >= ``from_epoch``): ``{epoch:
@@ -162,6 +155,7 @@ def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dic
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
     from rhyme_jax.measure import cut_bound
+    from rhyme_jax.rollout.shapes import plan_from_config
     from rhyme_jax.spec.drafter import Drafter
 
     steps: dict[int, list[dict]] = {}
@@ -169,8 +163,8 @@ def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dic
     try:
         for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
             drafters = drafters or {m: Drafter(cfg.spec, history) for m in ("estimates", "known")}
-            r = cfg.rollout
-            got = cut_bound.bound_step(r.max_new_tokens, prompts, pids, resp, rew, history, _plan(r), cost, drafters)
+            got = cut_bound.bound_step(cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history,
+                                       plan_from_config(cfg), cost, drafters)
             if epoch >= from_epoch:
                 steps.setdefault(epoch, []).append(got)
     finally:
