@@ -20,7 +20,9 @@ Usage::
     python -m benchmarks.draft_gap RUN --unit UNIT.json --bound
         # estimates or drafts? (``rhyme_jax.measure.cut_bound``): modelled speed-up over plain of
         # the drafter with its own estimates, the same drafter knowing which of its draft tokens
-        # hold, and the source-bound oracle, all sized by the engine's allocation under the profile
+        # hold, and the source-bound oracle, all sized by the engine's allocation under the profile;
+        # where RUN has policy_modes/ (``python -m benchmarks.policy_modes``), also the policy's own
+        # greedy drafts (``rhyme_jax.measure.policy_mode``): what a drafter knowing the policy reaches
     python -m benchmarks.draft_gap RUN --rules
         # which history occurrence to draft from (``rhyme_jax.measure.occurrence_rules``): passes and
         # carried tokens of causal choice rules against hindsight, every drafted token sent
@@ -68,7 +70,8 @@ def bound_table(bounds: dict[int, dict]) -> list[str]:
     """Markdown table of ``cut_bound_run``'s result: per epoch, each mode's modelled speed-up over
     plain decode, its share of the oracle's, the draft tokens its accepted drafts carry (share of
     the generated tokens), its acceptance and sequence passes."""
-    modes = cut_bound.MODES
+    first = next(iter(bounds.values()), {})
+    modes = [m for m in cut_bound.MODES + cut_bound.POLICY_MODES if m in first]
     own = [m for m in modes if m != "oracle"]
     out = ["| epoch | tokens |" + "".join(f" {m} x | {m}: of the oracle |" for m in own) + " oracle x |"
            + "".join(f" {m}: carried / acceptance / passes |" for m in modes), "|---" * (3 + 2 * len(own) + len(modes)) + "|"]

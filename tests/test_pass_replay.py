@@ -120,14 +120,9 @@ def test_draft_gap_counts_the_tokens_the_oracle_would_have_drafted():
     assert draft_gap.merge([est, est])["calibration"]["tested"] == [2 * n for n in cal["tested"]]
 
 
-def test_cut_bound_separates_estimates_from_drafts():
-    """``measure.cut_bound.bound_step`` (``python -m benchmarks.draft_gap --unit U --bound``): the
-    history holds 5 6 7 8 9 10 11 12 and the row emits 5 6 7 8 20 10 11 12. The source-bound
-    oracle (one-token matches) gets 6 7 8 accepted after the prefill's 5, then emits 20 (held
-    nowhere), 10, then 11 12 in one draft: 3 passes, 5 accepted tokens, none rejected. The
-    drafter that knows its acceptance never sends a rejected token; plain decode is one step per
-    token after the prefill's (7 steps of the cost model's unit)."""
-    from rhyme_jax.measure import cut_bound
+def cut_bound_case() -> SimpleNamespace:
+    """One row whose history holds 5 6 7 8 9 10 11 12 and which emits 5 6 7 8 20 10 11 12; a
+    step costs 1 plus 0.01 per draft token slot (shared by ``test_policy_mode``)."""
     from rhyme_jax.rollout import shapes
 
     spec = SimpleNamespace(branch="reward", window="goodput", fixed_window=8, min_token_prob=0.0, pattern_max=7,
@@ -136,12 +131,24 @@ def test_cut_bound_separates_estimates_from_drafts():
     pids, one = np.zeros(1, np.int64), np.ones(1, np.float32)
     store = HistoryStore()
     store.update(1, pids, [prompt], [np.array([5, 6, 7, 8, 9, 10, 11, 12], np.int32)], one)
-    response = np.array([5, 6, 7, 8, 20, 10, 11, 12], np.int32)
     plan = shapes.plan(max_slots=4, page_size=16, max_prompt_len=16, max_new_tokens=64, max_verify_tokens=64)
+    return SimpleNamespace(spec=spec, prompt=prompt, pids=pids, one=one, store=store, plan=plan,
+                           response=np.array([5, 6, 7, 8, 20, 10, 11, 12], np.int32),
+                           cost=lambda rows, tokens, q_len: 1.0 + 0.01 * (tokens - rows))
 
-    def cost(rows, tokens, q_len):  # a step's seconds: 1 per step, 0.01 per draft token slot
-        return 1.0 + 0.01 * (tokens - rows)
 
+def test_cut_bound_separates_estimates_from_drafts():
+    """``measure.cut_bound.bound_step`` (``python -m benchmarks.draft_gap --unit U --bound``): the
+    history holds 5 6 7 8 9 10 11 12 and the row emits 5 6 7 8 20 10 11 12. The source-bound
+    oracle (one-token matches) gets 6 7 8 accepted after the prefill's 5, then emits 20 (held
+    nowhere), 10, then 11 12 in one draft: 3 passes, 5 accepted tokens, none rejected. The
+    drafter that knows its acceptance never sends a rejected token; plain decode is one step per
+    token after the prefill's (7 steps of the cost model's unit)."""
+    from rhyme_jax.measure import cut_bound
+
+    c = cut_bound_case()
+    spec, prompt, pids, one, store, response, plan, cost = (c.spec, c.prompt, c.pids, c.one, c.store, c.response,
+                                                            c.plan, c.cost)
     drafters = {m: Drafter(spec, store) for m in ("estimates", "known")}
     try:
         got = cut_bound.bound_step(64, {0: prompt}, pids, [response], one, store, plan, cost, drafters)

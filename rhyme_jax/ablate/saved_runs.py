@@ -149,22 +149,27 @@ def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dic
     """``measure.cut_bound.bound_step`` over a run's saved steps under the step-cost model
     ``cost`` (e.g. the run's own profile), merged per epoch (epochs >= ``from_epoch``): ``{epoch:
     merged}``. One ``Drafter`` per mode drafts every step, the earlier epochs too (its calibration
-    learns over the run as the engine's does).
+    learns over the run as the engine's does). Where the run has ``policy_modes/`` (the policy's
+    argmax at every response position, ``measure.policy_mode``), its ``POLICY_MODES`` too.
 
     Raises:
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
+      PolicyModeError: a step's modes are missing or do not fit its rollouts (names the file).
     """
     from rhyme_jax.measure import cut_bound
+    from rhyme_jax.measure.policy_mode import MODES_DIR, load_modes
     from rhyme_jax.rollout.shapes import plan_from_config
     from rhyme_jax.spec.drafter import Drafter
 
     steps: dict[int, list[dict]] = {}
     drafters: dict = {}
+    policy = (Path(run) / MODES_DIR).is_dir()
     try:
-        for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
+        for cfg, step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
             drafters = drafters or {m: Drafter(cfg.spec, history) for m in ("estimates", "known")}
+            modes = load_modes(run, step, resp) if policy else None
             got = cut_bound.bound_step(cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history,
-                                       plan_from_config(cfg), cost, drafters)
+                                       plan_from_config(cfg), cost, drafters, modes)
             if epoch >= from_epoch:
                 steps.setdefault(epoch, []).append(got)
     finally:

@@ -16,6 +16,13 @@ engine's allocation under one step-cost model (``draft_replay.EngineSteps``),
 * ``oracle``: ``oracle_drafters.SourceBoundDrafter`` over the same sources (history, finished and
   running siblings, the row itself);
 
+and, given the policy's modes at every response position (``measure.policy_mode``),
+
+* ``policy``: ``policy_mode.ModeDrafter``, the policy's greedy continuation with its exact
+  acceptance probabilities as estimates: the causal reference, what a drafter that knows the
+  policy (and drafts for free) reaches;
+* ``policy_known``: the same drafts with known acceptance;
+
 and plain decode (``draft_replay.plain_seconds``). Modelled seconds, so ratios are of the model,
 not of a clock: ``known / oracle`` is the share of the bound that sharper estimates could reach
 with these drafts; the rest needs other drafts.
@@ -31,10 +38,12 @@ from jaxtyping import Int
 from rhyme_jax.measure.draft_replay import EngineSteps, Tally, accepted_prefix, drive, plain_seconds
 from rhyme_jax.measure.oracle_drafters import SourceBoundDrafter
 from rhyme_jax.measure.pass_replay import WithSiblings, sibling_rebatch
+from rhyme_jax.measure.policy_mode import ModeDrafter
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 
 MODES = ("estimates", "known", "oracle")
+POLICY_MODES = ("policy", "policy_known")
 
 
 class KnownAcceptance:
@@ -96,7 +105,7 @@ def _figures(steps: EngineSteps, tally: Tally) -> dict:
 
 
 def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
-               history: HistoryStore, plan, cost, drafters: dict[str, Drafter]) -> dict:
+               history: HistoryStore, plan, cost, drafters: dict[str, Drafter], modes: list | None = None) -> dict:
     """One saved step under the three modes (module docstring) and plain decode.
 
     Args:
@@ -109,6 +118,8 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
       drafters: ``{"estimates": Drafter, "known": Drafter}``, one per mode for the whole run (each
         learns its calibration over the steps as the engine's does; ``known`` ignores its
         estimates but its drafts depend on what it observed).
+      modes: per row ``(argmax int32[t_i], p_mode float32[t_i])`` (``policy_mode.load_modes``):
+        also the ``POLICY_MODES``.
 
     Returns ``{"tokens": generated tokens, "plain_seconds": float, mode: {"seconds", "passes",
     "drafted", "accepted"}}``: modelled seconds of the chosen steps, sequence passes after the
@@ -118,9 +129,13 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
     targets = [np.asarray(r, np.int64) for r in responses]
     out: dict = {"tokens": int(sum(t.size for t in targets)),
                  "plain_seconds": float(plain_seconds([max(t.size - 1, 0) for t in targets], plan, cost))}
-    for mode in MODES:
+    for mode in MODES + (POLICY_MODES if modes is not None else ()):
         steps, tally = EngineSteps(plan, cost), Tally()
-        if mode == "oracle":
+        if mode in POLICY_MODES:
+            batch = ModeDrafter(rows, targets, modes, max_new)
+            wrap = KnownAcceptance(targets).wrap if mode == "policy_known" else (lambda b: b)
+            drive(wrap(batch), rows, targets, emitted=1, max_new=max_new, send=steps, tally=tally)
+        elif mode == "oracle":
             hist = [list(history.responses(int(p))[0]) if int(p) in history else [] for p in pids]
             batch = SourceBoundDrafter(rows, targets, max_new, hist)
             drive(batch, rows, targets, emitted=1, max_new=max_new, send=steps, tally=tally)
@@ -136,14 +151,19 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
     return out
 
 
+def _modes(result: dict) -> tuple[str, ...]:
+    return tuple(m for m in MODES + POLICY_MODES if m in result)
+
+
 def merge(steps: list[dict]) -> dict:
-    """Sum of ``bound_step`` results."""
+    """Sum of ``bound_step`` results (the modes of the first step; all steps must have them)."""
+    modes = _modes(steps[0]) if steps else MODES
     total: dict = {"tokens": 0, "plain_seconds": 0.0, **{m: {"seconds": 0.0, "passes": 0, "drafted": 0,
-                                                             "accepted": 0} for m in MODES}}
+                                                             "accepted": 0} for m in modes}}
     for s in steps:
         total["tokens"] += s["tokens"]
         total["plain_seconds"] += s["plain_seconds"]
-        for m in MODES:
+        for m in modes:
             for k in total[m]:
                 total[m][k] += s[m][k]
     return total
@@ -152,6 +172,7 @@ def merge(steps: list[dict]) -> dict:
 def ratios(merged: dict) -> dict:
     """``{mode: plain seconds / mode seconds}`` and ``{mode + "_share": ratio / oracle ratio}``
     of a ``merge``d epoch (0 where a figure is 0)."""
-    out = {m: merged["plain_seconds"] / merged[m]["seconds"] if merged[m]["seconds"] > 0 else 0.0 for m in MODES}
-    out.update({f"{m}_share": out[m] / out["oracle"] if out["oracle"] > 0 else 0.0 for m in MODES})
+    modes = _modes(merged)
+    out = {m: merged["plain_seconds"] / merged[m]["seconds"] if merged[m]["seconds"] > 0 else 0.0 for m in modes}
+    out.update({f"{m}_share": out[m] / out["oracle"] if out["oracle"] > 0 else 0.0 for m in modes})
     return out

@@ -1,0 +1,85 @@
+"""Capture the policy's modes along a learning run (``measure.policy_mode``), step by step.
+
+Reruns a saved run's config (HistoSpec off: with the per-position draws a run samples the same
+tokens whatever drafts it, so the plain run is every spec run's workload) and, right before each
+GRPO update, teacher-forces the step's rollouts through the behaviour weights (the weights that
+sampled them under ``sched.pipeline=sync``): the argmax and its probability at every response
+position go to ``<run>/policy_modes/step_%06d.npz`` beside the run's rollouts. The log-probability
+of each sampled token is checked against the behaviour logprobs the rollout recorded (a mismatch
+means the forward is not the sampler's policy). ``cut_bound_run`` then replays the policy's own
+greedy drafts beside the run's drafter and the oracle.
+
+Source: issue 32 (the targets' bound); ``measure.policy_mode``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from rhyme_jax.measure.policy_mode import mode_fn, policy_modes, save_modes
+
+
+class CaptureError(ValueError):
+    """A config the capture cannot rerun as its rollouts were sampled (names the field)."""
+
+
+def check_config(cfg) -> None:
+    """The capture needs the behaviour weights at update time: ``sched.pipeline=sync``.
+
+    Raises:
+      CaptureError: another pipeline (its rollouts were sampled with older weights).
+    """
+    if cfg.sched.pipeline != "sync":
+        raise CaptureError(f"sched.pipeline={cfg.sched.pipeline!r}: the capture needs 'sync' (the weights "
+                           "at update time are then the behaviour weights)")
+
+
+def step_stats(modes: list, responses: list[np.ndarray], behaviour: list[np.ndarray]) -> dict:
+    """One step's figures: tokens after each row's first (the drafted positions), the share of
+    them that are the policy's argmax, their mean mode probability, and the largest
+    |teacher-forced - behaviour| logprob of a sampled token."""
+    tail = [(m[0][1:], m[1][1:], r[1:]) for m, r in zip(modes, responses)]
+    n = sum(t[2].size for t in tail)
+    hits = sum(int(np.sum(a == np.asarray(r))) for a, _, r in tail)
+    p = sum(float(np.sum(pm)) for _, pm, _ in tail)
+    worst = max((float(np.max(np.abs(m[2] - np.asarray(b)))) for m, b in zip(modes, behaviour) if len(b)),
+                default=0.0)
+    return {"tokens": n, "argmax_share": hits / max(n, 1), "p_mode": p / max(n, 1), "max_logp_diff": worst}
+
+
+def capture(cfg, rows: int = 8, log: Callable[[str], None] = print) -> list[dict]:
+    """Train ``cfg``'s ``grpo.steps`` steps (no evaluation, no checkpoints) and save the policy's
+    modes of every step (module docstring); returns each step's ``step_stats`` with ``step`` and
+    ``reward``. ``rows``: rollouts per teacher-forced forward.
+
+    Raises:
+      CaptureError: ``check_config``.
+    """
+    from rhyme_jax.train.trainer import GRPOTrainer
+
+    check_config(cfg)
+    trainer = GRPOTrainer(cfg)
+    fn = mode_fn(trainer.policy.graphdef, cfg.rollout.temperature)
+    update, at, out = trainer._update, {"step": 0}, []
+
+    def hooked(prompts, tokens, logprobs, rewards):
+        got = policy_modes(fn, trainer.state, [np.asarray(p, np.int32) for p in prompts], tokens,
+                           trainer.tokenizer.pad_id, rows)
+        save_modes(trainer.run_dir, at["step"], got)
+        out.append({"step": at["step"], "reward": float(np.mean(rewards)), **step_stats(got, tokens, logprobs)})
+        r = out[-1]
+        log(f"step {r['step']}: reward {r['reward']:.3f}, argmax share {r['argmax_share']:.3f}, "
+            f"p_mode {r['p_mode']:.3f}, max |logp - behaviour| {r['max_logp_diff']:.2e}")
+        return update(prompts, tokens, logprobs, rewards)
+
+    trainer._update = hooked
+    try:
+        for step in range(trainer.step + 1, cfg.grpo.steps + 1):
+            at["step"] = step
+            trainer.metrics.log(step, trainer.train_step(step), phase="train")
+            trainer.step = step
+    finally:
+        trainer.close()
+    return out
