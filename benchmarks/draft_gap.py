@@ -22,7 +22,8 @@ Usage::
         # the drafter with its own estimates, the same drafter knowing which of its draft tokens
         # hold, and the source-bound oracle, all sized by the engine's allocation under the profile;
         # where RUN has policy_modes/ (``python -m benchmarks.policy_modes``), also the policy's own
-        # greedy drafts (``rhyme_jax.measure.policy_mode``): what a drafter knowing the policy reaches
+        # greedy drafts (``rhyme_jax.measure.policy_mode``): what a drafter knowing the policy reaches;
+        # with --cross-prompt also the oracle whose sources hold other prompts' responses
     python -m benchmarks.draft_gap RUN --rules
         # which history occurrence to draft from (``rhyme_jax.measure.occurrence_rules``): passes and
         # carried tokens of causal choice rules against hindsight, every drafted token sent
@@ -71,7 +72,7 @@ def bound_table(bounds: dict[int, dict]) -> list[str]:
     plain decode, its share of the oracle's, the draft tokens its accepted drafts carry (share of
     the generated tokens), its acceptance and sequence passes."""
     first = next(iter(bounds.values()), {})
-    modes = [m for m in cut_bound.MODES + cut_bound.POLICY_MODES if m in first]
+    modes = [m for m in cut_bound.MODES + cut_bound.POLICY_MODES + (cut_bound.CROSS_MODE,) if m in first]
     own = [m for m in modes if m != "oracle"]
     out = ["| epoch | tokens |" + "".join(f" {m} x | {m}: of the oracle |" for m in own) + " oracle x |"
            + "".join(f" {m}: carried / acceptance / passes |" for m in modes), "|---" * (3 + 2 * len(own) + len(modes)) + "|"]
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
                     "the engine's allocation would (default: every drafted token sent)")
     ap.add_argument("--bound", action="store_true", help="with --unit: the drafter with its estimates, knowing "
                     "its acceptance, and the source-bound oracle under the profile (rhyme_jax.measure.cut_bound)")
+    ap.add_argument("--cross-prompt", action="store_true", help="with --bound: also the oracle whose sources hold "
+                    "every prompt's earlier responses and the step's other rows (oracle_cross)")
     ap.add_argument("--rules", action="store_true", help="causal rules for the history occurrence to draft from, "
                     "against hindsight (rhyme_jax.measure.occurrence_rules)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
         if args.rules:
             got, lines = occurrence_rules_run(args.run, args.overrides, args.from_epoch), rules_table
         elif args.bound:
-            got, lines = cut_bound_run(args.run, cost, args.overrides, args.from_epoch), bound_table
+            got, lines = cut_bound_run(args.run, cost, args.overrides, args.from_epoch, args.cross_prompt), bound_table
         else:
             got, lines = draft_gap_run(args.run, args.overrides, args.from_epoch, cost), table
     except (CorpusError, OSError, ValueError, KeyError) as exc:

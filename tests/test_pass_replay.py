@@ -168,6 +168,28 @@ def test_cut_bound_separates_estimates_from_drafts():
     assert r["known_share"] == pytest.approx(oracle["seconds"] / known["seconds"])
 
 
+def test_cross_prompt_oracle_drafts_from_other_prompts_text():
+    """``oracle_cross`` (``draft_gap --bound --cross-prompt``): another prompt's history holds 8 20
+    10 11 12, so after the first pass (6 7 8 accepted, 20 emitted) the cross-prompt oracle gets 10
+    11 12 accepted from it: 2 passes and 6 accepted tokens, where the prompt's own sources need 3
+    passes (20 is held nowhere in them)."""
+    from rhyme_jax.measure import cut_bound
+
+    c = cut_bound_case()
+    c.store.update(2, np.ones(1, np.int64), [np.array([9, 9], np.int32)], [np.array([8, 20, 10, 11, 12], np.int32)],
+                   c.one)
+    drafters = {m: Drafter(c.spec, c.store) for m in ("estimates", "known")}
+    try:
+        got = cut_bound.bound_step(64, {0: c.prompt}, c.pids, [c.response], c.one, c.store, c.plan, c.cost,
+                                   drafters, cross=True)
+    finally:
+        for d in drafters.values():
+            d.close()
+    assert (got["oracle"]["passes"], got["oracle"]["accepted"]) == (3, 5)
+    assert (got["oracle_cross"]["passes"], got["oracle_cross"]["accepted"]) == (2, 6)
+    assert cut_bound.ratios(got)["oracle_cross_share"] > 1.0
+
+
 def test_occurrence_rules_on_constructed_sequences():
     """``measure.occurrence_rules`` (``python -m benchmarks.draft_gap RUN --rules``): the history
     ``7 1 2 8 7 1 4 5 6`` holds the context's last token ``7`` twice. After ``3 3 3 3 7`` the

@@ -145,12 +145,13 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
     return {ep: draft_gap.merge(st) for ep, st in sorted(steps.items())}
 
 
-def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dict]:
+def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2, cross: bool = False) -> dict[int, dict]:
     """``measure.cut_bound.bound_step`` over a run's saved steps under the step-cost model
     ``cost`` (e.g. the run's own profile), merged per epoch (epochs >= ``from_epoch``): ``{epoch:
     merged}``. One ``Drafter`` per mode drafts every step, the earlier epochs too (its calibration
     learns over the run as the engine's does). Where the run has ``policy_modes/`` (the policy's
-    argmax at every response position, ``measure.policy_mode``), its ``POLICY_MODES`` too.
+    argmax at every response position, ``measure.policy_mode``), its ``POLICY_MODES`` too;
+    with ``cross``, the oracle over other prompts' text too (``CROSS_MODE``).
 
     Raises:
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
@@ -169,7 +170,7 @@ def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2) -> dict[int, dic
             drafters = drafters or {m: Drafter(cfg.spec, history) for m in ("estimates", "known")}
             modes = load_modes(run, step, resp) if policy else None
             got = cut_bound.bound_step(cfg.rollout.max_new_tokens, prompts, pids, resp, rew, history,
-                                       plan_from_config(cfg), cost, drafters, modes)
+                                       plan_from_config(cfg), cost, drafters, modes, cross)
             if epoch >= from_epoch:
                 steps.setdefault(epoch, []).append(got)
     finally:

@@ -23,6 +23,10 @@ and, given the policy's modes at every response position (``measure.policy_mode`
   policy (and drafts for free) reaches;
 * ``policy_known``: the same drafts with known acceptance;
 
+and, with ``cross``, ``oracle_cross``: ``oracle_drafters.CrossPromptBoundDrafter``, the oracle whose
+sources also hold every prompt's earlier responses and the step's other rows (whether drafts
+from other prompts' text could add anything, even with hindsight);
+
 and plain decode (``draft_replay.plain_seconds``). Modelled seconds, so ratios are of the model,
 not of a clock: ``known / oracle`` is the share of the bound that sharper estimates could reach
 with these drafts; the rest needs other drafts.
@@ -36,7 +40,7 @@ import numpy as np
 from jaxtyping import Int
 
 from rhyme_jax.measure.draft_replay import EngineSteps, Tally, accepted_prefix, drive, plain_seconds
-from rhyme_jax.measure.oracle_drafters import SourceBoundDrafter
+from rhyme_jax.measure.oracle_drafters import CrossPromptBoundDrafter, SourceBoundDrafter
 from rhyme_jax.measure.pass_replay import WithSiblings, sibling_rebatch
 from rhyme_jax.measure.policy_mode import ModeDrafter
 from rhyme_jax.spec.drafter import Drafter
@@ -44,6 +48,7 @@ from rhyme_jax.spec.history import HistoryStore
 
 MODES = ("estimates", "known", "oracle")
 POLICY_MODES = ("policy", "policy_known")
+CROSS_MODE = "oracle_cross"
 
 
 class KnownAcceptance:
@@ -105,7 +110,8 @@ def _figures(steps: EngineSteps, tally: Tally) -> dict:
 
 
 def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], responses, rewards,
-               history: HistoryStore, plan, cost, drafters: dict[str, Drafter], modes: list | None = None) -> dict:
+               history: HistoryStore, plan, cost, drafters: dict[str, Drafter], modes: list | None = None,
+               cross: bool = False) -> dict:
     """One saved step under the three modes (module docstring) and plain decode.
 
     Args:
@@ -119,7 +125,7 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
         learns its calibration over the steps as the engine's does; ``known`` ignores its
         estimates but its drafts depend on what it observed).
       modes: per row ``(argmax int32[t_i], p_mode float32[t_i])`` (``policy_mode.load_modes``):
-        also the ``POLICY_MODES``.
+        also the ``POLICY_MODES``. cross: also ``CROSS_MODE``.
 
     Returns ``{"tokens": generated tokens, "plain_seconds": float, mode: {"seconds", "passes",
     "drafted", "accepted"}}``: modelled seconds of the chosen steps, sequence passes after the
@@ -129,15 +135,19 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
     targets = [np.asarray(r, np.int64) for r in responses]
     out: dict = {"tokens": int(sum(t.size for t in targets)),
                  "plain_seconds": float(plain_seconds([max(t.size - 1, 0) for t in targets], plan, cost))}
-    for mode in MODES + (POLICY_MODES if modes is not None else ()):
+    for mode in MODES + (POLICY_MODES if modes is not None else ()) + ((CROSS_MODE,) if cross else ()):
         steps, tally = EngineSteps(plan, cost), Tally()
         if mode in POLICY_MODES:
             batch = ModeDrafter(rows, targets, modes, max_new)
             wrap = KnownAcceptance(targets).wrap if mode == "policy_known" else (lambda b: b)
             drive(wrap(batch), rows, targets, emitted=1, max_new=max_new, send=steps, tally=tally)
-        elif mode == "oracle":
+        elif mode in ("oracle", CROSS_MODE):
             hist = [list(history.responses(int(p))[0]) if int(p) in history else [] for p in pids]
-            batch = SourceBoundDrafter(rows, targets, max_new, hist)
+            if mode == "oracle":
+                batch = SourceBoundDrafter(rows, targets, max_new, hist)
+            else:
+                others = [r for q in history.prompt_ids() for r in history.responses(q)[0]]
+                batch = CrossPromptBoundDrafter(rows, targets, max_new, hist, others)
             drive(batch, rows, targets, emitted=1, max_new=max_new, send=steps, tally=tally)
         else:
             store = WithSiblings(history, prompts, responses, rewards)
@@ -152,7 +162,7 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
 
 
 def _modes(result: dict) -> tuple[str, ...]:
-    return tuple(m for m in MODES + POLICY_MODES if m in result)
+    return tuple(m for m in MODES + POLICY_MODES + (CROSS_MODE,) if m in result)
 
 
 def merge(steps: list[dict]) -> dict:

@@ -6,7 +6,8 @@
   rollout's tokens; ``benchmarks.replay_bound`` along target texts).
 * ``SourceBoundDrafter`` cuts those drafts to the longest run a draft source holds
   (``held_run``: the prompt's earlier responses, its siblings so far, the row's own context):
-  the bound of any drafter over those sources (``--oracle sources`` / ``--sources``).
+  the bound of any drafter over those sources (``--oracle sources`` / ``--sources``);
+  ``CrossPromptBoundDrafter`` adds other prompts' responses to them.
 * ``held_run`` with a context suffix of ``k`` tokens is also the search of the per-sequence
   pass oracle (``measure.pass_replay.best_continuation``).
 
@@ -129,6 +130,21 @@ class SourceBoundDrafter(AlwaysRightDrafter):
     def observe(self, reqs, draft_lens, accepted) -> None:
         """Siblings see each row's tokens as soon as they are emitted."""
         self.done[np.asarray(reqs, np.int64)] += np.asarray(accepted, np.int64) + 1
+
+
+class CrossPromptBoundDrafter(SourceBoundDrafter):
+    """``SourceBoundDrafter`` whose sources also hold other prompts' text: ``others`` (``int``
+    arrays, e.g. every prompt's earlier responses) and every other row of the call so far, not
+    only its siblings. With hindsight like its parent, so it bounds any drafter that would also
+    look up other prompts' responses (a global suffix tree, as ArcticInference's)."""
+
+    def __init__(self, prompts, responses, max_new_tokens: int, history: list[list[np.ndarray]],
+                 others: list[np.ndarray]):
+        super().__init__(prompts, responses, max_new_tokens, history)
+        parts = [x for o in others for x in (np.asarray(o, np.int64), np.full(1, -2, np.int64))]
+        joined = np.concatenate(parts) if parts else np.zeros(0, np.int64)  # one -2 stops a run
+        self.history = [h + [joined] for h in self.history]
+        self.siblings = [[j for j in range(len(self.prompts)) if j != r] for r in range(len(self.prompts))]
 
 
 class SourceBound:
