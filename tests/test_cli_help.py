@@ -56,6 +56,26 @@ def test_a_bad_override_fails_in_one_line_before_any_work(tmp_path, capsys):
     assert "\n" not in err and "grpo.steps" in err
 
 
+def test_a_recipe_key_marked_required_fails_before_any_work(tmp_path, capsys):
+    """``configs/gsm8k_qwen2.5_1.5b.yaml`` marks ``model.path: ???``: the training commands refuse
+    it without ``--set model.path=...`` (it used to train the tiny demo model on GSM8K), naming
+    the file and the key, and write nothing; tools that need only shapes still read it (the
+    schema default), and a config that includes it inherits the mark."""
+    from rhyme_jax.config import load_config, required_keys
+
+    qwen = REPO / "configs" / "gsm8k_qwen2.5_1.5b.yaml"
+    runs = tmp_path / "runs"
+    for command in ("train", "sft", "demo"):
+        assert main([command, "--config", str(qwen), "--set", f"run.runs_dir={runs}", "--dry-run"]
+                    if command != "sft" else [command, "--config", str(qwen), "--set", f"run.runs_dir={runs}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "gsm8k_qwen2.5_1.5b.yaml" in err and "--set model.path=" in err, err
+    assert not runs.exists()
+    assert required_keys(qwen) == ["model.path"] and load_config(qwen).model.path == ""
+    assert required_keys(REPO / "configs" / "ablations" / "gpu" / "e2e_fifo.yaml") == ["model.path"]
+    assert required_keys(TINY) == []
+
+
 def test_export_of_a_missing_run_is_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()

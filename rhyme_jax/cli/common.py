@@ -34,14 +34,17 @@ def add_config_flags(sp: argparse.ArgumentParser, *, set_help: str = "") -> None
                     help=set_help or "override a config field, e.g. --set grpo.steps=10 (repeatable)")
 
 
-def load_run_config(args: argparse.Namespace):
+def load_run_config(args: argparse.Namespace, required: bool = False):
     """The run config of ``args.config`` + ``args.overrides`` with the checks that need this
     machine (``train.preflight.prepare``), or None after printing the one-line error to stderr.
-    Nothing has been computed when it fails."""
-    from rhyme_jax.config import ConfigError, load_config
+    ``required``: also refuse a file whose ``???`` keys no ``--set`` gives
+    (``config.check_required``; the training commands). Nothing has been computed when it fails."""
+    from rhyme_jax.config import ConfigError, check_required, load_config
     from rhyme_jax.train.preflight import prepare
 
     try:
+        if required:
+            check_required(args.config, args.overrides)
         return prepare(load_config(args.config, args.overrides))
     except ConfigError as exc:
         print(f"rhyme-jax: config error: {exc}", file=sys.stderr)

@@ -25,7 +25,7 @@ def register(sub) -> None:
                                "rhyme-jax train --config configs/arith_smollm2_135m.yaml --set grpo.steps=2 "
                                "--set run.name=try",
                                "rhyme-jax train --config configs/arith_smollm2_135m.yaml --resume",
-                               "rhyme-jax train --config configs/gsm8k_qwen2.5_1.5b.yaml --dry-run"))
+                               "rhyme-jax train --config configs/gsm8k_qwen2.5_1.5b.yaml --set model.path=CKPT_DIR --dry-run"))
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config, the memory plan and the "
                     "rollout program count, then stop (nothing is trained; a known model named in the config "
@@ -47,7 +47,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run one of the training commands; returns the exit status (2: bad input, 1: the loss
     became non-finite)."""
-    cfg = load_run_config(args)
+    cfg = load_run_config(args, required=True)
     if cfg is None:
         return 2
     if args.command == "sft" and cfg.sft.steps < 1:  # `train` / `demo` skip the warm start instead

@@ -12,7 +12,7 @@ Modules: ``checks`` (ConfigError, value checks), ``sections`` (the section datac
 """
 
 from rhyme_jax.config.checks import ConfigError
-from rhyme_jax.config.loader import load_config, schema_fields, to_dict, to_yaml
+from rhyme_jax.config.loader import check_required, load_config, required_keys, schema_fields, to_dict, to_yaml
 from rhyme_jax.config.run_config import RunConfig
 from rhyme_jax.config.sections import (DataSection, GRPOSection, ModelSection, ParallelSection,
                                        RewardSection, RolloutSection, RunSection, SchedSection,
@@ -22,5 +22,5 @@ __all__ = [
     "ConfigError", "DataSection", "GRPOSection", "ModelSection", "ParallelSection", "RewardSection",
     "RolloutSection",
     "RunConfig", "RunSection", "SFTSection", "SchedSection", "SpecSection", "TinyModelConfig",
-    "load_config", "schema_fields", "to_dict", "to_yaml",
+    "check_required", "load_config", "required_keys", "schema_fields", "to_dict", "to_yaml",
 ]

@@ -85,6 +85,59 @@ def _merge_file(node: DictConfig, path: Path, seen: tuple) -> DictConfig:
         raise ConfigError(f"{path}: {_one_line(exc)}") from None
 
 
+def required_keys(path: str | Path) -> list[str]:
+    """Dotted keys that a config file (or a file its ``defaults`` include) marks ``???``: values
+    the user must give (``--set KEY=VALUE``), e.g. ``model.path`` of a recipe for a model that is
+    not shipped. ``load_config`` keeps the schema default there (OmegaConf does not merge a
+    missing value onto a default), so tools that need only the shapes still read the file; the
+    training commands refuse it (``check_required``).
+
+    Raises:
+      ConfigError: a file is missing or not valid YAML (as ``load_config``).
+    """
+    out: list[str] = []
+
+    def walk(node, prefix):
+        for key in node.keys():
+            name = f"{prefix}{key}"
+            if OmegaConf.is_missing(node, key):
+                out.append(name)
+            elif isinstance(node[key], DictConfig):
+                walk(node[key], name + ".")
+
+    def visit(p: Path, seen: tuple):
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        if p.resolve() in seen:
+            return
+        try:
+            raw = OmegaConf.load(p)
+        except Exception as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if not isinstance(raw, DictConfig):
+            return
+        for inc in raw.pop("defaults", []):
+            visit(p.parent / str(inc), seen + (p.resolve(),))
+        walk(raw, "")
+
+    visit(Path(path), ())
+    return sorted(set(out))
+
+
+def check_required(path: Optional[str | Path], overrides: Optional[list[str]] = None) -> None:
+    """Every ``required_keys(path)`` is set by an override.
+
+    Raises:
+      ConfigError: one is not, naming the file, the key and the ``--set`` that gives it.
+    """
+    if path is None:
+        return
+    given = {item.split("=", 1)[0].strip() for item in overrides or [] if "=" in item}
+    for key in required_keys(path):
+        if key not in given:
+            raise ConfigError(f"{path}: {key} is required (the file marks it ???): add --set {key}=VALUE")
+
+
 def _one_line(exc: OmegaConfBaseException) -> str:
     """OmegaConf's error as ``key: problem`` (``key=value must be one of [...]`` for a
     ``Literal`` field, worded like the sections' own checks), without its type noise."""
