@@ -367,3 +367,4 @@ def test_malformed_gsm8k_line_fails_naming_file_and_line(tmp_path, bad_line, why
         GRPOTrainer(cfg, reward_fn=parity_reward)
     assert str(err.value).startswith(f"{train}:3:")
     assert why in str(err.value)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no half-made run

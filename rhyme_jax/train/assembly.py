@@ -18,7 +18,8 @@ Params and optimizer state are returned next to the parts, never kept in them: t
 their buffers, so only their owner (the trainer) holds them.
 
 ``build_run`` assembles all three for ``GRPOTrainer``: layouts checked before anything is written,
-the run directory and its config.yaml, the warm start, the checkpoint restored on resume (params,
+the run directory and its config.yaml (written once the data, policy and warm start have loaded; a
+fresh run directory is removed again when assembly fails), the warm start, the checkpoint restored on resume (params,
 optimizer state, counters, history, carried groups) and the rollout pipeline wired to them.
 
 Hooks instead of method replacement: ``wrap_generate`` (``build_rollout`` / ``build_run``) is
@@ -28,6 +29,7 @@ installed around every engine call the scheduler's workers make.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -382,11 +384,24 @@ def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[G
     check_batch_layout(cfg, mesh)
     meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers)
     run_dir = run_dir_of(cfg)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    if primary:
-        _write_config(cfg, run_dir)
+    try:  # data, tokenizer, model, warm start, restore: bad input fails in here
+        return _assemble(cfg, run_dir, primary, mesh, meshes, resume, wrap_generate)
+    except BaseException:
+        if created and primary:  # a fresh run leaves no half-made directory behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume: bool,
+              wrap_generate: Optional[GenerateWrapper]) -> Run:
+    """``build_run`` after the layout checks: every part, config.yaml once the policy and its warm
+    start have loaded."""
     policy, state = build_policy(cfg, run_dir, mesh)
     state = load_warm_start(cfg, run_dir, state)
+    if primary:
+        _write_config(cfg, run_dir)
     learner, opt_state = build_learner(cfg, policy, state)
     checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
     state, opt_state, start = _restore(checkpointer, state, opt_state, resume)
