@@ -60,24 +60,23 @@ def capture(cfg, rows: int = 8, log: Callable[[str], None] = print) -> list[dict
     from rhyme_jax.train.trainer import GRPOTrainer
 
     check_config(cfg)
-    trainer = GRPOTrainer(cfg)
-    fn = mode_fn(trainer.policy.graphdef, cfg.rollout.temperature)
-    update, at, out = trainer._update, {"step": 0}, []
+    out: list[dict] = []
+    fn = None
 
-    def hooked(prompts, tokens, logprobs, rewards):
-        got = policy_modes(fn, trainer.state, [np.asarray(p, np.int32) for p in prompts], tokens,
+    def hook(step, state, prompts, tokens, logprobs, rewards):
+        nonlocal fn
+        fn = fn or mode_fn(trainer.policy.graphdef, cfg.rollout.temperature)
+        got = policy_modes(fn, state, [np.asarray(p, np.int32) for p in prompts], tokens,
                            trainer.tokenizer.pad_id, rows)
-        save_modes(trainer.run_dir, at["step"], got)
-        out.append({"step": at["step"], "reward": float(np.mean(rewards)), **step_stats(got, tokens, logprobs)})
-        r = out[-1]
+        save_modes(trainer.run_dir, step, got)
+        r = {"step": step, "reward": float(np.mean(rewards)), **step_stats(got, tokens, logprobs)}
+        out.append(r)
         log(f"step {r['step']}: reward {r['reward']:.3f}, argmax share {r['argmax_share']:.3f}, "
             f"p_mode {r['p_mode']:.3f}, max |logp - behaviour| {r['max_logp_diff']:.2e}")
-        return update(prompts, tokens, logprobs, rewards)
 
-    trainer._update = hooked
+    trainer = GRPOTrainer(cfg, before_update=hook)
     try:
         for step in range(trainer.step + 1, cfg.grpo.steps + 1):
-            at["step"] = step
             trainer.metrics.log(step, trainer.train_step(step), phase="train")
             trainer.step = step
     finally:

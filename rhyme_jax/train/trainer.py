@@ -75,6 +75,9 @@ class GRPOTrainer:
         ``data.answer_extraction``; ``data.custom_reward``). Setting both is an error.
       wrap_generate: hook around every rollout engine call of the scheduler's workers
         (``assembly.build_rollout``; e.g. a benchmark pairing each rollout with a plain one).
+      before_update: ``hook(step, state, prompts, tokens, behaviour_logprobs, rewards)`` called
+        once per step right before the update, with the params the update starts from (the
+        behaviour params under ``sched.pipeline=sync``; e.g. ``ablate.policy_modes``).
 
     Raises:
       NonFiniteLossError: ``grpo.max_consecutive_nonfinite`` consecutive non-finite steps.
@@ -85,8 +88,9 @@ class GRPOTrainer:
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False,
                  reward_fn: Callable[[str, Problem], float] | None = None,
-                 wrap_generate: GenerateWrapper | None = None):
+                 wrap_generate: GenerateWrapper | None = None, before_update: Callable | None = None):
         self.cfg = cfg
+        self.before_update = before_update
         self.reward_fn = choose_reward(cfg, reward_fn)  # a bad reward.fn fails before any work
         run = build_run(cfg, resume=resume, wrap_generate=wrap_generate)
         self.primary, self.run_dir, self.policy, self.learner = run.primary, run.run_dir, run.policy, run.learner
@@ -135,6 +139,8 @@ class GRPOTrainer:
             rewards[scored] = score_batch(self.reward_fn, [texts[k] for k in scored],
                                           [self.train_problems[int(rows.ids[k])] for k in scored])
         self._write_back(step, sb, rows, rewards)
+        if self.before_update is not None and sb.groups:
+            self.before_update(step, self.state, rows.prompts, rows.tokens, rows.logprobs, rewards)
         t1 = time.perf_counter()
         mb_metrics = self._update(rows.prompts, rows.tokens, rows.logprobs, rewards) if sb.groups else []
         t2 = time.perf_counter()
