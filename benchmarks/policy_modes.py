@@ -10,8 +10,8 @@ seed samples the same tokens).
 
 Usage::
 
-    python -m benchmarks.policy_modes results/learning/runs/learn_plain/config.yaml \\
-        --out results/modes/learn_plain [--reference results/learning/runs/learn_oracle_paired]
+    python -m benchmarks.policy_modes results/learning/runs/learn_oracle_paired/config.yaml \\
+        --out results/modes/learn_oracle_paired [--reference results/learning/runs/learn_oracle_paired]
 """
 
 from __future__ import annotations
