@@ -160,6 +160,9 @@ class ModeDrafter(AlwaysRightDrafter):
     ``estimates`` (``float32[n, MAX_DRAFT]``) the running product of ``p_mode`` over those
     positions: the probability that the policy samples each draft prefix (exact up to the first
     rejected token, which is all the cut reads).
+
+    Raises:
+      PolicyModeError: a row's modes are not as long as its response.
     """
 
     def __init__(self, prompts, responses, modes, max_new_tokens: int):
