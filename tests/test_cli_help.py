@@ -37,6 +37,10 @@ def test_every_command_has_help_examples_and_flag_help(name):
     assert sp.epilog and sp.epilog.startswith("examples:") and f"rhyme-jax {name}" in sp.epilog, name
     undocumented = [a.dest for a in sp._actions if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert not undocumented, f"{name}: flags without help: {undocumented}"
+    for nested in (a for a in sp._actions if isinstance(a, argparse._SubParsersAction)):
+        for sub_name, sub in nested.choices.items():  # e.g. `models get`: its own help and examples
+            assert sub.description and sub.epilog and sub.epilog.startswith("examples:"), f"{name} {sub_name}"
+            assert f"rhyme-jax {name} {sub_name}" in sub.epilog, f"{name} {sub_name}"
 
 
 def test_train_dry_run_prints_config_memory_and_programs_and_writes_nothing(tmp_path, capsys):

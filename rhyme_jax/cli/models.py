@@ -12,6 +12,13 @@ import sys
 from rhyme_jax.cli.common import add_command
 
 
+def _nested(msub, name: str, help_: str, examples: tuple[str, ...]) -> argparse.ArgumentParser:
+    """A ``models`` sub-command with its one help line and an ``examples:`` epilog."""
+    return msub.add_parser(name, help=help_, description=help_,
+                           epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def register(sub) -> None:
     """Add the ``models`` and ``convert-gguf`` sub-commands to the ``rhyme-jax`` subparsers."""
     from rhyme_jax.model import hub
@@ -20,12 +27,14 @@ def register(sub) -> None:
                      "or list them", run, config=False,
                      examples=("rhyme-jax models list", "rhyme-jax models get smollm2-135m-instruct"))
     msub = mo.add_subparsers(dest="models_command", required=True)
-    get = msub.add_parser("get", help="download + convert once; prints the checkpoint directory")
+    get = _nested(msub, "get", "download + convert once; prints the checkpoint directory",
+                  ("rhyme-jax models get smollm2-135m-instruct",
+                   "rhyme-jax models get smollm2-135m-instruct --out ckpt/smollm2 --force"))
     get.add_argument("name", choices=sorted(hub.MODELS), help="model name")
     get.add_argument("--out", default="", help="checkpoint directory (default: the user's cache, "
                      "$RHYME_JAX_CACHE or ~/.cache/rhyme_jax/models/NAME)")
     get.add_argument("--force", action="store_true", help="import again even if already there")
-    msub.add_parser("list", help="known models, their source and whether they are imported")
+    _nested(msub, "list", "known models, their source and whether they are imported", ("rhyme-jax models list",))
     cv = add_command(sub, "convert-gguf", "convert a GGUF checkpoint file to a float32 HF checkpoint "
                      "directory (transformers + gguf: the [convert] extra)", run, config=False,
                      examples=("rhyme-jax convert-gguf model.Q8_0.gguf ckpt/my-model",))
