@@ -24,7 +24,9 @@ def test_modes_equal_the_dense_model_row_by_row():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, CFG.vocab_size, size=n).astype(np.int32) for n in (3, 9, 5)]
     responses = [rng.integers(4, CFG.vocab_size, size=n).astype(np.int32) for n in (6, 2, 11)]
-    got = pm.policy_modes(pm.mode_fn(graphdef, 0.7), state, prompts, responses, pad_id=0, rows=2)
+    from rhyme_jax.ablate.policy_modes import mode_fn, policy_modes
+
+    got = policy_modes(mode_fn(graphdef, 0.7), state, prompts, responses, pad_id=0, rows=2)
     dense = _dense_fn()
     for p, r, (amax, p_mode, logp) in zip(prompts, responses, got):
         seq = np.concatenate([p, r])[None]
@@ -35,7 +37,7 @@ def test_modes_equal_the_dense_model_row_by_row():
         np.testing.assert_allclose(p_mode, np.exp(lp.max(-1)), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(logp, lp[np.arange(r.size), r], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="temperature"):
-        pm.mode_fn(graphdef, 0.0)
+        mode_fn(graphdef, 0.0)
 
 
 def test_mode_drafter_accepts_up_to_the_first_non_mode_token():

@@ -16,13 +16,63 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Int
 
-from rhyme_jax.measure.policy_mode import mode_fn, policy_modes, save_modes
+from rhyme_jax.measure.policy_mode import save_modes
+from rhyme_jax.train.losses import sequence_batch
 
 
 class CaptureError(ValueError):
     """A config the capture cannot rerun as its rollouts were sampled (names the field)."""
+
+
+def mode_fn(graphdef: nnx.GraphDef, temperature: float):
+    """Jitted ``(state, tokens, positions, mask) -> (argmax, p_mode, logp)`` of a right-padded
+    batch ``int32[B, T]`` (``mask`` bool, True on real tokens): for each column ``t < T - 1`` the
+    policy's most likely next token (``int32[B, T-1]``), its probability under
+    ``softmax(logits / temperature)`` (``float32[B, T-1]``) and the log-probability of the
+    batch's own next token ``tokens[:, t + 1]`` (``float32[B, T-1]``, to check against the
+    behaviour logprobs).
+
+    Raises:
+      ValueError: ``temperature <= 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"policy_modes.mode_fn: temperature must be > 0, got {temperature}")
+
+    def run(state: nnx.State, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+            mask: Bool[Array, "B T"]):
+        model = nnx.merge(graphdef, state)
+        h = model.hidden(tokens, positions, mask)[:, :-1]
+        logp = jax.nn.log_softmax(model.unembed(h).astype(jnp.float32) / temperature, axis=-1)
+        own = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        return jnp.argmax(logp, axis=-1).astype(jnp.int32), jnp.exp(jnp.max(logp, axis=-1)), own
+
+    return jax.jit(run)
+
+
+def policy_modes(fn, state: nnx.State, prompts: list[np.ndarray], responses: list[np.ndarray], pad_id: int,
+                 rows: int = 8) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per row, at each response position ``j`` (the policy's view of ``response[j]`` given the
+    prompt and ``response[:j]``): ``(argmax int32[t], p_mode float32[t], logp float32[t])``
+    (``mode_fn``'s outputs), ``rows`` rows per forward (memory: ``rows x T x vocab`` floats),
+    right-padded by ``train.losses.sequence_batch``.
+
+    Raises:
+      SequenceBatchError: a prompt is empty or the counts differ."""
+    out = []
+    for lo in range(0, len(prompts), rows):
+        ps, rs = prompts[lo: lo + rows], responses[lo: lo + rows]
+        batch = sequence_batch([list(p) for p in ps], [list(r) for r in rs], pad_id)
+        got = [np.asarray(x) for x in fn(state, batch["tokens"], batch["positions"], batch["attn_mask"])]
+        for b, (p, r) in enumerate(zip(ps, rs)):
+            at = slice(len(p) - 1, len(p) - 1 + len(r))
+            out.append(tuple(x[b, at] for x in got))
+    return out
 
 
 def check_config(cfg) -> None:

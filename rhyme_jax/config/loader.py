@@ -65,7 +65,12 @@ def _merge_override(node: DictConfig, item: str, where: str) -> DictConfig:
         raise ConfigError(f"{where}: not a YAML value: {' '.join(str(exc).split())}") from None
 
 
-def _merge_file(node: DictConfig, path: Path, seen: tuple) -> DictConfig:
+def _read_file(path: Path, seen: tuple) -> tuple[DictConfig, list]:
+    """A config file's mapping without its ``defaults`` list, and that list.
+
+    Raises:
+      ConfigError: the file is missing, not valid YAML, not a mapping, or includes itself.
+    """
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     if path.resolve() in seen:
@@ -76,7 +81,11 @@ def _merge_file(node: DictConfig, path: Path, seen: tuple) -> DictConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: top level must be a mapping")
-    includes = raw.pop("defaults", [])
+    return raw, list(raw.pop("defaults", []))
+
+
+def _merge_file(node: DictConfig, path: Path, seen: tuple) -> DictConfig:
+    raw, includes = _read_file(path, seen)
     for inc in includes:
         node = _merge_file(node, path.parent / str(inc), seen + (path.resolve(),))
     try:
@@ -93,7 +102,7 @@ def required_keys(path: str | Path) -> list[str]:
     training commands refuse it (``check_required``).
 
     Raises:
-      ConfigError: a file is missing or not valid YAML (as ``load_config``).
+      ConfigError: a file is missing, not valid YAML or includes itself (as ``load_config``).
     """
     out: list[str] = []
 
@@ -106,17 +115,8 @@ def required_keys(path: str | Path) -> list[str]:
                 walk(node[key], name + ".")
 
     def visit(p: Path, seen: tuple):
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        if p.resolve() in seen:
-            return
-        try:
-            raw = OmegaConf.load(p)
-        except Exception as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-        if not isinstance(raw, DictConfig):
-            return
-        for inc in raw.pop("defaults", []):
+        raw, includes = _read_file(p, seen)
+        for inc in includes:
             visit(p.parent / str(inc), seen + (p.resolve(),))
         walk(raw, "")
 

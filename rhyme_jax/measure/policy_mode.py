@@ -14,9 +14,9 @@ along the emitted response are the teacher-forced argmaxes: the greedy continuat
 emitted one agree up to the first draft token that differs, which is rejected, so every accepted
 prefix is exact.
 
-``policy_modes`` computes the teacher-forced argmax and mode probability at every response
-position from the behaviour weights (one dense forward per chunk of rows); ``save_modes`` /
-``load_modes`` keep them beside a run's saved rollouts (``<run>/policy_modes/step_%06d.npz``).
+``ablate.policy_modes`` computes the teacher-forced argmax and mode probability at every response
+position from the behaviour weights; ``save_modes`` / ``load_modes`` keep them beside a run's
+saved rollouts (``<run>/policy_modes/step_%06d.npz``).
 A drafter with the policy's knowledge costs a policy forward per draft token (it is a draft
 model as large as the policy), so this is a reference, not a drafter to ship.
 
@@ -29,84 +29,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
 
 from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.measure.oracle_drafters import AlwaysRightDrafter
 from rhyme_jax.rollout.shapes import MAX_DRAFT
 
 MODES_DIR = "policy_modes"
-ROW_MULTIPLE = 16  # padded sequence lengths round up to this (few compiles over a run)
 
 
 class PolicyModeError(ValueError):
     """Policy modes that do not fit their rollouts (names the file or row)."""
-
-
-def mode_fn(graphdef: nnx.GraphDef, temperature: float):
-    """Jitted ``(state, tokens, positions, mask) -> (argmax, p_mode, logp)`` of a right-padded
-    batch ``int32[B, T]`` (``mask`` bool, True on real tokens): for each column ``t < T - 1`` the
-    policy's most likely next token (``int32[B, T-1]``), its probability under
-    ``softmax(logits / temperature)`` (``float32[B, T-1]``) and the log-probability of the
-    batch's own next token ``tokens[:, t + 1]`` (``float32[B, T-1]``, to check against the
-    behaviour logprobs).
-
-    Raises:
-      ValueError: ``temperature <= 0``.
-    """
-    if temperature <= 0:
-        raise ValueError(f"policy_mode.mode_fn: temperature must be > 0, got {temperature}")
-
-    def run(state: nnx.State, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-            mask: Bool[Array, "B T"]):
-        model = nnx.merge(graphdef, state)
-        h = model.hidden(tokens, positions, mask)[:, :-1]
-        logp = jax.nn.log_softmax(model.unembed(h).astype(jnp.float32) / temperature, axis=-1)
-        own = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-        return jnp.argmax(logp, axis=-1).astype(jnp.int32), jnp.exp(jnp.max(logp, axis=-1)), own
-
-    return jax.jit(run)
-
-
-def padded_rows(prompts: list[np.ndarray], responses: list[np.ndarray], pad_id: int):
-    """``(tokens int32[B, T], positions int32[B, T], mask bool[B, T])`` of prompt + response
-    rows, right-padded to the longest rounded up to ``ROW_MULTIPLE``.
-
-    Raises:
-      PolicyModeError: a prompt is empty or the counts differ.
-    """
-    if len(prompts) != len(responses) or not prompts:
-        raise PolicyModeError(f"policy_mode: {len(prompts)} prompts for {len(responses)} responses")
-    if any(len(p) == 0 for p in prompts):
-        raise PolicyModeError("policy_mode: an empty prompt (need >= 1 token)")
-    longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    T = -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE
-    tokens = np.full((len(prompts), T), pad_id, np.int32)
-    mask = np.zeros((len(prompts), T), bool)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        seq = np.concatenate([np.asarray(p, np.int32), np.asarray(r, np.int32)])
-        tokens[b, : seq.size], mask[b, : seq.size] = seq, True
-    return tokens, np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape).copy(), mask
-
-
-def policy_modes(fn, state: nnx.State, prompts: list[np.ndarray], responses: list[np.ndarray], pad_id: int,
-                 rows: int = 8) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per row, at each response position ``j`` (the policy's view of ``response[j]`` given the
-    prompt and ``response[:j]``): ``(argmax int32[t], p_mode float32[t], logp float32[t])``
-    (``mode_fn``'s outputs), ``rows`` rows per forward (memory: ``rows x T x vocab`` floats)."""
-    out = []
-    for lo in range(0, len(prompts), rows):
-        ps, rs = prompts[lo: lo + rows], responses[lo: lo + rows]
-        tokens, positions, mask = padded_rows(ps, rs, pad_id)
-        got = [np.asarray(x) for x in fn(state, tokens, positions, mask)]
-        for b, (p, r) in enumerate(zip(ps, rs)):
-            at = slice(len(p) - 1, len(p) - 1 + len(r))
-            out.append(tuple(x[b, at] for x in got))
-    return out
 
 
 def modes_path(run_dir: str | Path, step: int) -> Path:
