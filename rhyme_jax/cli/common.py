@@ -13,13 +13,17 @@ DEFAULT_CONFIG = "configs/default.yaml"
 Command = Callable[[argparse.Namespace], int]
 
 
+def examples_epilog(examples: tuple[str, ...]) -> str | None:
+    """A help page's ``examples:`` block (one indented command per line); None without examples."""
+    return "examples:\n" + "\n".join(f"  {e}" for e in examples) if examples else None
+
+
 def add_command(sub, name: str, help_: str, run: Command, *, examples: tuple[str, ...] = (),
                 config: bool = True) -> argparse.ArgumentParser:
     """A sub-command ``name`` on the ``rhyme-jax`` subparsers ``sub``: one help line, an
     ``examples:`` epilog, ``--config``/``--set`` unless ``config`` is False; ``run(args) -> exit
     status`` is what ``main`` calls."""
-    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples) if examples else None
-    sp = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+    sp = sub.add_parser(name, help=help_, description=help_, epilog=examples_epilog(examples),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     if config:
         add_config_flags(sp)

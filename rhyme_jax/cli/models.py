@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rhyme_jax.cli.common import add_command
+from rhyme_jax.cli.common import add_command, examples_epilog
 
 
 def _nested(msub, name: str, help_: str, examples: tuple[str, ...]) -> argparse.ArgumentParser:
     """A ``models`` sub-command with its one help line and an ``examples:`` epilog."""
     return msub.add_parser(name, help=help_, description=help_,
-                           epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+                           epilog=examples_epilog(examples),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
