@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from rhyme_jax.bench.attention_layout import SHAPES, layout_ms
+from rhyme_lab.bench.attention_layout import SHAPES, layout_ms
 
 
 def main(argv=None) -> int:

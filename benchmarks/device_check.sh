@@ -177,7 +177,7 @@ LEARN_OUT=/tmp/rhyme_learn
 learn_unit() {  # learn_unit UNIT SCALE SECONDS [--set KEY=VALUE ...]: run, then pack what it wrote
   local unit=$1 scale=$2 secs=$3
   shift 3
-  phase "$unit" "$secs" "$PY" -m rhyme_jax.ablate.units "$unit" --out "$LEARN_OUT" --scale "$scale" "$@"
+  phase "$unit" "$secs" "$PY" -m rhyme_lab.ablate.units "$unit" --out "$LEARN_OUT" --scale "$scale" "$@"
   cp "$LEARN_OUT/units/$unit.json" "$OUT/" 2>/dev/null
   tar -czf "$OUT/${unit}_runs.tgz" --exclude=checkpoints -C "$LEARN_OUT" "runs/$unit" \
     -C "$RHYME_JAX_CACHE" step_cost 2>>"$LOG"

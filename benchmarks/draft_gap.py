@@ -1,6 +1,6 @@
 """Where the run's drafter falls short of the source-bound oracle, by cause, source and position.
 
-Replays the run's own drafter over its saved rollouts (``rhyme_jax.measure.draft_gap``: the
+Replays the run's own drafter over its saved rollouts (``rhyme_lab.measure.draft_gap``: the
 history store as the trainer held it, finished siblings as sources, every drafted token sent) and
 at each sequence pass compares the tokens it got accepted with the longest run the oracle could
 have had accepted from the same context, per source (history, siblings, self): a pass's one
@@ -18,14 +18,14 @@ Usage::
     python -m benchmarks.draft_gap RUN --unit results/learning/units/learn_oracle_paired.json
         # each pass sends what the engine's allocation would under the unit's step-cost profile
     python -m benchmarks.draft_gap RUN --unit UNIT.json --bound
-        # estimates or drafts? (``rhyme_jax.measure.cut_bound``): modelled speed-up over plain of
+        # estimates or drafts? (``rhyme_lab.measure.cut_bound``): modelled speed-up over plain of
         # the drafter with its own estimates, the same drafter knowing which of its draft tokens
         # hold, and the source-bound oracle, all sized by the engine's allocation under the profile;
         # where RUN has policy_modes/ (``python -m benchmarks.policy_modes``), also the policy's own
-        # greedy drafts (``rhyme_jax.measure.policy_mode``): what a drafter knowing the policy reaches;
+        # greedy drafts (``rhyme_lab.measure.policy_mode``): what a drafter knowing the policy reaches;
         # with --cross-prompt also the oracle whose sources hold other prompts' responses
     python -m benchmarks.draft_gap RUN --rules
-        # which history occurrence to draft from (``rhyme_jax.measure.occurrence_rules``): passes and
+        # which history occurrence to draft from (``rhyme_lab.measure.occurrence_rules``): passes and
         # carried tokens of causal choice rules against hindsight, every drafted token sent
 """
 
@@ -35,9 +35,9 @@ import argparse
 import json
 import sys
 
-from rhyme_jax.ablate.saved_runs import CorpusError, cut_bound_run, draft_gap_run, occurrence_rules_run
-from rhyme_jax.measure import cut_bound, occurrence_rules
-from rhyme_jax.measure.draft_gap import CAUSES, ESTIMATE_BINS, SOURCES
+from rhyme_lab.ablate.saved_runs import CorpusError, cut_bound_run, draft_gap_run, occurrence_rules_run
+from rhyme_lab.measure import cut_bound, occurrence_rules
+from rhyme_lab.measure.draft_gap import CAUSES, ESTIMATE_BINS, SOURCES
 
 
 def table(gaps: dict[int, dict]) -> list[str]:
@@ -101,7 +101,7 @@ def unit_cost(path: str):
     """The ``StepCost`` of the profile a unit JSON recorded (``result.step_cost``, its profiled
     programs; ``ablate.oracle.cost_model``). Raises ``OSError`` / ``ValueError`` / ``KeyError`` on
     a file that is not such a unit."""
-    from rhyme_jax.ablate.oracle import cost_model
+    from rhyme_lab.ablate.oracle import cost_model
 
     with open(path) as f:
         rec = json.load(f)["result"]["step_cost"]
@@ -118,11 +118,11 @@ def main(argv=None) -> int:
     ap.add_argument("--unit", default="", help="a unit JSON whose recorded step-cost profile sizes each pass as "
                     "the engine's allocation would (default: every drafted token sent)")
     ap.add_argument("--bound", action="store_true", help="with --unit: the drafter with its estimates, knowing "
-                    "its acceptance, and the source-bound oracle under the profile (rhyme_jax.measure.cut_bound)")
+                    "its acceptance, and the source-bound oracle under the profile (rhyme_lab.measure.cut_bound)")
     ap.add_argument("--cross-prompt", action="store_true", help="with --bound: also the oracle whose sources hold "
                     "every prompt's earlier responses and the step's other rows (oracle_cross)")
     ap.add_argument("--rules", action="store_true", help="causal rules for the history occurrence to draft from, "
-                    "against hindsight (rhyme_jax.measure.occurrence_rules)")
+                    "against hindsight (rhyme_lab.measure.occurrence_rules)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.bound and not args.unit:

@@ -6,7 +6,7 @@ A synthetic rhyming workload like the CPU demo's: ``--prompts`` prompts x ``--gr
 one earlier rollout of each prompt. Every step drafts for all live rows, accepts a draft token iff
 it equals the target's next token (each pass emits the accepted tokens plus one) and observes,
 exactly as the engine's loop does (all drafted tokens are sent: no allocation;
-``rhyme_jax.measure.draft_cost``). Prints, per policy,
+``rhyme_lab.measure.draft_cost``). Prints, per policy,
 the median and p90 of draft() and observe() microseconds per step (the first step apart: it seeds
 the sequence store), the median draft() time over the steps with all rows live
 (``draft_us_all_rows``), steps, the share of target tokens accepted from drafts and, for goodput,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from rhyme_jax.measure.draft_cost import draft_times
+from rhyme_lab.measure.draft_cost import draft_times
 
 
 def main(argv=None) -> None:

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import jax
 
-from rhyme_jax.bench.kernel_report import HEADER, fmt_opt, fmt_row, targets_title, write_results
-from rhyme_jax.bench.kernels import DEFAULT_IMPLS, TOL, copy_bandwidth_tbps, default_hbm_tbps, resolve_impls, run_sweep
+from rhyme_lab.bench.kernel_report import HEADER, fmt_opt, fmt_row, targets_title, write_results
+from rhyme_lab.bench.kernels import DEFAULT_IMPLS, TOL, copy_bandwidth_tbps, default_hbm_tbps, resolve_impls, run_sweep
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -120,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.check_only:
-        from rhyme_jax.bench.kernel_checks import run_checks
+        from rhyme_lab.bench.kernel_checks import run_checks
 
         return run_checks(args)
     backend = jax.default_backend()

@@ -4,7 +4,7 @@ Reads the learning suite's paired units (``learn_goodput_paired``: plain and the
 ``learn_oracle_paired``: plain, the goodput drafter and the source-bound oracle; each step decoded
 back to back, the compared rollouts taking turns going first) from several results directories,
 repeats of the same workload, and prints per epoch each unit's figure and the pooled one with its
-standard error over steps: ``rhyme_jax.ablate.pool`` (the method).
+standard error over steps: ``rhyme_lab.ablate.pool`` (the method).
 
 Usage::
 
@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from rhyme_jax.ablate.pool import load_unit, pass_lines, pooled, table_lines
+from rhyme_lab.ablate.pool import load_unit, pass_lines, pooled, table_lines
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,8 @@
 The run's own drafter (its ``spec`` settings, ``--set`` overrides) replayed over
 ``<run>/rollouts/step_*.npz`` with a history store written back step by step as the trainer
 writes it gives every sequence's verify passes without a model (a draft token is accepted
-exactly when it equals the emitted token): ``rhyme_jax.measure.pass_replay`` (the replay, the
-ratios, the oracle) driven over the run by ``rhyme_jax.ablate.saved_runs.pass_replay_run``.
+exactly when it equals the emitted token): ``rhyme_lab.measure.pass_replay`` (the replay, the
+ratios, the oracle) driven over the run by ``rhyme_lab.ablate.saved_runs.pass_replay_run``.
 Prints one JSON summary (``batch_ratio``: plain decode's forward passes / HistoSpec's, one batch
 pass waiting for its slowest row; ``per_sequence_ratio``: generated tokens per sequence forward
 pass, prefill included) and one row per step.
@@ -32,7 +32,7 @@ import argparse
 import json
 import sys
 
-from rhyme_jax.ablate.saved_runs import CorpusError, pass_replay_run
+from rhyme_lab.ablate.saved_runs import CorpusError, pass_replay_run
 
 
 def main(argv=None) -> int:

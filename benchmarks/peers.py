@@ -1,7 +1,7 @@
 """Peer rollout engines on rhyme-jax's real workload: tokens/s and response lengths, side by side.
 
 Same model (SmolLM2-135M-Instruct, float32), same prompt tokens (the arithmetic learning recipe's
-problems in the model's chat template, ``rhyme_jax.bench.real_workload``), same sampling (temperature T, no top-k, top-p 1.0), same
+problems in the model's chat template, ``rhyme_lab.bench.real_workload``), same sampling (temperature T, no top-k, top-p 1.0), same
 ``max_new_tokens``, stopping at the model's EOS (``<|im_end|>``, id 2). Rows are prompts x samples
 (each prompt repeated ``--samples`` times, as in a GRPO group). Each peer runs in its own
 environment and is never a dependency of the package:
@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_jax.bench import real_workload
-from rhyme_jax.bench.peers import (DEFAULTS, QUICK, TUNIX_PYTHON, read_rhyme_report, run_hf, run_tunix, tunix_check,
+from rhyme_lab.bench import real_workload
+from rhyme_lab.bench.peers import (DEFAULTS, QUICK, TUNIX_PYTHON, read_rhyme_report, run_hf, run_tunix, tunix_check,
                                    workload, write_report)
 
 

@@ -1,6 +1,6 @@
 """Rerun a learning run with HistoSpec off and save the policy's modes beside its rollouts.
 
-``rhyme_jax.ablate.policy_modes``: before each update the step's rollouts are teacher-forced
+``rhyme_lab.ablate.policy_modes``: before each update the step's rollouts are teacher-forced
 through the behaviour weights; the argmax and its probability at every response position go to
 ``<out>/policy_modes/``. Then ``python -m benchmarks.draft_gap OUT --unit UNIT.json --bound`` adds
 the policy's own greedy drafts (``policy``, ``policy_known``) to the table: what a drafter that
@@ -21,8 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-from rhyme_jax.ablate.policy_modes import CaptureError, capture
-from rhyme_jax.ablate.saved_runs import CorpusError, load_run_config
+from rhyme_lab.ablate.policy_modes import CaptureError, capture
+from rhyme_lab.ablate.saved_runs import CorpusError, load_run_config
 
 
 def main(argv=None) -> int:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         return 2
     doc = {"config": args.config, "overrides": sets, "steps": stats}
     if args.reference:
-        from rhyme_jax.ablate.learning import identity
+        from rhyme_lab.ablate.learning import identity
 
         doc["identity"] = identity(args.reference, out)
     print(json.dumps(doc, indent=1))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rhyme_jax.measure.timing import median_seconds
+from rhyme_lab.measure.timing import median_seconds
 
 
 def time_program(runner, shape, repeats: int) -> float:

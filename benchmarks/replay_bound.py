@@ -1,8 +1,8 @@
 """Upper bound on HistoSpec's rollout speed-up on this machine: a drafter that is always right.
 
-``rhyme-jax replay-drafts`` replays the real drafter along target responses and models each step's
+``python -m rhyme_lab replay-drafts`` replays the real drafter along target responses and models each step's
 seconds with the engine's step-cost profile. This script replays the same corpus with a drafter
-that knows the targets (``rhyme_jax.measure.oracle_drafters.KnownTargets``): every row's draft is
+that knows the targets (``rhyme_lab.measure.oracle_drafters.KnownTargets``): every row's draft is
 its next target tokens (up to ``shapes.MAX_DRAFT`` and the tokens left; ``AlwaysRightDrafter``),
 with acceptance estimates of 1 and the true remaining length as priority, and the engine's own
 allocation (``allocation.choose_step``) picks each step's program. Every
@@ -17,7 +17,7 @@ Usage::
     python -m benchmarks.replay_bound CORPUS.jsonl --tokenizer TOK --config configs/default.yaml \\
         --rows 128 --step-cost ~/.cache/rhyme_jax/step_cost/<profile>.json [--json]
 
-CORPUS is ``rhyme-jax replay-drafts``' JSONL (``python -m benchmarks.replay_corpus`` builds one from a
+CORPUS is ``python -m rhyme_lab replay-drafts``' JSONL (``python -m benchmarks.replay_corpus`` builds one from a
 run's saved rollouts); only prompts and targets are used.
 """
 
@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 
 from rhyme_jax.config import load_config
-from rhyme_jax.measure.oracle_drafters import KnownTargets
-from rhyme_jax.measure.text_replay import read_cases, replay
+from rhyme_lab.measure.oracle_drafters import KnownTargets
+from rhyme_lab.measure.text_replay import read_cases, replay
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout import shapes
 from rhyme_jax.rollout.step_cost import StepCost

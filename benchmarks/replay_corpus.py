@@ -1,9 +1,9 @@
 """A drafter replay corpus from a training run's saved rollouts (issue 16 scope 4).
 
-Writes the JSONL that ``rhyme-jax replay-drafts`` and ``benchmarks.replay_peer`` read, one line
+Writes the JSONL that ``python -m rhyme_lab replay-drafts`` and ``benchmarks.replay_peer`` read, one line
 per target response: ``{"prompt": str, "history": [str, ...], "history_rewards": [float, ...],
 "target": str}``. From ``RUN_DIR/rollouts/step_*.npz`` (``rhyme_jax.io.rollout_log``; the library is
-``rhyme_jax.ablate.saved_runs.build``):
+``rhyme_lab.ablate.saved_runs.build``):
 
 * ``history`` of a prompt = its responses in the history steps (in step order, as decoded text),
   with their rewards;
@@ -28,7 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rhyme_jax.ablate.saved_runs import build, parse_steps, write_corpus
+from rhyme_lab.ablate.saved_runs import build, parse_steps, write_corpus
 from rhyme_jax.model.tokenizer import Tokenizer
 
 

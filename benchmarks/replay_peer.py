@@ -1,7 +1,7 @@
 """The suffix-tree peer in the drafter replay: ArcticInference's SuffixDecoding along target texts.
 
-Same input and accounting as ``rhyme-jax replay-drafts``; the replay is
-``rhyme_jax.measure.peer_replay`` (its docstring: how the peer drafts, vLLM's defaults, the
+Same input and accounting as ``python -m rhyme_lab replay-drafts``; the replay is
+``rhyme_lab.measure.peer_replay`` (its docstring: how the peer drafts, vLLM's defaults, the
 differences from ``replay-drafts``). Pooled over all targets it prints ``predicted_share``,
 ``tokens_per_forward``, ``drafted_per_forward``, ``acceptance`` and the host drafting time per
 pass; ``--json`` prints one object.
@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from rhyme_jax.measure.peer_replay import PeerOptions, PeerUnavailable, load_peer, replay
-from rhyme_jax.measure.text_replay import ReplayInputError, read_cases
+from rhyme_lab.measure.peer_replay import PeerOptions, PeerUnavailable, load_peer, replay
+from rhyme_lab.measure.text_replay import ReplayInputError, read_cases
 from rhyme_jax.model.tokenizer import Tokenizer, TokenizerError
 
 BUILD_DIR = Path(__file__).resolve().parent / ".peer_build"

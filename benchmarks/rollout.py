@@ -27,7 +27,7 @@ far or the row's own context hold after an occurrence of the row's last token
 is reported beside it (``spec_tokens_per_s_without_drafting``: generated tokens over rollout
 seconds minus host drafting seconds), since a bound should not pay for its hindsight.
 
-Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` (``rhyme_jax.measure.paired_report``)
+Writes ``<runs>/bench_rollout/rollout_benchmark.{json,md}`` (``rhyme_lab.measure.paired_report``)
 and prints the table.
 """
 
@@ -39,8 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_jax.ablate.paired import ORACLES, paired_rollouts
-from rhyme_jax.measure.paired_report import write_report
+from rhyme_lab.ablate.paired import ORACLES, paired_rollouts
+from rhyme_lab.measure.paired_report import write_report
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Plain decode vs HistoSpec rollouts on a real model: SmolLM2-135M-Instruct on the learning recipe.
 
-The shared real-model workload (``rhyme_jax.bench.real_workload``: the arithmetic recipe's train problems in the
+The shared real-model workload (``rhyme_lab.bench.real_workload``: the arithmetic recipe's train problems in the
 model's chat template). Per sampling temperature: epoch 1 is a plain-decode rollout of every row (P prompts x
 N samples, more rows than ``--max-slots`` so there is a queue, as in RL; key k1); its rewards
 (``last_number``) go into a ``HistoryStore`` exactly as the trainer writes them back (step 1,
@@ -23,7 +23,7 @@ p90, max); the mean per-token entropy of the sampled distribution, estimated as 
 -logprob of the plain epoch-2 tokens (their behaviour logprobs under the temperature-scaled
 distribution they were drawn from: an unbiased estimate, nats/token); and the bulk / tail split:
 the tail is the part of a rollout in which fewer than a quarter of the slots are live (timed per
-decode step through ``generate``'s ``monitor``). RhymeRL O5/O6 (``rhyme-jax analyze``) of each
+decode step through ``generate``'s ``monitor``). RhymeRL O5/O6 (``python -m rhyme_lab analyze``) of each
 temperature's saved rollouts close the report.
 
 Usage::
@@ -37,7 +37,7 @@ took 27 min for one temperature), ``--quick`` about 2 minutes.
 Writes ``<out>/rollout_real.{json,md}`` (rewritten after every temperature) and per temperature
 ``<out>/T<temp>/rollouts/step_000001.npz`` (epoch 1), ``step_000002.npz`` (epoch 2 HistoSpec),
 ``<out>/T<temp>/plain_epoch2/rollouts/step_000002.npz`` and the analysis files of
-``rhyme-jax analyze <out>/T<temp>``.
+``python -m rhyme_lab analyze <out>/T<temp>``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rhyme_jax.bench import real_workload
-from rhyme_jax.bench.rollout_real import DEFAULTS, QUICK, format_table, load_setup, run_temperature, warm_up, write_report
+from rhyme_lab.bench import real_workload
+from rhyme_lab.bench.rollout_real import DEFAULTS, QUICK, format_table, load_setup, run_temperature, warm_up, write_report
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,7 +12,7 @@ Three modes:
 
 ``--mode replay`` replays the response lengths a real run saved
 (``<run_dir>/rollouts/step_*.npz``, ``train/rollout_log.py``) through the planner
-(``rhyme_jax/sched/planner.py``; the replay is ``rhyme_jax/sched/replay.py``) and simulates the rollout workers with the cost model; no model,
+(``rhyme_jax/sched/planner.py``; the replay is ``rhyme_lab/schedule/replay.py``) and simulates the rollout workers with the cost model; no model,
 no device. Per step: each prompt's length is predicted from the lengths of the previous time the
 prompt was seen (``length_predictor``; the demo cycles 160 prompts, 16 per step, so a prompt recurs
 once per 10-step epoch), the step is planned under each configuration, and every worker is
@@ -67,11 +67,11 @@ import json
 import sys
 from pathlib import Path
 
-from rhyme_jax.bench.schedule_real import run_profile, run_workers_mode
+from rhyme_lab.bench.schedule_real import run_profile, run_workers_mode
 from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel, CostModelError
-from rhyme_jax.sched.profile import BenchSetupError
-from rhyme_jax.sched.replay import FULL, format_table, load_steps, replay, synthetic_steps
+from rhyme_lab.schedule.profile import BenchSetupError
+from rhyme_lab.schedule.replay import FULL, format_table, load_steps, replay, synthetic_steps
 from rhyme_jax.sched.timeline import plot_gantt
 
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rhyme_jax.measure.paired_report import paired_ratios
+from rhyme_lab.measure.paired_report import paired_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {

@@ -2,7 +2,7 @@
 
 HistoSpec's rollout speed-up is ``(fewer batch passes) x (plain pass cost / verify pass cost)``.
 ``python -m benchmarks.rollout`` measures the first factor on real rollouts; this script measures
-the second (``rhyme_jax.measure.pass_cost``): the rollout engine's jitted step for ``--rows`` live
+the second (``rhyme_lab.measure.pass_cost``): the rollout engine's jitted step for ``--rows`` live
 sequences of ``--context`` cached tokens each, with K draft tokens per row for each K of
 ``--drafts`` (K = 0 is plain decode), random weights. Reported per K: median wall-clock ms per
 pass over ``--iters`` passes after a warm-up, tokens per pass, and the cost relative to K = 0;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rhyme_jax.measure.pass_cost import (cost_table, model_config, parse_drafts, pass_costs, pass_engine, run_meta,
+from rhyme_lab.measure.pass_cost import (cost_table, model_config, parse_drafts, pass_costs, pass_engine, run_meta,
                                          write_cost_report)
 
 

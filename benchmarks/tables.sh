@@ -10,7 +10,7 @@
 # benchmarks on the demo model (goodput, both oracles) and on SmolLM2, the row sweep and the
 # near-greedy repeat. Each step logs to OUT/bench/NAME.log under /usr/bin/time -v (wall, peak
 # RSS); OUT/bench/progress lists the steps with their start, end and exit status, and its first
-# line the commit (the ablation units stamp theirs: rhyme_jax/io/provenance.py). A failed step
+# line the commit (the ablation units stamp theirs: rhyme_lab/provenance.py). A failed step
 # does not stop the others. STEPS="a b" runs only the named steps (names as in the progress file).
 set -u
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ NEAR_GREEDY="--steps 12 --set rollout.temperature=0.05 --set grpo.learning_rate=
   --set grpo.minibatches=1 --set rollout.max_verify_tokens=4224"
 SFT=$OUT/learning/runs/demo_sft/sft  # the rollout benchmarks start from the learning suite's SFT warm start
 BENCH_RUNS="--set run.runs_dir=$OUT/runs"  # each rollout benchmark its own run directory under OUT
-echo "commit $(python -c 'from rhyme_jax.io.provenance import stamp; print(stamp())')" >> "$B/progress"
+echo "commit $(python -c 'from rhyme_lab.provenance import stamp; print(stamp())')" >> "$B/progress"
 
 TIMER=(/usr/bin/time -v)  # wall and peak RSS in each log; without GNU time the steps run untimed
 [ -x /usr/bin/time ] || TIMER=()
@@ -36,9 +36,9 @@ step() {
   echo "$(date +%T) done $name rc=$?" >> "$B/progress"
 }
 
-step learning_L1 rhyme-jax ablate learning --only L1,L3,L4 --out "$OUT/learning" --no-progress
-step learning_L2 rhyme-jax ablate learning --quick --only L2 --out "$OUT/learning-quick" --no-progress
-step paper_quick rhyme-jax ablate paper --quick --out "$OUT/paper-quick" --no-progress
+step learning_L1 python -m rhyme_lab ablate learning --only L1,L3,L4 --out "$OUT/learning" --no-progress
+step learning_L2 python -m rhyme_lab ablate learning --quick --only L2 --out "$OUT/learning-quick" --no-progress
+step paper_quick python -m rhyme_lab ablate paper --quick --out "$OUT/paper-quick" --no-progress
 step compile_demo rhyme-jax compile-report --config configs/default.yaml --sample 0
 step compile_smol rhyme-jax compile-report --config configs/gsm8k_smollm2_135m.yaml --sample 0
 step compile_qwen rhyme-jax compile-report --config configs/gsm8k_qwen2.5_1.5b.yaml \

@@ -37,10 +37,10 @@ import os
 import sys
 from pathlib import Path
 
-from rhyme_jax.bench.trl_mapping import SideBySideError, seed_runs, unmatched
-from rhyme_jax.bench.trl_report import (compare_seed, machine, merge_reports, plot_rewards, summarize, window_units,
+from rhyme_lab.bench.trl_mapping import SideBySideError, seed_runs, unmatched
+from rhyme_lab.bench.trl_report import (compare_seed, machine, merge_reports, plot_rewards, summarize, window_units,
                                         write_markdown)
-from rhyme_jax.bench.trl_run import read_rhyme, run_rhyme, run_trl, trl_steps, wait_for_summary
+from rhyme_lab.bench.trl_run import read_rhyme, run_rhyme, run_trl, trl_steps, wait_for_summary
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -5,7 +5,7 @@ The update is ``train.grpo_step.make_grpo_step`` with the config's ``grpo.micro_
 (default: the recipe's minibatch on one device) of random tokens with random behaviour logprobs
 and advantages. Weights are random (normal 0.02), float32 master weights computing in
 ``model.dtype`` as in a run: memory and time do not depend on their values
-(``rhyme_jax.ablate.update_cost.time_update``). Prints and writes JSON: compile seconds, median
+(``rhyme_lab.ablate.update_cost.time_update``). Prints and writes JSON: compile seconds, median
 step seconds, tokens/s, micro-batches, XLA's temporaries and (on GPU/TPU) the device's peak bytes
 in use.
 
@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rhyme_jax.ablate.update_cost import time_update
+from rhyme_lab.ablate.update_cost import time_update
 from rhyme_jax.config import load_config
 from rhyme_jax.train.memory_plan import model_config_of
 

@@ -1,12 +1,12 @@
-"""``rhyme-jax analyze``: O5/O6 of a fake run against a brute-force recomputation."""
+"""``python -m rhyme_lab analyze``: O5/O6 of a fake run against a brute-force recomputation."""
 
 import json
 
 import numpy as np
 import pytest
 
-from rhyme_jax.cli import main
-from rhyme_jax.spec.analyze import MARKER, analyze, length_percentiles, write_analysis
+from rhyme_lab.cli.main import main
+from rhyme_lab.analyze import MARKER, analyze, length_percentiles, write_analysis
 from rhyme_jax.spec.suffix_index import SuffixIndex
 from rhyme_jax.io.rollout_log import save_rollouts
 

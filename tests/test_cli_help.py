@@ -85,3 +85,16 @@ def test_export_of_a_missing_run_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "nope" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_lab_commands_have_help_and_examples(capsys):
+    """``python -m rhyme_lab`` (the measurements, outside the product's CLI): every command has a
+    description, examples naming it and help for each flag; the product CLI has none of them."""
+    from rhyme_lab.cli.main import parser as lab_parser
+
+    sub = next(a for a in lab_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"ablate", "analyze", "replay-drafts"}
+    for name, sp in sub.choices.items():
+        assert sp.description and sp.epilog.startswith("examples:") and f"python -m rhyme_lab {name}" in sp.epilog
+        assert not [a.dest for a in sp._actions if not a.help], name
+    assert not set(sub.choices) & set(_commands())

@@ -1,5 +1,5 @@
-"""The README and docs/ stay true to the code: every ``rhyme-jax`` command in a ```bash block
-parses with the real CLI parser, every ``configs/...`` file they name exists, and every relative
+"""The README and docs/ stay true to the code: every ``rhyme-jax`` (and ``python -m rhyme_lab``)
+command in a ```bash block parses with the real CLI parser, every ``configs/...`` file they name exists, and every relative
 Markdown link points at a file of the repository."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rhyme_jax.cli.main import parser
+from rhyme_lab.cli.main import parser as lab_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -18,7 +19,7 @@ ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 
 
 def _bash_commands(text: str) -> list[str]:
-    """``rhyme-jax ...`` command lines of the ```bash blocks (continuations joined, comments and
+    """``rhyme-jax ...`` and ``python -m rhyme_lab ...`` (as ``rhyme_lab ...``) command lines of the ```bash blocks (continuations joined, comments and
     leading ``VAR=value`` assignments dropped)."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -28,7 +29,9 @@ def _bash_commands(text: str) -> list[str]:
                 words = shlex.split(part)
                 while words and ENV.match(words[0]):
                     words = words[1:]
-                if words and words[0] == "rhyme-jax":
+                if words[:3] == ["python", "-m", "rhyme_lab"]:
+                    words = ["rhyme_lab", *words[3:]]
+                if words and words[0] in ("rhyme-jax", "rhyme_lab"):
                     out.append(" ".join(shlex.quote(w) for w in words))
     return out
 
@@ -42,9 +45,9 @@ def test_the_docs_show_commands():
 
 @pytest.mark.parametrize("page,command", COMMANDS, ids=[f"{p}:{c[:60]}" for p, c in COMMANDS])
 def test_every_documented_command_parses(page, command):
-    args = shlex.split(command)[1:]
+    prog, *args = shlex.split(command)
     try:
-        parser().parse_args(args)
+        (parser() if prog == "rhyme-jax" else lab_parser()).parse_args(args)
     except SystemExit as exc:
         pytest.fail(f"{page}: `{command}` does not parse (exit {exc.code})")
     for word in args:
@@ -66,3 +69,5 @@ def test_relative_links_resolve(page):
 def test_the_command_extractor_sees_continuations_and_env():
     text = "```bash\nA=1 B=2 rhyme-jax train --config configs/x.yaml \\\n  --dry-run  # note\n```\n"
     assert _bash_commands(text) == ["rhyme-jax train --config configs/x.yaml --dry-run"]
+    lab = "```bash\npython -m rhyme_lab ablate paper --quick\n```\n"
+    assert _bash_commands(lab) == ["rhyme_lab ablate paper --quick"]

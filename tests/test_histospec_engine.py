@@ -153,7 +153,7 @@ def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
     """``measure.oracle_drafters.AlwaysRightDrafter`` (the ``--oracle`` bound of ``benchmarks.rollout``):
     drafting the plain rollout's own tokens, every draft token is accepted, the tokens are plain
     decode's and the rollout needs at most half the passes."""
-    from rhyme_jax.ablate.paired import AlwaysRightDrafter
+    from rhyme_lab.ablate.paired import AlwaysRightDrafter
 
     prompts = _prompts(5, (4, 10, 6, 8))
     eng = _engine()
@@ -171,7 +171,7 @@ def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
 
 def test_held_run_is_the_longest_continuation_after_the_last_token():
     """``measure.oracle_drafters.held_run``: sources, siblings and self-lookup; a source's end stops a run."""
-    from rhyme_jax.ablate.paired import held_run
+    from rhyme_lab.ablate.paired import held_run
 
     a = lambda *x: np.array(x)  # noqa: E731
     assert held_run([a(5, 1, 2, 3, 9)], a(7, 5), a(1, 2, 3, 4)) == 3
@@ -186,7 +186,7 @@ def test_source_bound_drafts_only_what_the_sources_hold():
     prompts only self-lookup can draft, so it drafts less than always-right; on a repeat with
     that rollout as history every draft is accepted and the rollout needs at most half the
     passes. The tokens stay plain decode's."""
-    from rhyme_jax.ablate.paired import AlwaysRightDrafter, SourceBound
+    from rhyme_lab.ablate.paired import AlwaysRightDrafter, SourceBound
 
     prompts = _prompts(5, (4, 10, 6, 8))
     eng = _engine()
@@ -211,7 +211,7 @@ def test_backoff_skips_the_drafter_while_drafts_do_not_pay():
     program costs 100 decode steps no draft is sent, and after the first choices the drafter is
     asked on at most every other step (1, 2, 4, ... 8 skipped); the tokens stay plain decode's.
     Where drafts pay (the prior) it is asked on every step."""
-    from rhyme_jax.ablate.paired import AlwaysRightDrafter
+    from rhyme_lab.ablate.paired import AlwaysRightDrafter
     from rhyme_jax.rollout.step_cost import StepCost
 
     class Counting(AlwaysRightDrafter):

@@ -1,19 +1,20 @@
-"""The package's shape: layers import only downwards, and no function is over 80 lines.
+"""The shape of the product and the lab: layers import only downwards, the product
+(``rhyme_jax``) never imports the lab (``rhyme_lab``), no import circle, and no function is over
+80 lines.
 
-The function-length rule covers ``rhyme_jax/``, ``pallas_kernels/`` and ``benchmarks/``
-(``LENGTH_RULE_TREES``); a function's length counts its whole ``def`` including the docstring.
+The function-length rule covers ``rhyme_jax/``, ``rhyme_lab/``, ``pallas_kernels/`` and
+``benchmarks/`` (``LENGTH_RULE_TREES``); a function's length counts its whole ``def`` including
+the docstring.
 
-Layer order (ground floor first): ``io`` / ``config``; ``model``, ``data``, ``parallel``;
-``rollout``; ``spec``; ``sched``; ``measure``; ``train``; ``ablate`` and ``bench`` (what the
-benchmark entry points measure; neither imports the other); the CLI package (``rhyme_jax/cli/``)
-on top. ``config`` imports only the standard library, YAML/OmegaConf and
-itself; no module edits ``sys.path`` (nor does a benchmark entry point), and no test loads a
-benchmark file.
-The rules checked are those the architecture issue fixed: ``model``, ``rollout``, ``spec``,
-``parallel`` and ``data`` never import ``train``; ``sched`` never imports ``train``; ``spec``
-never imports ``rollout`` (the engine owns draft bucketing); the ground floor imports nothing of
-rhyme_jax above it; nothing below the top floor imports ``bench``, and ``bench`` never imports
-the CLI. Imports inside functions count too (they are still dependencies).
+Product floors (ground first): ``io`` / ``config``; ``model``, ``data``, ``parallel``;
+``rollout``; ``spec``; ``sched``; ``train``; the CLI package (``rhyme_jax/cli/``) on top.
+``config`` imports only the standard library, YAML/OmegaConf and itself; no module edits
+``sys.path`` (nor does a benchmark entry point), and no test loads a benchmark file.
+``model``, ``rollout``, ``spec``, ``parallel`` and ``data`` never import ``train``; ``sched``
+never imports ``train``; ``spec`` never imports ``rollout`` (the engine owns draft bucketing).
+Lab floors (above the whole product): ``provenance``, ``analyze``, ``schedule``; ``measure``;
+``bench`` and ``ablate`` (neither imports the other); ``cli``. Imports inside functions count too
+(they are still dependencies).
 """
 
 from __future__ import annotations
@@ -25,24 +26,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "rhyme_jax"
+LAB = ROOT / "rhyme_lab"
 MAX_FUNCTION_LINES = 80
-LENGTH_RULE_TREES = ("rhyme_jax", "pallas_kernels", "benchmarks")
+LENGTH_RULE_TREES = ("rhyme_jax", "rhyme_lab", "pallas_kernels", "benchmarks")
 
 # package -> packages it must never import
 FORBIDDEN = {
-    "io": {"config", "model", "data", "parallel", "rollout", "spec", "sched", "train", "bench"},
-    "model": {"rollout", "spec", "sched", "train", "bench"},
-    "data": {"rollout", "spec", "sched", "train", "bench"},
-    "parallel": {"rollout", "spec", "sched", "train", "bench"},
-    "rollout": {"spec", "sched", "train", "bench"},
-    "spec": {"rollout", "sched", "train", "bench"},
-    "sched": {"train", "bench"},
-    "measure": {"train", "ablate", "cli", "bench"},
-    "train": {"ablate", "cli", "measure", "bench"},
-    "ablate": {"bench"},
+    "io": {"config", "model", "data", "parallel", "rollout", "spec", "sched", "train", "cli"},
+    "model": {"rollout", "spec", "sched", "train", "cli"},
+    "data": {"rollout", "spec", "sched", "train", "cli"},
+    "parallel": {"rollout", "spec", "sched", "train", "cli"},
+    "rollout": {"spec", "sched", "train", "cli"},
+    "spec": {"rollout", "sched", "train", "cli"},
+    "sched": {"train", "cli"},
+    "train": {"cli"},
+    "config": {"io", "model", "data", "parallel", "rollout", "spec", "sched", "train",
+               "cli", "compile_cache", "compile_count"},
+}
+
+# the lab's own floors: package (or module) of rhyme_lab -> what of rhyme_lab it must never import
+LAB_FORBIDDEN = {
+    "provenance": {"analyze", "schedule", "measure", "bench", "ablate", "cli"},
+    "analyze": {"schedule", "measure", "bench", "ablate", "cli"},
+    "schedule": {"analyze", "measure", "ablate", "cli"},
+    "measure": {"bench", "ablate", "cli"},
     "bench": {"ablate", "cli"},
-    "config": {"io", "model", "data", "parallel", "rollout", "spec", "sched", "train", "measure", "ablate",
-               "cli", "compile_cache", "compile_count", "bench"},
+    "ablate": {"bench", "cli"},
 }
 
 # what ``rhyme_jax/config`` may import at all: a YAML file loads with nothing but these
@@ -50,12 +59,12 @@ CONFIG_IMPORTS = {"__future__", "dataclasses", "functools", "math", "re", "typin
                   "rhyme_jax"}
 
 
-def _modules():
-    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+def _modules(pkg: Path = PKG):
+    return sorted(p for p in pkg.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _imported_packages(tree: ast.AST) -> set[str]:
-    """Second component of every ``rhyme_jax.X`` module the tree imports."""
+def _imported_packages(tree: ast.AST, top: str = "rhyme_jax") -> set[str]:
+    """Second component of every ``top.X`` module the tree imports."""
     out = set()
     for node in ast.walk(tree):
         names = []
@@ -65,7 +74,7 @@ def _imported_packages(tree: ast.AST) -> set[str]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         for name in names:
             parts = name.split(".")
-            if parts[0] == "rhyme_jax" and len(parts) > 1:
+            if parts[0] == top and len(parts) > 1:
                 out.add(parts[1])
     return out
 
@@ -80,6 +89,89 @@ def test_layers_import_only_downwards(package):
         hit = _imported_packages(ast.parse(path.read_text())) & FORBIDDEN[package]
         bad += [f"rhyme_jax/{rel} imports rhyme_jax.{h}" for h in sorted(hit)]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(LAB_FORBIDDEN))
+def test_lab_layers_import_only_downwards(package):
+    bad = []
+    for path in _modules(LAB):
+        rel = path.relative_to(LAB)
+        if rel.parts[0].removesuffix(".py") != package:
+            continue
+        hit = _imported_packages(ast.parse(path.read_text()), "rhyme_lab") & LAB_FORBIDDEN[package]
+        bad += [f"rhyme_lab/{rel} imports rhyme_lab.{h}" for h in sorted(hit)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_product_never_imports_the_lab():
+    """``rhyme_jax`` (what ``pip install`` ships) and ``pallas_kernels`` import nothing of
+    ``rhyme_lab`` or ``benchmarks``: the lab reaches a run only through the trainer's callbacks."""
+    files = _modules() + _modules(ROOT / "pallas_kernels")
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in files
+           for m in sorted(_top_modules(ast.parse(p.read_text())) & {"rhyme_lab", "benchmarks"})]
+    assert not bad, "\n".join(bad)
+    assert _top_modules(ast.parse("def f():\n    from rhyme_lab.ablate import units\n")) == {"rhyme_lab"}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module name -> the modules of ``rhyme_jax`` / ``rhyme_lab`` it imports (at any depth of
+    the file: imports inside functions and under ``TYPE_CHECKING`` count)."""
+    names = {}
+    for path in _modules() + _modules(LAB):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        names[".".join(parts)] = path
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps |= {m for m in mods if m in names and not (name + ".").startswith(m + ".")}
+        graph[name] = deps  # a module's own packages are imported before it anyway: not edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    """No module of the product or the lab imports, directly or through others, a module that
+    imports it back (package ``__init__`` re-exports count as imports)."""
+    cycles = _cycles(_module_graph())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_layout_rule_sees_an_upward_import():

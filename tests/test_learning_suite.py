@@ -1,4 +1,4 @@
-"""Suite ``learning`` at the tiny scale (``rhyme-jax ablate learning``): the three L1 runs
+"""Suite ``learning`` at the tiny scale (``python -m rhyme_lab ablate learning``): the three L1 runs
 (HistoSpec off, AIMD, goodput; same seed) sample the same tokens and rewards, the per-epoch
 table and the oracle bound are computed from them, and L3 reports the lagged pipelines beside the
 sync run. The oracle's batch pricing is checked on constructed rows."""
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.ablate import learning, measures, oracle, registry
+from rhyme_lab.ablate import learning, measures, oracle, registry
 from rhyme_jax.rollout.step_cost import StepCost
 
 
@@ -18,8 +18,8 @@ from rhyme_jax.rollout.step_cost import StepCost
 def _tiny_suite(out, only: str, sets: tuple[str, ...] = ()):
     """The units of ``only`` once at the tiny scale in this process (``sets`` on the GRPO units),
     then the suite's report."""
-    from rhyme_jax.ablate import runner
-    from rhyme_jax.ablate.units import run_unit
+    from rhyme_lab.ablate import runner
+    from rhyme_lab.ablate.units import run_unit
 
     for name in registry.units_of(only.split(",")):
         run_unit(name, out, "tiny", sets if name != "demo_sft" else ())
@@ -122,7 +122,7 @@ def test_gpu_projection_prices_passes_by_their_drafts():
 
 def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
     # the test process has one CPU device: the 4 workers' placement runs on one (the fake 4-device
-    # mesh is what `rhyme-jax ablate` gives the units: -m slow tests/test_ablate.py spawns one)
+    # mesh is what `python -m rhyme_lab ablate` gives the units: -m slow tests/test_ablate.py spawns one)
     _, results = _tiny_suite(tmp_path, "L4", ("parallel.rollout_workers=1",))
     l4 = results["L4"]
     assert l4["status"] == "ok", l4.get("reason")
@@ -148,7 +148,7 @@ def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
 def test_twin_placement_needs_synchronous_rollouts():
     from types import SimpleNamespace
 
-    from rhyme_jax.ablate.paired_placement import twin_placement
+    from rhyme_lab.ablate.paired_placement import twin_placement
 
     trainer = SimpleNamespace(cfg=SimpleNamespace(sched=SimpleNamespace(pipeline="one_step_off")))
     with pytest.raises(ValueError, match="sched.pipeline=sync"):
@@ -165,7 +165,7 @@ def test_oracle_cost_model_scales_unobserved_programs_like_the_engine():
 def test_source_bound_keeps_the_prompts_last_rollouts_as_history():
     """``SourceBound(depth)``: a prompt's history is its responses in its last ``depth`` rollouts
     (all of its samples in each), as the trainer's history store keeps them for the real drafter."""
-    from rhyme_jax.measure.oracle_drafters import SourceBound
+    from rhyme_lab.measure.oracle_drafters import SourceBound
 
     p, q = [1, 2], [3]
     bound = SourceBound(depth=1)
@@ -228,7 +228,7 @@ def test_share_of_the_bound_carries_its_standard_error():
 def test_pooled_units_give_ratios_with_their_errors(tmp_path):
     """``ablate.pool`` (``python -m benchmarks.paired_pool``): repeats of a paired unit pooled step
     by step, for oracle units (goodput's share of the bound) and plain paired units."""
-    from rhyme_jax.ablate import pool
+    from rhyme_lab.ablate import pool
 
     def unit(path, own_s=None, spec_s=1.2):
         steps = [{"step": k, "rollout/epoch": 1 + (k > 2), "wall_s": 10.0, "plain": {"seconds": 3.0},
@@ -273,7 +273,7 @@ def test_paired_rollouts_take_turns_going_first():
     drafts its tokens, and the trainer always gets the HistoSpec (or oracle) rollout."""
     from types import SimpleNamespace
 
-    from rhyme_jax.ablate.paired import paired_rollouts
+    from rhyme_lab.ablate.paired import paired_rollouts
 
     def fake_generate(order):
         def generate(state, prompts, sampling, key, drafter=None, **kw):

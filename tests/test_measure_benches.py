@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rhyme_jax.measure import draft_cost, paired_report, peer_replay, timing
-from rhyme_jax.measure.text_replay import ReplayCase
+from rhyme_lab.measure import draft_cost, paired_report, peer_replay, timing
+from rhyme_lab.measure.text_replay import ReplayCase
 
 
 class _Tree:

@@ -1,4 +1,4 @@
-"""``rhyme_jax.measure.pass_replay`` (``python -m benchmarks.pass_replay``) replays HistoSpec's
+"""``rhyme_lab.measure.pass_replay`` (``python -m benchmarks.pass_replay``) replays HistoSpec's
 forward passes exactly: a sampled rollout with the real drafter (suffix index over the previous
 rollout, AIMD window, self-lookup) needs exactly the verify passes the replay computes from the
 emitted tokens alone."""
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from rhyme_jax.measure import pass_replay as replay
+from rhyme_lab.measure import pass_replay as replay
 from rhyme_jax.rollout.engine import SamplingParams
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
@@ -83,7 +83,7 @@ def test_draft_gap_counts_the_tokens_the_oracle_would_have_drafted():
     source ``self``; position 9 ends the response, where a longer draft saves no pass); with
     self-lookup it drafts the repeat and misses none. A response known from the history is drafted
     in one pass: nothing missed."""
-    from rhyme_jax.measure import draft_gap
+    from rhyme_lab.measure import draft_gap
 
     def spec(self_lookup):
         return SimpleNamespace(branch="reward", window="fixed", fixed_window=8, min_token_prob=0.0, pattern_max=7,
@@ -144,7 +144,7 @@ def test_cut_bound_separates_estimates_from_drafts():
     nowhere), 10, then 11 12 in one draft: 3 passes, 5 accepted tokens, none rejected. The
     drafter that knows its acceptance never sends a rejected token; plain decode is one step per
     token after the prefill's (7 steps of the cost model's unit)."""
-    from rhyme_jax.measure import cut_bound
+    from rhyme_lab.measure import cut_bound
 
     c = cut_bound_case()
     spec, prompt, pids, one, store, response, plan, cost = (c.spec, c.prompt, c.pids, c.one, c.store, c.response,
@@ -173,7 +173,7 @@ def test_cross_prompt_oracle_drafts_from_other_prompts_text():
     10 11 12, so after the first pass (6 7 8 accepted, 20 emitted) the cross-prompt oracle gets 10
     11 12 accepted from it: 2 passes and 6 accepted tokens, where the prompt's own sources need 3
     passes (20 is held nowhere in them)."""
-    from rhyme_jax.measure import cut_bound
+    from rhyme_lab.measure import cut_bound
 
     c = cut_bound_case()
     c.store.update(2, np.ones(1, np.int64), [np.array([9, 9], np.int32)], [np.array([8, 20, 10, 11, 12], np.int32)],
@@ -196,7 +196,7 @@ def test_occurrence_rules_on_constructed_sequences():
     first occurrence drafts ``1 2 ..`` (one token held, then ``4`` emitted and ``5`` from
     ``7 1 4``: 2 passes, 2 carried), the one nearest the row's position drafts ``1 4 5`` (1 pass,
     3 carried, the pass's own token ends the response), as hindsight does."""
-    from rhyme_jax.measure import occurrence_rules as occ
+    from rhyme_lab.measure import occurrence_rules as occ
 
     table = occ.suffix_matches(np.array([1, 2, 3]), np.array([2, 3, 1, 2]))
     assert table[2].tolist() == [0, 1, 0, 0, 2] and table[3].tolist() == [0, 0, 2, 0, 0]

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rhyme_jax.measure import policy_mode as pm
-from rhyme_jax.measure.draft_replay import Tally, drive
+from rhyme_lab.measure import policy_mode as pm
+from rhyme_lab.measure.draft_replay import Tally, drive
 from rhyme_jax.spec.drafter import Drafter
 from test_pass_replay import cut_bound_case
 from test_rollout_engine import CFG, _dense_fn, _model
@@ -24,7 +24,7 @@ def test_modes_equal_the_dense_model_row_by_row():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, CFG.vocab_size, size=n).astype(np.int32) for n in (3, 9, 5)]
     responses = [rng.integers(4, CFG.vocab_size, size=n).astype(np.int32) for n in (6, 2, 11)]
-    from rhyme_jax.ablate.policy_modes import mode_fn, policy_modes
+    from rhyme_lab.ablate.policy_modes import mode_fn, policy_modes
 
     got = policy_modes(mode_fn(graphdef, 0.7), state, prompts, responses, pad_id=0, rows=2)
     dense = _dense_fn()
@@ -84,7 +84,7 @@ def test_cut_bound_adds_the_policy_modes():
     """``cut_bound.bound_step`` with modes: a policy whose argmax is the response everywhere is the
     always-right drafter (every sent token accepted, fewer passes than the source-bound oracle,
     which cannot draft 20: it is held nowhere); knowing its acceptance changes nothing then."""
-    from rhyme_jax.measure import cut_bound
+    from rhyme_lab.measure import cut_bound
 
     c = cut_bound_case()
     spec, prompt, pids, one, store, response = c.spec, c.prompt, c.pids, c.one, c.store, c.response
@@ -107,7 +107,7 @@ def test_capture_along_a_tiny_run_matches_the_behaviour_logprobs(compile_cache, 
     teacher-forced logprob equals the behaviour logprob the sampler recorded (the forward is the
     sampling policy, here at temperature 0.1), the mode is never less likely than the sampled token, and the saved modes
     fit the saved rollouts."""
-    from rhyme_jax.ablate.policy_modes import CaptureError, capture, check_config
+    from rhyme_lab.ablate.policy_modes import CaptureError, capture, check_config
     from rhyme_jax.io.rollout_log import load_rollouts
     from test_trainer import tiny_cfg
 

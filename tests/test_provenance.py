@@ -1,8 +1,8 @@
-"""The stamp of a measurement: commit, machine, date (rhyme_jax/io/provenance.py)."""
+"""The stamp of a measurement: commit, machine, date (rhyme_lab/provenance.py)."""
 
 import subprocess
 
-from rhyme_jax.io import provenance
+from rhyme_lab import provenance
 
 
 def _git(repo, *args):

@@ -1,4 +1,4 @@
-"""``rhyme_jax.ablate.saved_runs.build`` / ``write_corpus`` (``python -m benchmarks.replay_corpus``): a
+"""``rhyme_lab.ablate.saved_runs.build`` / ``write_corpus`` (``python -m benchmarks.replay_corpus``): a
 drafter replay corpus from a run's saved rollouts (issue 16)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.ablate import saved_runs as rc
-from rhyme_jax.measure.text_replay import read_cases
+from rhyme_lab.ablate import saved_runs as rc
+from rhyme_lab.measure.text_replay import read_cases
 from rhyme_jax.config import load_config
 from rhyme_jax.config.loader import to_yaml
 from rhyme_jax.data import corpus, load_problems

@@ -1,4 +1,4 @@
-"""``rhyme-jax replay-drafts``: the drafter replayed along target texts (rhyme_jax/measure/text_replay.py)."""
+"""``python -m rhyme_lab replay-drafts``: the drafter replayed along target texts (rhyme_lab/measure/text_replay.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.cli import main
-from rhyme_jax.measure.oracle_drafters import KnownTargets
-from rhyme_jax.measure.text_replay import ReplayInputError, floor_step, read_cases, replay
+from rhyme_lab.cli.main import main
+from rhyme_lab.measure.oracle_drafters import KnownTargets
+from rhyme_lab.measure.text_replay import ReplayInputError, floor_step, read_cases, replay
 from rhyme_jax.config import load_config
 from rhyme_jax.model.tokenizer import train_demo_tokenizer
 from rhyme_jax.rollout import shapes

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rhyme_jax.bench.rollout_real import QUICK
+from rhyme_lab.bench.rollout_real import QUICK
 from rhyme_jax.io.rollout_log import load_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rhyme_jax.sched import replay as replay_bench
+from rhyme_lab.schedule import replay as replay_bench
 from rhyme_jax.sched.cost_model import CostModel, CostModelError
 from rhyme_jax.sched.length_predictor import predict_lengths
 from rhyme_jax.sched.planner import (

@@ -198,7 +198,7 @@ def test_one_step_off_deferral_survives_a_resume(tmp_path, cross_step):
     assert _trained(second.run_dir, range(1, steps + 1)) == _scheduled(cfg_b, range(1, steps + 1))
 
 
-# The ablation suite's own base runs (rhyme-jax ablate): the demo / recipe scaled down, so they
+# The ablation suite's own base runs (python -m rhyme_lab ablate): the demo / recipe scaled down, so they
 # change sizes as well as switches; the configs that include them switch one part each.
 SCALED_ABLATION_RUNS = {"e2e_fifo.yaml", "histospec_per_step.yaml", "histospec_real.yaml", "histospec_tiny.yaml",
                         "learn_plain.yaml", "learn_real_plain.yaml", "learn_workers_fifo.yaml"}  # the learning suite's base runs

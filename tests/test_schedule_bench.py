@@ -1,5 +1,5 @@
 """Smoke checks of ``python -m benchmarks.schedule``'s profile and workers modes: the pure helpers
-of ``rhyme_jax.sched.profile`` (grid, fit report, history per step, medians) and the set-up errors
+of ``rhyme_lab.schedule.profile`` (grid, fit report, history per step, medians) and the set-up errors
 of the command (a subprocess from the repository root). No model is built and nothing is timed
 (timings belong in the benchmark itself)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.io.rollout_log import save_rollouts
-from rhyme_jax.sched import profile as bench
+from rhyme_lab.schedule import profile as bench
 from rhyme_jax.sched.cost_model import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from rhyme_jax.ablate import session
+from rhyme_lab.ablate import session
 
 
 class _Engine:

@@ -1,4 +1,4 @@
-"""Smoke check of ``rhyme_jax.measure.pass_cost`` (``python -m benchmarks.step_cost``: decode vs
+"""Smoke check of ``rhyme_lab.measure.pass_cost`` (``python -m benchmarks.step_cost``: decode vs
 verify pass cost): it builds the passes the engine would run and writes its report. Nothing is
 timed here (timings belong in the benchmark)."""
 
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.measure import pass_cost
+from rhyme_lab.measure import pass_cost
 from rhyme_jax.rollout import batching
 
 

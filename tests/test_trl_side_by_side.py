@@ -4,7 +4,7 @@ The whole benchmark runs once (a subprocess from the repository root): ``rhyme-j
 same config (configs/arith_smollm2_135m.yaml with the model swapped for a tiny random Llama that
 carries the demo tokenizer, 2 GRPO steps of 2 prompts x 2 samples, 2 minibatches, 8 new tokens).
 Checked: the report's structure, the TRL settings mapped from the config
-(``rhyme_jax.bench.trl_mapping``), and that both trainers
+(``rhyme_lab.bench.trl_mapping``), and that both trainers
 saw the same prompts in the same order (TRL's recorded generation batches against the rhyme-jax
 run's ``rollouts/step_*.npz`` and the prompt schedule). Nothing is timed here. About 35 s on 2
 CPU cores (XLA compiles, TRL start-up), so it is not marked slow.
@@ -24,7 +24,7 @@ pytest.importorskip("trl", reason="the TRL side-by-side benchmark needs trl 1.x 
 torch = pytest.importorskip("torch", reason="the TRL side-by-side benchmark needs torch (the `test` extra)")
 
 from _hf_fixtures import hf_config  # noqa: E402
-from rhyme_jax.bench import trl_mapping  # noqa: E402
+from rhyme_lab.bench import trl_mapping  # noqa: E402
 from rhyme_jax.config import load_config  # noqa: E402
 from rhyme_jax.data import load_problems  # noqa: E402
 from rhyme_jax.data.synthetic import corpus  # noqa: E402

@@ -1,5 +1,5 @@
 """Random ragged paged-attention batches: the cases of the kernel tests and of
-``rhyme_jax.bench.kernel_checks`` (``python -m benchmarks.kernels --check-only``).
+``rhyme_lab.bench.kernel_checks`` (``python -m benchmarks.kernels --check-only``).
 
 ``random_case`` draws fresh q_lens / context lengths around the requested query lengths, with
 KV lengths that cross page boundaries, padding sequences after ``num_seqs`` and trailing padding

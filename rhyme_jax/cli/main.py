@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rhyme_jax.cli import ablate, analyze, compile_report, export, memory, models, replay, training
+from rhyme_jax.cli import compile_report, export, memory, models, training
 
-GROUPS = (training, export, memory, analyze, models, compile_report, replay, ablate)
+GROUPS = (training, export, memory, models, compile_report)
 
 EXAMPLES = """examples:
   rhyme-jax demo                                              # the CPU demo: SFT warm start + GRPO + summary
@@ -20,7 +20,6 @@ EXAMPLES = """examples:
   rhyme-jax train --config configs/arith_smollm2_135m.yaml --dry-run   # config, memory plan, programs
   rhyme-jax eval --config configs/arith_smollm2_135m.yaml --checkpoint initial --set run.eval_samples=8
   rhyme-jax memory --config configs/gsm8k_qwen2.5_1.5b.yaml --model-config configs/models/qwen2.5-1.5b --devices 8
-  rhyme-jax ablate paper --quick                              # the paper's ablations at CPU scale
   rhyme-jax COMMAND --help                                    # a command's flags and examples"""
 
 

@@ -25,7 +25,7 @@ acceptance (accepted given the earlier draft tokens were) under a two-level Beta
   estimate ``(succ_f + S1 * c') / (trials_f + S1)``, strictly inside (0, 1).
 
 The middle level and the one-occurrence bucket came from the SmolLM2 replay at T = 1 against the
-suffix-tree peer (``rhyme-jax replay-drafts``, docs/architecture.md s. goodput).
+suffix-tree peer (``python -m rhyme_lab replay-drafts``, docs/architecture.md s. goodput).
 
 ``observe`` feeds the verify outcome of each drafted row: with ``d`` tokens sent and ``a``
 accepted, positions ``0..a-1`` count as accepted trials, position ``a`` (if ``a < d``) as a

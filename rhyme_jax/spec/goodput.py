@@ -24,7 +24,7 @@ old code of what it calls. The kernel takes its state as a few records (``Reques
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -35,9 +35,6 @@ from rhyme_jax.spec.candidates import MAX_DRAFT, Candidates, DraftRows, HistoryP
 from rhyme_jax.spec.sam_kernels import DraftRule
 from rhyme_jax.spec.siblings import LookupSources, SequenceStore, has_room, lookup_candidates
 from rhyme_jax.spec.suffix_index import BRANCHES
-
-if TYPE_CHECKING:
-    from rhyme_jax.spec.drafter import Drafter
 
 
 class RequestState(NamedTuple):
@@ -150,7 +147,7 @@ class GoodputDrafts:
       groups: ``int[R]`` group of each request (same prompt id = same group).
     """
 
-    def __init__(self, parent: "Drafter", pack: HistoryPack, slots: np.ndarray, groups: np.ndarray):
+    def __init__(self, parent: Any, pack: HistoryPack, slots: np.ndarray, groups: np.ndarray):
         self.parent = parent
         self.calibration: Calibration = parent._calibration
         self.pack, self.slots = pack, slots

@@ -1,3 +1,0 @@
-"""Measurement over the library's public pieces (drafters replayed along texts, ...): used by the
-``rhyme-jax`` commands, ``rhyme_jax.ablate`` and ``benchmarks/``. Above ``rollout``, ``spec`` and
-``sched``; below ``train``, ``ablate`` and ``cli``."""
