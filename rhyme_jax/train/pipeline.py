@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
@@ -53,6 +54,33 @@ class StepBatch:
     carry: list[carry.Group]
     rollout: StepRollout
     seconds: float
+
+    # The trained rows, group after group (each group's samples consecutive): N = groups x n.
+    @cached_property
+    def ids(self) -> np.ndarray:
+        """``int64[N]`` prompt index (into the train problems) of each row."""
+        return np.array([grp.prompt_idx for grp in self.groups for _ in grp.tokens], np.int64)
+
+    @cached_property
+    def prompts(self) -> list[list[int]]:
+        """Each row's prompt token ids."""
+        return [grp.prompt.tolist() for grp in self.groups for _ in grp.tokens]
+
+    @cached_property
+    def tokens(self) -> list[np.ndarray]:
+        """Each row's response ``int32[m]``."""
+        return [t for grp in self.groups for t in grp.tokens]
+
+    @cached_property
+    def logprobs(self) -> list[np.ndarray]:
+        """Each row's behaviour logprobs ``float32[m]`` (one per response token)."""
+        return [lp for grp in self.groups for lp in grp.logprobs]
+
+    @cached_property
+    def skipped(self) -> np.ndarray:
+        """``bool[N]``: rows of prompts over ``rollout.max_prompt_len`` (``on_overlong_prompt=skip``:
+        empty response, reward 0, no loss)."""
+        return np.array([f == "skipped" for grp in self.groups for f in grp.finish], bool)
 
 
 class RolloutPipeline:

@@ -121,9 +121,9 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", t
 
     pairs: list | None = [] if paired else None
     if paired:
-        from rhyme_lab.ablate.paired import paired_rollouts
+        from rhyme_lab.ablate.paired import PairedRollouts
 
-        trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(pairs, oracle, cfg.spec.history_depth))
+        trainer = GRPOTrainer(cfg, callbacks=[PairedRollouts(pairs, oracle, cfg.spec.history_depth)])
     else:
         trainer = GRPOTrainer(cfg)
     twins: dict[int, dict] = {}

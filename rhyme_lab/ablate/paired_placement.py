@@ -7,7 +7,7 @@ also placed by a twin scheduler in fifo mode on the same workers, weights, promp
 to back; the twin's output is discarded (the trainer trains on the HistoPipe rollout, whose
 history then ranks the next steps). Which of the two goes first alternates by step, so neither
 always meets a warm or a cold machine. The ratio of the two makespans in one step compares the
-placements alone, as ``paired.paired_rollouts`` compares decoders.
+placements alone, as ``paired.PairedRollouts`` compares decoders.
 """
 
 from __future__ import annotations
