@@ -148,11 +148,11 @@ def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
 def test_twin_placement_needs_synchronous_rollouts():
     from types import SimpleNamespace
 
-    from rhyme_lab.ablate.paired_placement import twin_placement
+    from rhyme_lab.ablate.paired_placement import TwinPlacement
 
-    trainer = SimpleNamespace(cfg=SimpleNamespace(sched=SimpleNamespace(pipeline="one_step_off")))
+    scheduler = SimpleNamespace(cfg=SimpleNamespace(pipeline="one_step_off"))
     with pytest.raises(ValueError, match="sched.pipeline=sync"):
-        twin_placement(trainer, "fifo", {})
+        TwinPlacement("fifo", {}).wrap_submit(lambda *a, **kw: None, scheduler)
 
 
 def test_oracle_cost_model_scales_unobserved_programs_like_the_engine():

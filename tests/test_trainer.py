@@ -120,7 +120,7 @@ class Recorder(TrainerCallback):
     """Records every callback event with host copies of what it received (``train/callbacks.py``)."""
 
     def __init__(self):
-        self.events, self.wrapped, self.generate_calls = [], 0, 0
+        self.events, self.wrapped, self.generate_calls, self.submit_wraps, self.submitted = [], 0, 0, 0, []
 
     def wrap_generate(self, generate):
         self.wrapped += 1
@@ -129,6 +129,14 @@ class Recorder(TrainerCallback):
             self.generate_calls += 1
             return generate(*args, **kw)
         return counted
+
+    def wrap_submit(self, submit, scheduler):
+        self.submit_wraps += 1
+
+        def logged(step, *args, **kw):
+            self.submitted.append(step)
+            return submit(step, *args, **kw)
+        return logged
 
     def on_rollout_end(self, trainer, step, batch, rewards):
         self.events.append(("rollout_end", step, SimpleNamespace(
@@ -191,13 +199,14 @@ def test_reference_run_learns_from_a_nonzero_signal(reference):
 
 def test_callback_events_arrive_in_order_with_the_steps_data(reference):
     """``GRPOTrainer(callbacks=[...])``: ``wrap_generate`` once per rollout worker and its wrapper
-    on every engine call; per step rollout_end, before_update, update_end, step_end with that
+    on every engine call; ``wrap_submit`` once and its wrapper starting every step's rollout; per step rollout_end, before_update, update_end, step_end with that
     step's number and data (the saved rollouts and rewards, the params the update starts from and
     ends with, the logged metrics row); train_end once after the last checkpoint, before the final
     evaluation, with the built-in Gantt plot already drawn."""
     rec, trainer = reference.recorder, reference.trainer
     assert rec.wrapped == len(trainer.engines) >= 1
     assert rec.generate_calls >= STEPS  # at least one engine call per step's rollout
+    assert rec.submit_wraps == 1 and rec.submitted == list(range(1, STEPS + 1))  # sync: one rollout a step
     per_step = ["rollout_end", "before_update", "update_end", "step_end"]
     assert [(e, s) for e, s, _ in rec.events] == (
         [(e, s) for s in range(1, STEPS + 1) for e in per_step] + [("train_end", STEPS)])

@@ -24,7 +24,8 @@ optimizer state, counters, history, carried groups) and the rollout pipeline wir
 
 Callbacks instead of method replacement: the ``wrap_generate`` of every
 ``train.callbacks.TrainerCallback`` given to ``build_rollout`` / ``build_run`` is installed around
-every engine call the scheduler's workers make (the other events are the trainer's).
+every engine call the scheduler's workers make, and its ``wrap_submit`` around the start of every
+step's rollout (``build_pipeline``); the other events are the trainer's.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback
 from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
 from rhyme_jax.train.optim import grpo_optimizer
-from rhyme_jax.train.pipeline import RolloutPipeline
+from rhyme_jax.train.pipeline import RolloutPipeline, make_pipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
 from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
@@ -262,14 +263,23 @@ def attach_step_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) ->
         eng.step_cost = cost
 
 
-def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
-    """The rollout pipeline of a GRPO run: the step's prompts (``prompts.prompt_schedule``), their
-    tokens, the weight sync, history and drafter."""
+def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts,
+                   callbacks: Sequence[TrainerCallback] = ()) -> RolloutPipeline:
+    """The rollout pipeline of a GRPO run (the strategy of ``sched.pipeline`` / ``sched.cross_step``:
+    ``pipeline.make_pipeline``): the step's prompts (``prompts.prompt_schedule``), their tokens,
+    the weight sync, history and drafter; every step's rollout starts through the ``wrap_submit``
+    of ``callbacks``.
+
+    Raises:
+      TypeError: a callback is not a ``TrainerCallback``; ValueError: from a ``wrap_submit``.
+    """
+    hooks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
     g = cfg.grpo
     n_prompts = num_grpo_prompts(cfg, len(policy.train_problems))
-    return RolloutPipeline(cfg, rollout.scheduler,
-                           lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
-                           policy.prompt_tokens, rollout.states, history=rollout.history, drafter=rollout.drafter)
+    return make_pipeline(cfg, rollout.scheduler,
+                         lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
+                         policy.prompt_tokens, rollout.states, history=rollout.history, drafter=rollout.drafter,
+                         submit=hooks.wrap_submit(rollout.scheduler.submit, rollout.scheduler))
 
 
 # ---------------------------------------------------------------------------------- learner
@@ -414,7 +424,7 @@ def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume
                if uses_history(cfg) and "history" in start.blobs else None)
     rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, callbacks=callbacks)
     attach_step_cost(cfg, rollout, state)
-    pipeline = build_pipeline(cfg, policy, rollout)
+    pipeline = build_pipeline(cfg, policy, rollout, callbacks)
     if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples
         pipeline.carry = carry.from_bytes(start.blobs["carry"], source=source)
     # Commit every array to its sharding: restored and freshly built arrays then look the same

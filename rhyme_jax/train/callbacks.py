@@ -13,6 +13,12 @@ Events, in the order they fire (``step`` is the 1-based GRPO step):
     any rollout: returns the function the worker calls instead of its engine's ``generate`` (same
     signature, ``sched.workers.GenerateFn``; it must return the rollout the run trains on). How
     the lab pairs each HistoSpec rollout with a plain one on the same inputs.
+``wrap_submit(submit, scheduler) -> submit``
+    Once, when the rollout pipeline is built (``assembly.build_pipeline``): returns the function
+    the pipeline calls instead of ``scheduler.submit`` (``sched.scheduler.RolloutScheduler``, same
+    signature and return) to start every step's rollout. How the lab places each rollout a second
+    time with a twin scheduler on the same workers; it may raise (``ValueError``) to refuse a run
+    it cannot wrap, before any step.
 ``on_rollout_end(trainer, step, batch, rewards)``
     Each step, once its rollout is collected and scored, before it is written back (rollout log,
     schedule, history store): ``batch`` is the ``pipeline.StepBatch`` (its groups and the
@@ -39,7 +45,7 @@ the rollout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -61,6 +67,10 @@ class TrainerCallback:
     def wrap_generate(self, generate: GenerateFn) -> GenerateFn:
         """The function a rollout worker calls instead of ``generate`` (default: ``generate``)."""
         return generate
+
+    def wrap_submit(self, submit: Callable[..., Any], scheduler: Any) -> Callable[..., Any]:
+        """The function the pipeline calls instead of ``scheduler.submit`` (default: ``submit``)."""
+        return submit
 
     def on_rollout_end(self, trainer: GRPOTrainer, step: int, batch: StepBatch, rewards: np.ndarray) -> None:
         """Step ``step``'s rollout collected and scored (``rewards`` ``float32[N]``)."""
@@ -116,6 +126,12 @@ class CallbackList:
         for cb in self.callbacks:
             generate = cb.wrap_generate(generate)
         return generate
+
+    def wrap_submit(self, submit: Callable[..., Any], scheduler: Any) -> Callable[..., Any]:
+        """``submit`` wrapped by every callback, the first callback innermost."""
+        for cb in self.callbacks:
+            submit = cb.wrap_submit(submit, scheduler)
+        return submit
 
     def fire(self, event: str, *args: Any) -> None:
         """Call ``event`` (an ``on_*`` method name) on every callback with ``args``."""
