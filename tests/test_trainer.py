@@ -138,12 +138,12 @@ class Recorder(TrainerCallback):
             return submit(step, *args, **kw)
         return logged
 
-    def on_rollout_end(self, trainer, step, batch, rewards):
+    def on_rollout_end(self, trainer, step, batch):
         self.events.append(("rollout_end", step, SimpleNamespace(
             batch_step=batch.step, ids=batch.ids.copy(), tokens=[t.tolist() for t in batch.tokens],
-            rewards=rewards.copy())))
+            rewards=batch.rewards.copy())))
 
-    def on_before_update(self, trainer, step, state, batch, rewards):
+    def on_before_update(self, trainer, step, state, batch):
         self.events.append(("before_update", step, SimpleNamespace(params=host_copy(state), rows=len(batch.tokens))))
 
     def on_update_end(self, trainer, step, state, minibatch_metrics):

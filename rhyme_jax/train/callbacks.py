@@ -19,12 +19,12 @@ Events, in the order they fire (``step`` is the 1-based GRPO step):
     signature and return) to start every step's rollout. How the lab places each rollout a second
     time with a twin scheduler on the same workers; it may raise (``ValueError``) to refuse a run
     it cannot wrap, before any step.
-``on_rollout_end(trainer, step, batch, rewards)``
+``on_rollout_end(trainer, step, batch)``
     Each step, once its rollout is collected and scored, before it is written back (rollout log,
-    schedule, history store): ``batch`` is the ``pipeline.StepBatch`` (its groups and the
-    flattened rows ``ids``, ``prompts``, ``tokens``, ``logprobs``, ``skipped``), ``rewards``
-    ``float32[N]``, one per row of ``batch.tokens``.
-``on_before_update(trainer, step, state, batch, rewards)``
+    schedule, history store): ``batch`` is the ``step_batch.StepBatch`` (its groups, scored, and
+    the flattened rows ``ids``, ``prompts``, ``tokens``, ``logprobs``, ``skipped``, ``rewards``
+    ``float32[N]``).
+``on_before_update(trainer, step, state, batch)``
     Right before the step's update, only when the step has groups to train: ``state`` is the
     params the update starts from (the behaviour params under ``sched.pipeline=sync``).
 ``on_update_end(trainer, step, state, minibatch_metrics)``
@@ -36,7 +36,7 @@ Events, in the order they fire (``step`` is the 1-based GRPO step):
     Once from ``GRPOTrainer.fit``, after the last step (and its checkpoint), before the final
     held-out evaluation. Runs driving ``train_step`` themselves do not get it.
 
-What a callback may not do: mutate ``batch``, ``rewards``, ``metrics`` or the trainer's state
+What a callback may not do: mutate ``batch`` (nor its groups and rewards), ``metrics`` or the trainer's state
 (the run must train the same tokens whether or not callbacks are attached), or keep ``state``
 past the event without copying it (the next update donates its buffers). Whatever it does costs
 wall time in the step (``time/*`` metrics) except inside ``wrap_generate``'s wrapper, which is
@@ -47,13 +47,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import numpy as np
-
 from rhyme_jax.sched.timeline import load_schedule, plot_gantt
 from rhyme_jax.sched.workers import GenerateFn
 
 if TYPE_CHECKING:
-    from rhyme_jax.train.pipeline import StepBatch
+    from rhyme_jax.train.step_batch import StepBatch
 
 # The ``trainer`` every event receives is the ``train.trainer.GRPOTrainer`` running the callbacks
 # (read its ``cfg``, ``run_dir``, ``primary``, ``policy``, ``tokenizer``, ``history``; the trainer
@@ -72,11 +70,10 @@ class TrainerCallback:
         """The function the pipeline calls instead of ``scheduler.submit`` (default: ``submit``)."""
         return submit
 
-    def on_rollout_end(self, trainer: GRPOTrainer, step: int, batch: StepBatch, rewards: np.ndarray) -> None:
-        """Step ``step``'s rollout collected and scored (``rewards`` ``float32[N]``)."""
+    def on_rollout_end(self, trainer: GRPOTrainer, step: int, batch: StepBatch) -> None:
+        """Step ``step``'s rollout collected and scored (``batch.rewards``)."""
 
-    def on_before_update(self, trainer: GRPOTrainer, step: int, state: Any, batch: StepBatch,
-                         rewards: np.ndarray) -> None:
+    def on_before_update(self, trainer: GRPOTrainer, step: int, state: Any, batch: StepBatch) -> None:
         """Right before step ``step``'s update; ``state``: the params it starts from."""
 
     def on_update_end(self, trainer: GRPOTrainer, step: int, state: Any, minibatch_metrics: list[dict]) -> None:

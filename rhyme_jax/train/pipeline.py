@@ -28,7 +28,6 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
@@ -36,58 +35,12 @@ import numpy as np
 
 from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
-from rhyme_jax.sched.scheduler import RolloutScheduler, StepRollout
+from rhyme_jax.sched.scheduler import RolloutScheduler
+from rhyme_jax.sched.step_group import StepGroup
+from rhyme_jax.train.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
-
-
-@dataclass
-class StepBatch:
-    """A finished rollout ready for training.
-
-    Attributes:
-      step: the GRPO step it is for; ``weights_step``: updates applied to the params it used.
-      groups: complete groups to train now (carried groups of earlier steps first).
-      carry: groups of this step with deferred samples (continued by the next rollout submitted:
-        step + 1, or step + 2 with cross-step queues).
-      rollout: the scheduler's output (metrics, intervals, plan, stats).
-      seconds: the rollout's own duration.
-    """
-
-    step: int
-    weights_step: int
-    groups: list[carry.Group]
-    carry: list[carry.Group]
-    rollout: StepRollout
-    seconds: float
-
-    # The trained rows, group after group (each group's samples consecutive): N = groups x n.
-    @cached_property
-    def ids(self) -> np.ndarray:
-        """``int64[N]`` prompt index (into the train problems) of each row."""
-        return np.array([grp.prompt_idx for grp in self.groups for _ in grp.tokens], np.int64)
-
-    @cached_property
-    def prompts(self) -> list[list[int]]:
-        """Each row's prompt token ids."""
-        return [grp.prompt.tolist() for grp in self.groups for _ in grp.tokens]
-
-    @cached_property
-    def tokens(self) -> list[np.ndarray]:
-        """Each row's response ``int32[m]``."""
-        return [t for grp in self.groups for t in grp.tokens]
-
-    @cached_property
-    def logprobs(self) -> list[np.ndarray]:
-        """Each row's behaviour logprobs ``float32[m]`` (one per response token)."""
-        return [lp for grp in self.groups for lp in grp.logprobs]
-
-    @cached_property
-    def skipped(self) -> np.ndarray:
-        """``bool[N]``: rows of prompts over ``rollout.max_prompt_len`` (``on_overlong_prompt=skip``:
-        empty response, reward 0, no loss)."""
-        return np.array([f == "skipped" for grp in self.groups for f in grp.finish], bool)
 
 
 class RolloutPipeline(ABC):
@@ -115,7 +68,7 @@ class RolloutPipeline(ABC):
         self.submit = scheduler.submit if submit is None else submit
         self.schedule, self.prompt_tokens, self.rollout_states = schedule, prompt_tokens, rollout_states
         self.history, self.drafter = history, drafter
-        self.carry: list[carry.Group] = []
+        self.carry: list[StepGroup] = []
 
     # ------------------------------------------------------------------ the events, per step
     @abstractmethod
@@ -132,7 +85,7 @@ class RolloutPipeline(ABC):
         update's ``(start, end)`` ``perf_counter`` times. Default: nothing."""
 
     # ------------------------------------------------------------------ shared
-    def pending_carry(self) -> list[carry.Group]:
+    def pending_carry(self) -> list[StepGroup]:
         """Carried groups not yet trained (what a checkpoint keeps; after a resume the first
         rollout continues all of them)."""
         return list(self.carry)
@@ -142,12 +95,12 @@ class RolloutPipeline(ABC):
         deferral) instead of migrating them. Default: never."""
         return False
 
-    def run(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group]) -> StepBatch:
+    def run(self, step: int, state: Any, weights_step: int, carried: Sequence[StepGroup]) -> StepBatch:
         """Roll out step ``step`` now with ``state`` (params after ``weights_step`` updates),
         continuing the deferred samples of ``carried``."""
         return self._finish(self._start(step, state, weights_step, carried))
 
-    def _start(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group],
+    def _start(self, step: int, state: Any, weights_step: int, carried: Sequence[StepGroup],
                queued: bool = False) -> "_Started":
         """Plan and submit step ``step``'s rollout (``RolloutScheduler.submit``)."""
         cfg, g, r = self.cfg, self.cfg.grpo, self.cfg.rollout
@@ -253,10 +206,10 @@ class CrossStepPipeline(RolloutPipeline):
     def defers(self, step: int) -> bool:
         return step < self.cfg.grpo.steps - 1  # carried groups need a later rollout
 
-    def _queue(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group]) -> None:
+    def _queue(self, step: int, state: Any, weights_step: int, carried: Sequence[StepGroup]) -> None:
         self._queued.append(self._start(step, state, weights_step, carried, queued=True))
 
-    def run(self, step: int, state: Any, weights_step: int, carried: Sequence[carry.Group]) -> StepBatch:
+    def run(self, step: int, state: Any, weights_step: int, carried: Sequence[StepGroup]) -> StepBatch:
         """As ``RolloutPipeline.run``, after the queued rollouts finish (a worker's engine runs one
         batch at a time)."""
         self._wait_queued()
@@ -291,7 +244,7 @@ class CrossStepPipeline(RolloutPipeline):
             self._queue(step + 2, _snapshot(state), step, self.carry)
             self.carry = []
 
-    def pending_carry(self) -> list[carry.Group]:
+    def pending_carry(self) -> list[StepGroup]:
         """Carried groups not yet trained: those queued rollouts continue, then those waiting for
         the next rollout."""
         return [grp for st in self._queued for grp in st.carried] + list(self.carry)

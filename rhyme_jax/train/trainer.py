@@ -36,7 +36,7 @@ from rhyme_jax.train.callbacks import CallbackList, TrainerCallback, builtin_cal
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
 from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
-from rhyme_jax.train.pipeline import StepBatch
+from rhyme_jax.train.step_batch import StepBatch
 from rhyme_jax.train.prompts import epoch_of_step
 
 if TYPE_CHECKING:
@@ -129,13 +129,13 @@ class GRPOTrainer:
         ``on_step_end`` (``train/callbacks.py``).
         """
         sb, t_wait = self.pipeline.take(step, self.state)
-        rewards = self._score(sb)
-        self.callbacks.fire("on_rollout_end", self, step, sb, rewards)
-        self._write_back(step, sb, rewards)
+        sb.set_rewards(self._score(sb))
+        self.callbacks.fire("on_rollout_end", self, step, sb)
+        self._write_back(step, sb)
         if sb.groups:
-            self.callbacks.fire("on_before_update", self, step, self.state, sb, rewards)
+            self.callbacks.fire("on_before_update", self, step, self.state, sb)
         t1 = time.perf_counter()
-        mb_metrics = self._update(sb.prompts, sb.tokens, sb.logprobs, rewards) if sb.groups else []
+        mb_metrics = self._update(sb) if sb.groups else []
         t2 = time.perf_counter()
         self.pipeline.after_update(step, self.state, (t1, t2))
         if sb.groups:
@@ -144,7 +144,7 @@ class GRPOTrainer:
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
         self.nonfinite_total += 0 if finite else 1
         epoch = epoch_of_step(self.cfg, len(self.train_problems), step)
-        metrics = _step_metrics(step, sb, rewards, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total)
+        metrics = _step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total)
         self.callbacks.fire("on_step_end", self, step, metrics)
         return metrics
 
@@ -161,29 +161,29 @@ class GRPOTrainer:
                                           [self.train_problems[int(sb.ids[k])] for k in scored])
         return rewards
 
-    def _write_back(self, step: int, sb: StepBatch, rewards: np.ndarray) -> None:
+    def _write_back(self, step: int, sb: StepBatch) -> None:
         """The step's rollouts and schedule on disk, its responses into the history store (then
         those prompts' indexes rebuilt off the critical path), and the pipeline told (one_step_off
         starts the next rollout now)."""
         sr = sb.rollout
         if self.primary:
-            save_rollouts(self.run_dir, step, sb.ids, sb.tokens, rewards, sb.logprobs)
+            save_rollouts(self.run_dir, step, sb.ids, sb.tokens, sb.rewards, sb.logprobs)
             write_schedule(self.run_dir, step, sr.intervals, sr.group_finish_s, sr.plan)
         if self.history is not None:
             self.history.update(step, sb.ids, [np.asarray(p, np.int32) for p in sb.prompts], sb.tokens,
-                                rewards)
+                                sb.rewards)
             if self.drafter is not None:
                 self.drafter.rebuild(np.unique(sb.ids).tolist())
         self.pipeline.after_write_back(step, self.state)
 
-    def _update(self, prompts: list[list[int]], tokens: list[np.ndarray], logprobs: list[np.ndarray],
-                rewards: np.ndarray) -> list[dict]:
-        """``grpo.minibatches`` clipped-surrogate updates on complete groups (n consecutive rows
-        each); returns each minibatch's metrics. Rows are padded to a multiple of minibatches x
-        (data x fsdp) with rows that carry no loss (only carried groups change the row count)."""
+    def _update(self, sb: StepBatch) -> list[dict]:
+        """``grpo.minibatches`` clipped-surrogate updates on the scored batch's complete groups (n
+        consecutive rows each); returns each minibatch's metrics. Rows are padded to a multiple of
+        minibatches x (data x fsdp) with rows that carry no loss (only carried groups change the
+        row count)."""
         g = self.cfg.grpo
-        adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, g.samples_per_prompt)),
-                                          scale_rewards=g.scale_rewards)).reshape(-1)
+        prompts, tokens, logprobs = sb.prompts, sb.tokens, sb.logprobs
+        adv = np.asarray(group_advantages(jnp.asarray(sb.group_rewards), scale_rewards=g.scale_rewards)).reshape(-1)
         longest = max(len(p) + len(t) for p, t in zip(prompts, tokens))
         T = int(math.ceil(longest / SEQ_BUCKET) * SEQ_BUCKET)
         batch = sequence_batch(prompts, [t.tolist() for t in tokens], self.tokenizer.pad_id, max_len=T)
@@ -282,11 +282,11 @@ class GRPOTrainer:
         self.metrics.close()
 
 
-def _step_metrics(step: int, sb: StepBatch, rewards: np.ndarray, mb_metrics: list[dict],
+def _step_metrics(step: int, sb: StepBatch, mb_metrics: list[dict],
                   t_wait: float, t_train: float, epoch: int, nonfinite_total: int) -> dict[str, float]:
     """A GRPO step's metrics row: the update's (mean over minibatches), rewards, lengths, times
     (seconds), weights version, the scheduler's ``sched/*`` and the rollout's counts and rates."""
-    sr, t_rollout = sb.rollout, sb.seconds
+    sr, t_rollout, rewards = sb.rollout, sb.seconds, sb.rewards
     stats = sr.result.stats
     lengths = np.array([len(t) for t in sb.tokens] or [0])
     metrics = {k: float(np.mean([m[k] for m in mb_metrics])) for k in (mb_metrics[0] if mb_metrics else {})}

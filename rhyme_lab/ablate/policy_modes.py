@@ -114,12 +114,12 @@ class ModeCapture(TrainerCallback):
         self.temperature, self.rows, self.out, self.log = temperature, rows, out, log
         self.fn = None
 
-    def on_before_update(self, trainer, step, state, batch, rewards) -> None:
+    def on_before_update(self, trainer, step, state, batch) -> None:
         self.fn = self.fn or mode_fn(trainer.policy.graphdef, self.temperature)
         got = policy_modes(self.fn, state, [np.asarray(p, np.int32) for p in batch.prompts], batch.tokens,
                            trainer.tokenizer.pad_id, self.rows)
         save_modes(trainer.run_dir, step, got)
-        r = {"step": step, "reward": float(np.mean(rewards)), **step_stats(got, batch.tokens, batch.logprobs)}
+        r = {"step": step, "reward": float(np.mean(batch.rewards)), **step_stats(got, batch.tokens, batch.logprobs)}
         self.out.append(r)
         self.log(f"step {r['step']}: reward {r['reward']:.3f}, argmax share {r['argmax_share']:.3f}, "
                  f"p_mode {r['p_mode']:.3f}, max |logp - behaviour| {r['max_logp_diff']:.2e}")
