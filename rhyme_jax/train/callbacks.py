@@ -36,11 +36,11 @@ Events, in the order they fire (``step`` is the 1-based GRPO step):
     Once from ``GRPOTrainer.fit``, after the last step (and its checkpoint), before the final
     held-out evaluation. Runs driving ``train_step`` themselves do not get it.
 
-What a callback may not do: mutate ``batch`` (nor its groups and rewards), ``metrics`` or the trainer's state
-(the run must train the same tokens whether or not callbacks are attached), or keep ``state``
-past the event without copying it (the next update donates its buffers). Whatever it does costs
-wall time in the step (``time/*`` metrics) except inside ``wrap_generate``'s wrapper, which is
-the rollout.
+What a callback may not do: mutate ``batch`` (its groups, rows or rewards), ``metrics`` or the
+trainer's state (the run must train the same tokens whether or not callbacks are attached), or
+keep ``state`` past the event without copying it (the next update donates its buffers). Its time
+counts in the step's wall time but never in ``time/train_s`` (the update alone); inside the
+``wrap_generate`` / ``wrap_submit`` wrappers it is rollout time (``time/rollout_*``).
 """
 
 from __future__ import annotations
