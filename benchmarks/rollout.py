@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_lab.ablate.paired import ORACLES, paired_rollouts
+from rhyme_lab.ablate.paired import ORACLES, PairedRollouts
 from rhyme_lab.measure.paired_report import write_report
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
                                     f"run.name={args.name}", f"run.init_from={args.init_from}",
                                     "run.progress=false", f"run.checkpoint_every={args.steps}"])
     rows = []
-    trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(rows, oracle=args.oracle))
+    trainer = GRPOTrainer(cfg, callbacks=[PairedRollouts(rows, oracle=args.oracle)])
     r = cfg.rollout
     sp = SamplingParams.from_section(r)
     t0 = time.perf_counter()

@@ -148,11 +148,11 @@ def test_histopipe_beside_fifo_on_four_workers(tmp_path, compile_cache):
 def test_twin_placement_needs_synchronous_rollouts():
     from types import SimpleNamespace
 
-    from rhyme_lab.ablate.paired_placement import twin_placement
+    from rhyme_lab.ablate.paired_placement import TwinPlacement
 
-    trainer = SimpleNamespace(cfg=SimpleNamespace(sched=SimpleNamespace(pipeline="one_step_off")))
+    scheduler = SimpleNamespace(cfg=SimpleNamespace(pipeline="one_step_off"))
     with pytest.raises(ValueError, match="sched.pipeline=sync"):
-        twin_placement(trainer, "fifo", {})
+        TwinPlacement("fifo", {}).wrap_submit(lambda *a, **kw: None, scheduler)
 
 
 def test_oracle_cost_model_scales_unobserved_programs_like_the_engine():
@@ -268,12 +268,12 @@ def test_pooled_units_give_ratios_with_their_errors(tmp_path):
 
 
 def test_paired_rollouts_take_turns_going_first():
-    """``paired.paired_rollouts``: the compared rollouts of a call alternate their places (a
+    """``paired.PairedRollouts``: the compared rollouts of a call alternate their places (a
     machine can favour a place in a back-to-back sequence); plain stays first where the oracle
     drafts its tokens, and the trainer always gets the HistoSpec (or oracle) rollout."""
     from types import SimpleNamespace
 
-    from rhyme_lab.ablate.paired import paired_rollouts
+    from rhyme_lab.ablate.paired import PairedRollouts
 
     def fake_generate(order):
         def generate(state, prompts, sampling, key, drafter=None, **kw):
@@ -287,7 +287,7 @@ def test_paired_rollouts_take_turns_going_first():
     for oracle, calls in (("", [["plain", "own"], ["own", "plain"], ["plain", "own"]]),
                           ("sources", [["plain", "own", "oracle"], ["plain", "oracle", "own"]])):
         rows, order = [], []
-        gen = paired_rollouts(rows, oracle=oracle)(fake_generate(order))
+        gen = PairedRollouts(rows, oracle=oracle).wrap_generate(fake_generate(order))
         got = []
         for _ in calls:
             order.clear()

@@ -1,5 +1,6 @@
 """Carried rows and groups (sched/carry.py): a step's rows split into trainable and carried groups,
-the carried samples continued by a later rollout as ``CarriedRow`` s, and the checkpoint form."""
+the carried samples continued by a later rollout as ``CarriedRow`` s, the checkpoint form, and the
+step batch (``train.step_batch.StepBatch``) the trained groups make."""
 
 from __future__ import annotations
 
@@ -62,3 +63,30 @@ def test_carried_groups_round_trip_through_bytes():
     for a, b in zip(back.tokens + back.logprobs, grp.tokens + grp.logprobs):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(back.pending, grp.pending)
+
+
+def test_step_batch_rows_and_rewards_follow_the_groups():
+    """``train.step_batch.StepBatch``: the trained groups (a completed carried group first) as
+    rows group after group, scored once (``set_rewards``) into each ``StepGroup`` and read back
+    flat or group by group (what the advantages use)."""
+    from rhyme_jax.train.step_batch import StepBatch
+
+    idx, prompts = np.array([7, 3]), [[7], [7], [3], [3]]
+    rows = np.array([0, 2, 3])
+    _, pending = carry.step_groups(1, idx, prompts, N, [], rows, _result(rows, 1), [_stopped(1, 7)])
+    rows2 = np.arange(5)
+    trainable, _ = carry.step_groups(2, np.array([5, 6]), [[5], [5], [6], [6]], N, pending, rows2,
+                                     _result(rows2, 2), [])
+    sb = StepBatch(2, 1, trainable, [], rollout=None, seconds=0.0)
+    assert sb.ids.tolist() == [7, 7, 5, 5, 6, 6] and sb.prompts == [[7], [7], [5], [5], [6], [6]]
+    assert [t.tolist() for t in sb.tokens] == [[1, 0], [2, 4], [2, 0], [2, 1], [2, 2], [2, 3]]
+    assert [lp.tolist() for lp in sb.logprobs][:2] == [[0.0, 0.0], [-4.0, -4.0]]
+    assert sb.skipped.tolist() == [False] * 6
+    with pytest.raises(ValueError, match="not scored yet"):
+        sb.rewards
+    with pytest.raises(ValueError, match="5 rewards for 6 rows"):
+        sb.set_rewards(np.zeros(5, np.float32))
+    sb.set_rewards(np.arange(6, dtype=np.float32))
+    assert sb.rewards.dtype == np.float32 and sb.rewards.tolist() == [0, 1, 2, 3, 4, 5]
+    assert sb.group_rewards.tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert [g.rewards.tolist() for g in trainable] == [[0, 1], [2, 3], [4, 5]]

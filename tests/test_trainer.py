@@ -34,6 +34,7 @@ from rhyme_jax.train.checkpoint import Checkpointer
 from rhyme_jax.train.metrics import read_metrics
 from rhyme_jax.io.rollout_log import load_rollouts
 from rhyme_jax.train.prompts import prompt_schedule
+from rhyme_jax.train.callbacks import TrainerCallback
 from rhyme_jax.train.trainer import GRPOTrainer, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,11 +116,56 @@ def restore(run_dir, step, like):
     return host_copy(params), host_copy(opt_state), meta
 
 
+class Recorder(TrainerCallback):
+    """Records every callback event with host copies of what it received (``train/callbacks.py``)."""
+
+    def __init__(self):
+        self.events, self.wrapped, self.generate_calls, self.submit_wraps, self.submitted = [], 0, 0, 0, []
+
+    def wrap_generate(self, generate):
+        self.wrapped += 1
+
+        def counted(*args, **kw):
+            self.generate_calls += 1
+            return generate(*args, **kw)
+        return counted
+
+    def wrap_submit(self, submit, scheduler):
+        self.submit_wraps += 1
+
+        def logged(step, *args, **kw):
+            self.submitted.append(step)
+            return submit(step, *args, **kw)
+        return logged
+
+    def on_rollout_end(self, trainer, step, batch):
+        self.events.append(("rollout_end", step, SimpleNamespace(
+            batch_step=batch.step, ids=batch.ids.copy(), tokens=[t.tolist() for t in batch.tokens],
+            rewards=batch.rewards.copy())))
+
+    def on_before_update(self, trainer, step, state, batch):
+        self.events.append(("before_update", step, SimpleNamespace(params=host_copy(state), rows=len(batch.tokens))))
+
+    def on_update_end(self, trainer, step, state, minibatch_metrics):
+        self.events.append(("update_end", step, SimpleNamespace(params=host_copy(state),
+                                                                minibatches=list(minibatch_metrics))))
+
+    def on_step_end(self, trainer, step, metrics):
+        self.events.append(("step_end", step, dict(metrics)))
+
+    def on_train_end(self, trainer):
+        self.events.append(("train_end", trainer.step, SimpleNamespace(
+            gantt=(trainer.run_dir / "gantt.png").exists(),
+            eval_steps=[r["step"] for r in read_metrics(trainer.run_dir) if r["phase"] == "eval"])))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, compile_cache):
-    """One uninterrupted 4-step run (fit) shared by the resumption tests."""
+    """One uninterrupted 4-step run (fit) shared by the resumption tests, with a ``Recorder``
+    callback attached (the runs it is compared with have none: callbacks change nothing)."""
     runs = tmp_path_factory.mktemp("reference")
-    trainer = GRPOTrainer(tiny_cfg(runs), reward_fn=parity_reward)
+    recorder = Recorder()
+    trainer = GRPOTrainer(tiny_cfg(runs), reward_fn=parity_reward, callbacks=[recorder])
     init = host_copy(trainer.state)
     try:
         result = trainer.fit()
@@ -127,7 +173,7 @@ def reference(tmp_path_factory, compile_cache):
         trainer.close()
     return SimpleNamespace(run_dir=trainer.run_dir, trainer=trainer, init=init, result=result,
                            params=host_copy(trainer.state), opt_state=host_copy(trainer.opt_state),
-                           rows=train_rows(trainer.run_dir))
+                           rows=train_rows(trainer.run_dir), recorder=recorder)
 
 
 def test_reference_run_learns_from_a_nonzero_signal(reference):
@@ -149,6 +195,50 @@ def test_reference_run_learns_from_a_nonzero_signal(reference):
                                   np.repeat(prompt_schedule(0, 200, 1, PROMPTS), SAMPLES))
     assert roll["rewards"].tolist() == [float(len(r) % 2) for r in
                                         (reference.trainer.tokenizer.decode(t) for t in roll["responses"])]
+
+
+def test_callback_events_arrive_in_order_with_the_steps_data(reference):
+    """``GRPOTrainer(callbacks=[...])``: ``wrap_generate`` once per rollout worker and its wrapper
+    on every engine call; ``wrap_submit`` once and its wrapper starting every step's rollout; per step rollout_end, before_update, update_end, step_end with that
+    step's number and data (the saved rollouts and rewards, the params the update starts from and
+    ends with, the logged metrics row); train_end once after the last checkpoint, before the final
+    evaluation, with the built-in Gantt plot already drawn."""
+    rec, trainer = reference.recorder, reference.trainer
+    assert rec.wrapped == len(trainer.engines) >= 1
+    assert rec.generate_calls >= STEPS  # at least one engine call per step's rollout
+    assert rec.submit_wraps == 1 and rec.submitted == list(range(1, STEPS + 1))  # sync: one rollout a step
+    per_step = ["rollout_end", "before_update", "update_end", "step_end"]
+    assert [(e, s) for e, s, _ in rec.events] == (
+        [(e, s) for s in range(1, STEPS + 1) for e in per_step] + [("train_end", STEPS)])
+    by = {(e, s): d for e, s, d in rec.events}
+    before = reference.init
+    for step in range(1, STEPS + 1):
+        roll, saved = by["rollout_end", step], load_rollouts(reference.run_dir, step)
+        assert roll.batch_step == step
+        np.testing.assert_array_equal(roll.ids, saved["prompt_ids"])
+        np.testing.assert_array_equal(roll.ids, np.repeat(prompt_schedule(0, 200, step, PROMPTS), SAMPLES))
+        assert roll.tokens == [r.tolist() for r in saved["responses"]]
+        np.testing.assert_array_equal(roll.rewards, saved["rewards"])
+        assert by["before_update", step].rows == PER_STEP
+        assert_trees_equal(by["before_update", step].params, before)  # sync: the behaviour params
+        after = by["update_end", step]
+        assert len(after.minibatches) == trainer.cfg.grpo.minibatches
+        if 0.0 < reference.rows[step]["reward/mean"] < 1.0:  # a signal: the update moved the params
+            assert trees_differ(before, after.params)
+        assert by["step_end", step]["grad_norm"] == pytest.approx(
+            float(np.mean([m["grad_norm"] for m in after.minibatches])))
+        logged = {"step": step, "phase": "train", **by["step_end", step]}  # metrics.jsonl adds step, phase
+        assert comparable(logged) == comparable(reference.rows[step])
+        before = after.params
+    assert_trees_equal(before, reference.params)
+    end = by["train_end", STEPS]
+    assert end.gantt and end.eval_steps == [0]  # the final evaluation (step 4) comes after
+
+
+def test_a_callback_must_be_a_trainer_callback(tmp_path):
+    with pytest.raises(TypeError, match="TrainerCallback"):
+        GRPOTrainer(tiny_cfg(tmp_path), callbacks=[lambda *a: None])
+    assert not (tmp_path / "tiny").exists()  # refused before anything is written
 
 
 def train_steps_by_hand(cfg, steps):

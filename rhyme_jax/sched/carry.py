@@ -8,7 +8,7 @@ need all n rewards). The group is carried: its finished rows keep their response
 rows keep their partial responses, and the next step's rollout continues those rows (prefill of
 prompt + partial response, ``RolloutEngine.generate(prefixes=...)``). The completed group is
 trained in that next step, so every prompt's n samples are trained exactly once. Carried groups
-(``Group``) are saved in the checkpoint (``to_bytes`` / ``from_bytes``) so a resume loses nothing.
+(``sched.step_group.StepGroup``) are saved in the checkpoint (``to_bytes`` / ``from_bytes``) so a resume loses nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from rhyme_jax.rollout.types import RolloutResult
+from rhyme_jax.sched.step_group import StepGroup
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,8 @@ class CarriedRow:
         return self.tokens, self.logprobs
 
 
-@dataclass
-class Group:
-    """One GRPO group of a step: prompt index (into the train problems), prompt tokens, and per
-    sample its response tokens, behaviour logprobs and finish reason; ``pending[i]`` marks a
-    deferred sample whose response is partial. ``origin`` is the step that scheduled the group."""
-
-    prompt_idx: int
-    prompt: np.ndarray
-    tokens: list[np.ndarray]
-    logprobs: list[np.ndarray]
-    finish: list[str]
-    pending: np.ndarray
-    origin: int
-
-    @property
-    def complete(self) -> bool:
-        return not bool(self.pending.any())
-
-
 def split_step(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: int, rows: np.ndarray,
-               result: RolloutResult, deferred: Sequence[CarriedRow]) -> list[Group]:
+               result: RolloutResult, deferred: Sequence[CarriedRow]) -> list[StepGroup]:
     """The step's own groups from a scheduled rollout.
 
     Args:
@@ -101,23 +83,23 @@ def split_step(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: 
                 pend.append(True)
             else:
                 raise ValueError(f"sched/carry.py: row {r} of step {step} was neither rolled out nor deferred")
-        groups.append(Group(int(pid), np.asarray(prompts[g * n], np.int32), tok, lps, fin, np.array(pend), step))
+        groups.append(StepGroup(int(pid), np.asarray(prompts[g * n], np.int32), tok, lps, fin, np.array(pend), step))
     return groups
 
 
-def _pending(carried: Sequence[Group]) -> list[tuple[int, int]]:
+def _pending(carried: Sequence[StepGroup]) -> list[tuple[int, int]]:
     """``(group, sample)`` of every deferred sample of ``carried``, in group then sample order."""
     return [(g, int(i)) for g, grp in enumerate(carried) for i in np.flatnonzero(grp.pending)]
 
 
-def pending_rows(carried: Sequence[Group], first_row: int) -> list[CarriedRow]:
+def pending_rows(carried: Sequence[StepGroup], first_row: int) -> list[CarriedRow]:
     """The deferred samples of ``carried`` as the rows a rollout continues: the e-th (in group
     then sample order) becomes row ``first_row + e`` (``first_row`` = the rollout's own rows P * n)."""
     return [CarriedRow(first_row + e, carried[g].prompt_idx, carried[g].prompt, carried[g].tokens[i],
                        carried[g].logprobs[i]) for e, (g, i) in enumerate(_pending(carried))]
 
 
-def complete(carried: Sequence[Group], result: RolloutResult, positions: Sequence[int]) -> list[Group]:
+def complete(carried: Sequence[StepGroup], result: RolloutResult, positions: Sequence[int]) -> list[StepGroup]:
     """Fill carried groups' deferred samples from the rollout that continued them.
 
     Args:
@@ -137,9 +119,9 @@ def complete(carried: Sequence[Group], result: RolloutResult, positions: Sequenc
     return list(carried)
 
 
-def step_groups(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: int, carried: Sequence[Group],
+def step_groups(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n: int, carried: Sequence[StepGroup],
                 rows: np.ndarray, result: RolloutResult,
-                deferred: Sequence[CarriedRow]) -> tuple[list[Group], list[Group]]:
+                deferred: Sequence[CarriedRow]) -> tuple[list[StepGroup], list[StepGroup]]:
     """A finished rollout as GRPO groups: ``(trainable, still pending)``.
 
     Args:
@@ -161,7 +143,7 @@ def step_groups(step: int, idx: np.ndarray, prompts: Sequence[Sequence[int]], n:
     return done + [g for g in groups if g.complete], [g for g in groups if not g.complete]
 
 
-def to_bytes(groups: Sequence[Group]) -> bytes:
+def to_bytes(groups: Sequence[StepGroup]) -> bytes:
     """Serialise carried groups (npz: flat token/logprob arrays with offsets)."""
     lens = [len(t) for grp in groups for t in grp.tokens]
     arrays = {
@@ -180,7 +162,7 @@ def to_bytes(groups: Sequence[Group]) -> bytes:
     return buf.getvalue()
 
 
-def from_bytes(data: bytes, source: str) -> list[Group]:
+def from_bytes(data: bytes, source: str) -> list[StepGroup]:
     """Inverse of ``to_bytes``.
 
     Raises:
@@ -199,7 +181,7 @@ def from_bytes(data: bytes, source: str) -> list[Group]:
             tok.append(tokens[t_off:t_off + lens[k]].copy())
             lps.append(logprobs[t_off:t_off + lens[k]].copy())
             t_off += lens[k]
-        groups.append(Group(int(pid), prompts[p_off:p_off + plen].copy(), tok, lps,
+        groups.append(StepGroup(int(pid), prompts[p_off:p_off + plen].copy(), tok, lps,
                             [str(f) for f in finish[s_off:s_off + n]], pending[s_off:s_off + n].copy(), int(origin)))
         p_off += plen
         s_off += n

@@ -22,8 +22,10 @@ the run directory and its config.yaml (written once the data, policy and warm st
 fresh run directory is removed again when assembly fails), the warm start, the checkpoint restored on resume (params,
 optimizer state, counters, history, carried groups) and the rollout pipeline wired to them.
 
-Hooks instead of method replacement: ``wrap_generate`` (``build_rollout`` / ``build_run``) is
-installed around every engine call the scheduler's workers make.
+Callbacks instead of method replacement: the ``wrap_generate`` of every
+``train.callbacks.TrainerCallback`` given to ``build_rollout`` / ``build_run`` is installed around
+every engine call the scheduler's workers make, and its ``wrap_submit`` around the start of every
+step's rollout (``build_pipeline``); the other events are the trainer's.
 """
 
 from __future__ import annotations
@@ -52,22 +54,19 @@ from rhyme_jax.rollout.engine import RolloutEngine
 from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler
-from rhyme_jax.sched.workers import GenerateFn
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train import checkpoint as ckpt
+from rhyme_jax.train.callbacks import CallbackList, TrainerCallback
 from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
 from rhyme_jax.train.optim import grpo_optimizer
-from rhyme_jax.train.pipeline import RolloutPipeline
+from rhyme_jax.train.pipeline import RolloutPipeline, make_pipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
 from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
 
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
-
-GenerateWrapper = Callable[[GenerateFn], GenerateFn]
-
 
 def run_dir_of(cfg: RunConfig) -> Path:
     """``<run.runs_dir>/<run.name>``."""
@@ -219,7 +218,7 @@ class RolloutParts:
 
 def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
                   meshes: Sequence[jax.sharding.Mesh] | None = None, history: Optional[HistoryStore] = None,
-                  wrap_generate: Optional[GenerateWrapper] = None) -> RolloutParts:
+                  callbacks: Sequence[TrainerCallback] = ()) -> RolloutParts:
     """Engines, weight-sync layouts, scheduler, history store and drafter of a run.
 
     Args:
@@ -227,15 +226,19 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
       meshes: the rollout workers' sub-meshes (default: ``parallel.rollout_tensor`` devices per
         worker, ``parallel.rollout_workers`` workers).
       history: a restored history store (default: an empty one when ``uses_history``).
-      wrap_generate: hook around every engine call of the scheduler's workers
-        (``RolloutScheduler``).
+      callbacks: their ``wrap_generate`` wraps every engine call of the scheduler's workers
+        (``RolloutScheduler(wrap_generate=)``; the first callback innermost).
+
+    Raises:
+      TypeError: a callback is not a ``TrainerCallback``.
     """
     p = cfg.parallel
     meshes = rollout_meshes(p.rollout_tensor, p.rollout_workers) if meshes is None else list(meshes)
     eos = policy.eos
     engines = [make_engine(policy.graphdef, policy.model_cfg, cfg, eos, mesh=m) for m in meshes]
     shardings = [param_shardings(params_like, m) for m in meshes]
-    scheduler = RolloutScheduler(engines, cfg.sched, cfg.rollout.max_new_tokens, wrap_generate=wrap_generate)
+    hooks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+    scheduler = RolloutScheduler(engines, cfg.sched, cfg.rollout.max_new_tokens, wrap_generate=hooks.wrap_generate)
     if history is None and uses_history(cfg):
         history = HistoryStore(cfg.spec.history_depth)
     drafter = Drafter(cfg.spec, history) if cfg.spec.enabled else None
@@ -260,14 +263,23 @@ def attach_step_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) ->
         eng.step_cost = cost
 
 
-def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
-    """The rollout pipeline of a GRPO run: the step's prompts (``prompts.prompt_schedule``), their
-    tokens, the weight sync, history and drafter."""
+def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts,
+                   callbacks: Sequence[TrainerCallback] = ()) -> RolloutPipeline:
+    """The rollout pipeline of a GRPO run (the strategy of ``sched.pipeline`` / ``sched.cross_step``:
+    ``pipeline.make_pipeline``): the step's prompts (``prompts.prompt_schedule``), their tokens,
+    the weight sync, history and drafter; every step's rollout starts through the ``wrap_submit``
+    of ``callbacks``.
+
+    Raises:
+      TypeError: a callback is not a ``TrainerCallback``; ValueError: from a ``wrap_submit``.
+    """
+    hooks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
     g = cfg.grpo
     n_prompts = num_grpo_prompts(cfg, len(policy.train_problems))
-    return RolloutPipeline(cfg, rollout.scheduler,
-                           lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
-                           policy.prompt_tokens, rollout.states, history=rollout.history, drafter=rollout.drafter)
+    return make_pipeline(cfg, rollout.scheduler,
+                         lambda s: prompt_schedule(cfg.run.seed, n_prompts, s, g.prompts_per_step),
+                         policy.prompt_tokens, rollout.states, history=rollout.history, drafter=rollout.drafter,
+                         submit=hooks.wrap_submit(rollout.scheduler.submit, rollout.scheduler))
 
 
 # ---------------------------------------------------------------------------------- learner
@@ -365,9 +377,10 @@ def _write_config(cfg: RunConfig, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
 
 
-def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[GenerateWrapper] = None) -> Run:
+def build_run(cfg: RunConfig, *, resume: bool = False, callbacks: Sequence[TrainerCallback] = ()) -> Run:
     """Assemble a GRPO run (module docstring): layouts, run directory, policy (warm start),
-    learner, checkpoint (restored when ``resume``), rollout parts and pipeline.
+    learner, checkpoint (restored when ``resume``), rollout parts (with the ``wrap_generate`` of
+    ``callbacks``) and pipeline.
 
     Raises:
       ConfigError: a machine check of ``preflight.prepare`` fails.
@@ -375,6 +388,7 @@ def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[G
         written).
       FileNotFoundError: ``run.init_from`` names a missing path.
       ValueError: a checkpoint's history or carried groups are unreadable.
+      TypeError: a callback is not a ``TrainerCallback``.
     """
     prepare(cfg)  # the machine checks, before anything is touched
     distributed.initialize(cfg.parallel)  # no-op unless multi-host is configured
@@ -387,7 +401,7 @@ def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[G
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:  # data, tokenizer, model, warm start, restore: bad input fails in here
-        return _assemble(cfg, run_dir, primary, mesh, meshes, resume, wrap_generate)
+        return _assemble(cfg, run_dir, primary, mesh, meshes, resume, callbacks)
     except BaseException:
         if created and primary:  # a fresh run leaves no half-made directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -395,7 +409,7 @@ def build_run(cfg: RunConfig, *, resume: bool = False, wrap_generate: Optional[G
 
 
 def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume: bool,
-              wrap_generate: Optional[GenerateWrapper]) -> Run:
+              callbacks: Sequence[TrainerCallback]) -> Run:
     """``build_run`` after the layout checks: every part, config.yaml once the policy and its warm
     start have loaded."""
     policy, state = build_policy(cfg, run_dir, mesh)
@@ -408,9 +422,9 @@ def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume
     source = f"checkpoint step {start.step}"
     history = (HistoryStore.from_bytes(start.blobs["history"], source=source)
                if uses_history(cfg) and "history" in start.blobs else None)
-    rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, wrap_generate=wrap_generate)
+    rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, callbacks=callbacks)
     attach_step_cost(cfg, rollout, state)
-    pipeline = build_pipeline(cfg, policy, rollout)
+    pipeline = build_pipeline(cfg, policy, rollout, callbacks)
     if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples
         pipeline.carry = carry.from_bytes(start.blobs["carry"], source=source)
     # Commit every array to its sharding: restored and freshly built arrays then look the same

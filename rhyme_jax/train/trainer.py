@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +30,13 @@ from rhyme_jax.data.custom_reward import choose_reward, score_batch
 from rhyme_jax.io.rollout_log import save_rollouts
 from rhyme_jax.parallel.reshard import put_global, to_host
 from rhyme_jax.sched import carry
-from rhyme_jax.sched.timeline import load_schedule, plot_gantt, write_schedule
-from rhyme_jax.train.assembly import GenerateWrapper, batch_shards, build_run
+from rhyme_jax.sched.timeline import write_schedule
+from rhyme_jax.train.assembly import batch_shards, build_run
+from rhyme_jax.train.callbacks import CallbackList, TrainerCallback, builtin_callbacks
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
 from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
-from rhyme_jax.train.pipeline import StepBatch
+from rhyme_jax.train.step_batch import StepBatch
 from rhyme_jax.train.prompts import epoch_of_step
 
 if TYPE_CHECKING:
@@ -73,26 +73,25 @@ class GRPOTrainer:
       reward_fn: ``(response_text, problem) -> float`` (the verifier; tests may inject faults);
         default: the config's reward (``reward.fn``, else the built-in reward of
         ``data.answer_extraction``; ``data.custom_reward``). Setting both is an error.
-      wrap_generate: hook around every rollout engine call of the scheduler's workers
-        (``assembly.build_rollout``; e.g. a benchmark pairing each rollout with a plain one).
-      before_update: ``hook(step, state, prompts, tokens, behaviour_logprobs, rewards)`` called
-        once per step right before the update, with the params the update starts from (the
-        behaviour params under ``sched.pipeline=sync``; e.g. ``ablate.policy_modes``).
+      callbacks: ``train.callbacks.TrainerCallback`` instances, the one way other code reaches
+        into the run (events and rules: ``train/callbacks.py``); they run after the built-in
+        ones (the Gantt plot).
 
     Raises:
       NonFiniteLossError: ``grpo.max_consecutive_nonfinite`` consecutive non-finite steps.
       RewardError: ``reward.fn`` cannot be used, or is set together with ``reward_fn`` (before
         any work), or returned a value that is not a finite number.
       MeshConfigError, FileNotFoundError, ValueError: from ``assembly.build_run``.
+      TypeError: a callback is not a ``TrainerCallback``.
     """
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False,
                  reward_fn: Callable[[str, Problem], float] | None = None,
-                 wrap_generate: GenerateWrapper | None = None, before_update: Callable | None = None):
+                 callbacks: Sequence[TrainerCallback] = ()):
         self.cfg = cfg
-        self.before_update = before_update
+        self.callbacks = CallbackList([*builtin_callbacks(), *callbacks])
         self.reward_fn = choose_reward(cfg, reward_fn)  # a bad reward.fn fails before any work
-        run = build_run(cfg, resume=resume, wrap_generate=wrap_generate)
+        run = build_run(cfg, resume=resume, callbacks=self.callbacks)
         self.primary, self.run_dir, self.policy, self.learner = run.primary, run.run_dir, run.policy, run.learner
         self.mesh, self.tokenizer = run.policy.mesh, run.policy.tokenizer
         self.train_problems, self.eval_problems = run.policy.train_problems, run.policy.eval_problems
@@ -126,54 +125,65 @@ class GRPOTrainer:
         resume the first rollout runs synchronously; with ``sched.cross_step`` it was queued on the
         workers right after update s - 2). Deferred tails (one_step_off + HistoPipe migration) move
         their group to the next rollout submitted (s + 1, or s + 2 with cross-step queues).
+        Fires the callbacks' ``on_rollout_end``, ``on_before_update``, ``on_update_end`` and
+        ``on_step_end`` (``train/callbacks.py``).
         """
         sb, t_wait = self.pipeline.take(step, self.state)
-        rows = _StepRows.of(sb.groups, self.cfg.grpo.samples_per_prompt)
-        texts = [self.tokenizer.decode(t) for t in rows.tokens]
-        # Prompts over rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty
-        # response: reward 0 without asking the verifier, and no loss (their loss_mask is all 0).
-        # The others are scored in one call (a batched reward.fn sees the step's responses at once).
-        scored = [k for k, skip in enumerate(rows.skipped) if not skip]
-        rewards = np.zeros(len(texts), np.float32)
-        if scored:
-            rewards[scored] = score_batch(self.reward_fn, [texts[k] for k in scored],
-                                          [self.train_problems[int(rows.ids[k])] for k in scored])
-        self._write_back(step, sb, rows, rewards)
-        if self.before_update is not None and sb.groups:
-            self.before_update(step, self.state, rows.prompts, rows.tokens, rows.logprobs, rewards)
+        sb.set_rewards(self._score(sb))
+        self.callbacks.fire("on_rollout_end", self, step, sb)
+        self._write_back(step, sb)
+        if sb.groups:
+            self.callbacks.fire("on_before_update", self, step, self.state, sb)
         t1 = time.perf_counter()
-        mb_metrics = self._update(rows.prompts, rows.tokens, rows.logprobs, rewards) if sb.groups else []
+        mb_metrics = self._update(sb) if sb.groups else []
         t2 = time.perf_counter()
         self.pipeline.after_update(step, self.state, (t1, t2))
+        if sb.groups:
+            self.callbacks.fire("on_update_end", self, step, self.state, mb_metrics)
         finite = all(m["finite"] > 0 for m in mb_metrics)
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
         self.nonfinite_total += 0 if finite else 1
         epoch = epoch_of_step(self.cfg, len(self.train_problems), step)
-        return _step_metrics(step, sb, rows, rewards, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total)
+        metrics = _step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total)
+        self.callbacks.fire("on_step_end", self, step, metrics)
+        return metrics
 
-    def _write_back(self, step: int, sb: StepBatch, rows: "_StepRows", rewards: np.ndarray) -> None:
+    def _score(self, sb: StepBatch) -> np.ndarray:
+        """``float32[N]`` rewards of the step's rows. Prompts over rollout.max_prompt_len
+        (on_overlong_prompt=skip) come back with an empty response: reward 0 without asking the
+        verifier, and no loss (their loss_mask is all 0). The others are scored in one call (a
+        batched reward.fn sees the step's responses at once)."""
+        texts = [self.tokenizer.decode(t) for t in sb.tokens]
+        scored = [k for k, skip in enumerate(sb.skipped) if not skip]
+        rewards = np.zeros(len(texts), np.float32)
+        if scored:
+            rewards[scored] = score_batch(self.reward_fn, [texts[k] for k in scored],
+                                          [self.train_problems[int(sb.ids[k])] for k in scored])
+        return rewards
+
+    def _write_back(self, step: int, sb: StepBatch) -> None:
         """The step's rollouts and schedule on disk, its responses into the history store (then
         those prompts' indexes rebuilt off the critical path), and the pipeline told (one_step_off
         starts the next rollout now)."""
         sr = sb.rollout
         if self.primary:
-            save_rollouts(self.run_dir, step, rows.ids, rows.tokens, rewards, rows.logprobs)
+            save_rollouts(self.run_dir, step, sb.ids, sb.tokens, sb.rewards, sb.logprobs)
             write_schedule(self.run_dir, step, sr.intervals, sr.group_finish_s, sr.plan)
         if self.history is not None:
-            self.history.update(step, rows.ids, [np.asarray(p, np.int32) for p in rows.prompts], rows.tokens,
-                                rewards)
+            self.history.update(step, sb.ids, [np.asarray(p, np.int32) for p in sb.prompts], sb.tokens,
+                                sb.rewards)
             if self.drafter is not None:
-                self.drafter.rebuild(np.unique(rows.ids).tolist())
+                self.drafter.rebuild(np.unique(sb.ids).tolist())
         self.pipeline.after_write_back(step, self.state)
 
-    def _update(self, prompts: list[list[int]], tokens: list[np.ndarray], logprobs: list[np.ndarray],
-                rewards: np.ndarray) -> list[dict]:
-        """``grpo.minibatches`` clipped-surrogate updates on complete groups (n consecutive rows
-        each); returns each minibatch's metrics. Rows are padded to a multiple of minibatches x
-        (data x fsdp) with rows that carry no loss (only carried groups change the row count)."""
+    def _update(self, sb: StepBatch) -> list[dict]:
+        """``grpo.minibatches`` clipped-surrogate updates on the scored batch's complete groups (n
+        consecutive rows each); returns each minibatch's metrics. Rows are padded to a multiple of
+        minibatches x (data x fsdp) with rows that carry no loss (only carried groups change the
+        row count)."""
         g = self.cfg.grpo
-        adv = np.asarray(group_advantages(jnp.asarray(rewards.reshape(-1, g.samples_per_prompt)),
-                                          scale_rewards=g.scale_rewards)).reshape(-1)
+        prompts, tokens, logprobs = sb.prompts, sb.tokens, sb.logprobs
+        adv = np.asarray(group_advantages(jnp.asarray(sb.group_rewards), scale_rewards=g.scale_rewards)).reshape(-1)
         longest = max(len(p) + len(t) for p, t in zip(prompts, tokens))
         T = int(math.ceil(longest / SEQ_BUCKET) * SEQ_BUCKET)
         batch = sequence_batch(prompts, [t.tolist() for t in tokens], self.tokenizer.pad_id, max_len=T)
@@ -257,9 +267,7 @@ class GRPOTrainer:
             if step % cfg.run.checkpoint_every == 0 or step == total:
                 self.save()
         bar.close()
-        if self.primary:
-            plot_gantt(load_schedule(self.run_dir), self.run_dir / "gantt.png",
-                       num_workers=self.scheduler.local, title=f"rollout workers ({cfg.sched.mode})")
+        self.callbacks.fire("on_train_end", self)  # built-in: <run>/gantt.png
         after = self.evaluate()
         self.record_eval(total, after)
         self.metrics.close()
@@ -274,33 +282,13 @@ class GRPOTrainer:
         self.metrics.close()
 
 
-@dataclass
-class _StepRows:
-    """A step's trained rows, group after group (n consecutive rows each): prompt index
-    ``ids int64[N]``, prompt tokens, response tokens and behaviour logprobs, and ``skipped
-    bool[N]`` (prompts over ``rollout.max_prompt_len`` under ``on_overlong_prompt=skip``)."""
-
-    ids: np.ndarray
-    prompts: list[list[int]]
-    tokens: list[np.ndarray]
-    logprobs: list[np.ndarray]
-    skipped: np.ndarray
-
-    @classmethod
-    def of(cls, groups: list[carry.Group], n: int) -> "_StepRows":
-        return cls(np.array([grp.prompt_idx for grp in groups for _ in range(n)], np.int64),
-                   [grp.prompt.tolist() for grp in groups for _ in range(n)],
-                   [t for grp in groups for t in grp.tokens], [lp for grp in groups for lp in grp.logprobs],
-                   np.array([f == "skipped" for grp in groups for f in grp.finish], bool))
-
-
-def _step_metrics(step: int, sb: StepBatch, rows: _StepRows, rewards: np.ndarray, mb_metrics: list[dict],
+def _step_metrics(step: int, sb: StepBatch, mb_metrics: list[dict],
                   t_wait: float, t_train: float, epoch: int, nonfinite_total: int) -> dict[str, float]:
     """A GRPO step's metrics row: the update's (mean over minibatches), rewards, lengths, times
     (seconds), weights version, the scheduler's ``sched/*`` and the rollout's counts and rates."""
-    sr, t_rollout = sb.rollout, sb.seconds
+    sr, t_rollout, rewards = sb.rollout, sb.seconds, sb.rewards
     stats = sr.result.stats
-    lengths = np.array([len(t) for t in rows.tokens] or [0])
+    lengths = np.array([len(t) for t in sb.tokens] or [0])
     metrics = {k: float(np.mean([m[k] for m in mb_metrics])) for k in (mb_metrics[0] if mb_metrics else {})}
     metrics.update({
         "rollout/trained_groups": float(len(sb.groups)),
@@ -324,7 +312,7 @@ def _step_metrics(step: int, sb: StepBatch, rows: _StepRows, rewards: np.ndarray
         "spec/drafting_s": float(stats["drafting_seconds"]),
         "spec/drafting_share": float(stats["drafting_seconds"] / max(t_rollout, 1e-9)),
         "rollout/preemptions": float(stats.get("preemptions", 0)),
-        "rollout/skipped": float(rows.skipped.sum()),
+        "rollout/skipped": float(sb.skipped.sum()),
         "nonfinite/skipped_total": float(nonfinite_total),
     })
     return metrics

@@ -120,18 +120,18 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", t
     from rhyme_jax.train.trainer import GRPOTrainer
 
     pairs: list | None = [] if paired else None
-    if paired:
-        from rhyme_lab.ablate.paired import paired_rollouts
-
-        trainer = GRPOTrainer(cfg, wrap_generate=paired_rollouts(pairs, oracle, cfg.spec.history_depth))
-    else:
-        trainer = GRPOTrainer(cfg)
     twins: dict[int, dict] = {}
-    try:
-        if twin:
-            from rhyme_lab.ablate.paired_placement import twin_placement
+    callbacks = []
+    if paired:
+        from rhyme_lab.ablate.paired import PairedRollouts
 
-            twin_placement(trainer, twin, twins)
+        callbacks.append(PairedRollouts(pairs, oracle, cfg.spec.history_depth))
+    if twin:
+        from rhyme_lab.ablate.paired_placement import TwinPlacement
+
+        callbacks.append(TwinPlacement(twin, twins))
+    trainer = GRPOTrainer(cfg, callbacks=callbacks)
+    try:
         progress(0, cfg.grpo.steps, "compiling the rollout programs")
         warm = warm_up(trainer) if warmup else 0.0
         steps = _train(trainer, progress, pairs)

@@ -167,7 +167,7 @@ def _bound_s(step: dict, host_drafting: bool) -> float:
 def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
     """Per epoch of a paired unit (``e2e.run_paired``: each step's rollout decoded plain and with
     HistoSpec, back to back on the same weights, prompts and key, taking turns going first,
-    ``paired.paired_rollouts``): the rollout ratio (plain
+    ``paired.PairedRollouts``): the rollout ratio (plain
     seconds / HistoSpec seconds) and the end-to-end ratio of a step with the plain rollout against
     the same step with the HistoSpec one (the rest of the step, its update included, counted in
     both: its wall time less both rollouts). Both rollouts of a step see the same machine, so the

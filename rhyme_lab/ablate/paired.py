@@ -1,4 +1,4 @@
-"""Plain decode beside HistoSpec on the same inputs: a ``wrap_generate`` hook for a GRPO run.
+"""Plain decode beside HistoSpec on the same inputs: a ``TrainerCallback`` for a GRPO run.
 
 Used by the A4 ablation and the learning suite's paired units (``e2e.run_paired``) and
 ``benchmarks.rollout`` (issue 4): every engine call of the run's rollout workers generates the
@@ -11,44 +11,50 @@ oracle drafters (``--oracle``) are ``measure.oracle_drafters``' (re-exported her
 
 from __future__ import annotations
 
-from typing import Callable
-
+from rhyme_jax.sched.workers import GenerateFn
+from rhyme_jax.train.callbacks import TrainerCallback
 from rhyme_lab.measure.oracle_drafters import ORACLES, AlwaysRightDrafter, SourceBound, SourceBoundDrafter, held_run
 
-__all__ = ["ORACLES", "AlwaysRightDrafter", "SourceBound", "SourceBoundDrafter", "held_run", "paired_rollouts"]
+__all__ = ["ORACLES", "AlwaysRightDrafter", "SourceBound", "SourceBoundDrafter", "held_run", "PairedRollouts"]
 
 
-def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> Callable:
-    """The ``wrap_generate`` hook (``GRPOTrainer(wrap_generate=...)``): each call appends
-    ``{"plain": stats, "spec": stats}`` to ``rows``, where ``stats`` is the engine's
-    ``RolloutResult.stats`` plus ``"compiles"`` (XLA compilations or cache loads inside that
-    call; a compile inside a timed rollout would skew its tokens/s). With ``oracle`` the last
-    rollout (``"spec"``) drafts over the plain rollout's tokens instead of with the run's drafter
-    (the run's history is still written from it): ``"always-right"`` (``AlwaysRightDrafter``, the
-    bound of any drafter) or ``"sources"`` (``SourceBoundDrafter``, the bound of any drafter over
-    the history, sibling and self sources; ``depth``: the prompt's latest rollouts kept as its
-    history, ``SourceBound``); between the two, the run's own drafter decodes the same inputs
-    (``"own"``), so its share of the bound is measured in the same steps, free of the drift
-    between separate runs. Order: a call's rollouts run back to back, and the machine can favour a
-    place in that order (caches, clocks), so the two compared rollouts take turns: without an
-    oracle, plain goes first on even calls and HistoSpec on odd ones; with one, plain goes first
-    (the oracle drafts its tokens), then the run's own drafter and the oracle, in turns. The
-    call's weights (the update's output cast to the compute dtype and copied to the worker,
-    dispatched asynchronously) are waited for before the first clock starts, so neither place
-    pays for them.
+class PairedRollouts(TrainerCallback):
+    """The callback (``GRPOTrainer(cfg, callbacks=[PairedRollouts(rows)])``) whose
+    ``wrap_generate`` pairs every engine call: each call appends ``{"plain": stats, "spec":
+    stats}`` to ``rows``, where ``stats`` is the engine's ``RolloutResult.stats`` plus
+    ``"compiles"`` (XLA compilations or cache loads inside that call; a compile inside a timed
+    rollout would skew its tokens/s). With ``oracle`` the last rollout (``"spec"``) drafts over
+    the plain rollout's tokens instead of with the run's drafter (the run's history is still
+    written from it): ``"always-right"`` (``AlwaysRightDrafter``, the bound of any drafter) or
+    ``"sources"`` (``SourceBoundDrafter``, the bound of any drafter over the history, sibling and
+    self sources; ``depth``: the prompt's latest rollouts kept as its history, ``SourceBound``);
+    between the two, the run's own drafter decodes the same inputs (``"own"``), so its share of
+    the bound is measured in the same steps, free of the drift between separate runs. Order: a
+    call's rollouts run back to back, and the machine can favour a place in that order (caches,
+    clocks), so the two compared rollouts take turns: without an oracle, plain goes first on even
+    calls and HistoSpec on odd ones; with one, plain goes first (the oracle drafts its tokens),
+    then the run's own drafter and the oracle, in turns. The call's weights (the update's output
+    cast to the compute dtype and copied to the worker, dispatched asynchronously) are waited for
+    before the first clock starts, so neither place pays for them.
 
     Raises:
       ValueError: ``oracle`` is not ``""`` or one of ``ORACLES``.
     """
-    import jax
 
-    from rhyme_jax.compile_count import CompileCounter
+    def __init__(self, rows: list, oracle: str = "", depth: int | None = None):
+        if oracle and oracle not in ORACLES:
+            raise ValueError(f"oracle: {oracle!r} is not one of {ORACLES}")
+        self.rows, self.oracle = rows, oracle
+        self.make = SourceBound(depth) if oracle == "sources" else AlwaysRightDrafter
 
-    if oracle and oracle not in ORACLES:
-        raise ValueError(f"oracle: {oracle!r} is not one of {ORACLES}")
-    make = SourceBound(depth) if oracle == "sources" else AlwaysRightDrafter
+    def wrap_generate(self, generate: GenerateFn) -> GenerateFn:
+        """``generate`` (one worker's engine call) run plain and with HistoSpec, back to back
+        (class docstring); returns the HistoSpec (or oracle) rollout."""
+        import jax
 
-    def wrap(generate):
+        from rhyme_jax.compile_count import CompileCounter
+
+        rows, oracle, make = self.rows, self.oracle, self.make
         calls = [0]
 
         def paired_generate(state, prompts, sampling, key, drafter=None, **kw):  # kw: the scheduler's hooks
@@ -72,5 +78,3 @@ def paired_rollouts(rows: list, oracle: str = "", depth: int | None = None) -> C
             return out["spec"]
 
         return paired_generate
-
-    return wrap

@@ -7,7 +7,7 @@ also placed by a twin scheduler in fifo mode on the same workers, weights, promp
 to back; the twin's output is discarded (the trainer trains on the HistoPipe rollout, whose
 history then ranks the next steps). Which of the two goes first alternates by step, so neither
 always meets a warm or a cold machine. The ratio of the two makespans in one step compares the
-placements alone, as ``paired.paired_rollouts`` compares decoders.
+placements alone, as ``paired.PairedRollouts`` compares decoders.
 """
 
 from __future__ import annotations
@@ -15,41 +15,50 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from rhyme_jax.train.callbacks import TrainerCallback
+
 TWIN_KEYS = ("time/rollout_makespan_s", "sched/bubble_fraction", "sched/migrated_share")
 
 
-def twin_placement(trainer, mode: str, rows: dict[int, dict]) -> None:
-    """Wrap ``trainer.scheduler.submit`` so that every synchronous step is also placed by a twin
-    ``RolloutScheduler`` with ``sched.mode = mode`` on the same engines; ``rows[step]`` gets the
-    twin's ``TWIN_KEYS`` metrics, its wall seconds (``"seconds"``) and ``"first"`` (whether the
-    twin ran before the run's own rollout: odd steps).
+class TwinPlacement(TrainerCallback):
+    """The callback (``GRPOTrainer(cfg, callbacks=[TwinPlacement(mode, rows)])``) whose
+    ``wrap_submit`` has every synchronous step also placed by a twin ``RolloutScheduler`` with
+    ``sched.mode = mode`` on the run's engines; ``rows[step]`` gets the twin's ``TWIN_KEYS``
+    metrics, its wall seconds (``"seconds"``) and ``"first"`` (whether the twin ran before the
+    run's own rollout: odd steps).
 
-    Raises:
+    Raises (from ``wrap_submit``, while the trainer is built):
       ValueError: ``sched.pipeline`` is not ``sync``: a twin cannot run back to back with a
         rollout that overlaps the update.
     """
-    from rhyme_jax.sched.scheduler import RolloutScheduler
 
-    cfg = trainer.cfg
-    if cfg.sched.pipeline != "sync":
-        raise ValueError(f"twin_placement: sched.pipeline={cfg.sched.pipeline!r}: a twin placement needs "
-                         "synchronous rollouts (sched.pipeline=sync)")
-    own = trainer.scheduler
-    twin = RolloutScheduler(own.engines, dataclasses.replace(cfg.sched, mode=mode), cfg.rollout.max_new_tokens)
-    submit = own.submit
+    def __init__(self, mode: str, rows: dict[int, dict]):
+        self.mode, self.rows = mode, rows
 
-    def run_twin(step, args, kw) -> None:
-        t0 = time.perf_counter()
-        sr = twin.collect(twin.submit(step, *args, **{**kw, "queued": False}))
-        rows[step] = {**{k: float(sr.metrics.get(k, 0.0)) for k in TWIN_KEYS},
-                      "seconds": time.perf_counter() - t0, "first": step % 2 == 1}
+    def wrap_submit(self, submit, scheduler):
+        """``submit`` (the run's own ``RolloutScheduler.submit``) with the twin placed before it on
+        odd steps and after it on even ones."""
+        from rhyme_jax.sched.scheduler import RolloutScheduler
 
-    def paired_submit(step, *args, **kw):
-        if step % 2 == 1:
+        sched, rows = scheduler.cfg, self.rows
+        if sched.pipeline != "sync":
+            raise ValueError(f"TwinPlacement: sched.pipeline={sched.pipeline!r}: a twin placement needs "
+                             "synchronous rollouts (sched.pipeline=sync)")
+        twin = RolloutScheduler(scheduler.engines, dataclasses.replace(sched, mode=self.mode),
+                                scheduler.max_new_tokens)
+
+        def run_twin(step, args, kw) -> None:
+            t0 = time.perf_counter()
+            sr = twin.collect(twin.submit(step, *args, **{**kw, "queued": False}))
+            rows[step] = {**{k: float(sr.metrics.get(k, 0.0)) for k in TWIN_KEYS},
+                          "seconds": time.perf_counter() - t0, "first": step % 2 == 1}
+
+        def paired_submit(step, *args, **kw):
+            if step % 2 == 1:
+                run_twin(step, args, kw)
+                return submit(step, *args, **kw)
+            pending = submit(step, *args, **kw)  # synchronous: done when it returns
             run_twin(step, args, kw)
-            return submit(step, *args, **kw)
-        pending = submit(step, *args, **kw)  # synchronous: done when it returns
-        run_twin(step, args, kw)
-        return pending
+            return pending
 
-    own.submit = paired_submit
+        return paired_submit

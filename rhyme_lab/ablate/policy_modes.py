@@ -22,8 +22,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
-from rhyme_lab.measure.policy_mode import save_modes
+from rhyme_jax.train.callbacks import TrainerCallback
 from rhyme_jax.train.losses import sequence_batch
+from rhyme_lab.measure.policy_mode import save_modes
 
 
 class CaptureError(ValueError):
@@ -99,10 +100,35 @@ def step_stats(modes: list, responses: list[np.ndarray], behaviour: list[np.ndar
     return {"tokens": n, "argmax_share": hits / max(n, 1), "p_mode": p / max(n, 1), "max_logp_diff": worst}
 
 
+class ModeCapture(TrainerCallback):
+    """The capture's callback: ``on_before_update`` teacher-forces the step's rollouts through
+    the params the update starts from, saves the modes (``measure.policy_mode.save_modes``) and
+    appends the step's ``step_stats`` with ``step`` and ``reward`` to ``out``.
+
+    Args:
+      temperature: the run's ``rollout.temperature``; rows: rollouts per forward;
+      out: where each step's figures go; log: one line per step.
+    """
+
+    def __init__(self, temperature: float, rows: int, out: list[dict], log: Callable[[str], None]):
+        self.temperature, self.rows, self.out, self.log = temperature, rows, out, log
+        self.fn = None
+
+    def on_before_update(self, trainer, step, state, batch) -> None:
+        self.fn = self.fn or mode_fn(trainer.policy.graphdef, self.temperature)
+        got = policy_modes(self.fn, state, [np.asarray(p, np.int32) for p in batch.prompts], batch.tokens,
+                           trainer.tokenizer.pad_id, self.rows)
+        save_modes(trainer.run_dir, step, got)
+        r = {"step": step, "reward": float(np.mean(batch.rewards)), **step_stats(got, batch.tokens, batch.logprobs)}
+        self.out.append(r)
+        self.log(f"step {r['step']}: reward {r['reward']:.3f}, argmax share {r['argmax_share']:.3f}, "
+                 f"p_mode {r['p_mode']:.3f}, max |logp - behaviour| {r['max_logp_diff']:.2e}")
+
+
 def capture(cfg, rows: int = 8, log: Callable[[str], None] = print) -> list[dict]:
     """Train ``cfg``'s ``grpo.steps`` steps (no evaluation, no checkpoints) and save the policy's
-    modes of every step (module docstring); returns each step's ``step_stats`` with ``step`` and
-    ``reward``. ``rows``: rollouts per teacher-forced forward.
+    modes of every step (module docstring; ``ModeCapture``); returns each step's ``step_stats``
+    with ``step`` and ``reward``. ``rows``: rollouts per teacher-forced forward.
 
     Raises:
       CaptureError: ``check_config``.
@@ -111,20 +137,7 @@ def capture(cfg, rows: int = 8, log: Callable[[str], None] = print) -> list[dict
 
     check_config(cfg)
     out: list[dict] = []
-    fn = None
-
-    def hook(step, state, prompts, tokens, logprobs, rewards):
-        nonlocal fn
-        fn = fn or mode_fn(trainer.policy.graphdef, cfg.rollout.temperature)
-        got = policy_modes(fn, state, [np.asarray(p, np.int32) for p in prompts], tokens,
-                           trainer.tokenizer.pad_id, rows)
-        save_modes(trainer.run_dir, step, got)
-        r = {"step": step, "reward": float(np.mean(rewards)), **step_stats(got, tokens, logprobs)}
-        out.append(r)
-        log(f"step {r['step']}: reward {r['reward']:.3f}, argmax share {r['argmax_share']:.3f}, "
-            f"p_mode {r['p_mode']:.3f}, max |logp - behaviour| {r['max_logp_diff']:.2e}")
-
-    trainer = GRPOTrainer(cfg, before_update=hook)
+    trainer = GRPOTrainer(cfg, callbacks=[ModeCapture(cfg.rollout.temperature, rows, out, log)])
     try:
         for step in range(trainer.step + 1, cfg.grpo.steps + 1):
             trainer.metrics.log(step, trainer.train_step(step), phase="train")

@@ -1,6 +1,6 @@
 """Plain decode beside HistoSpec, step by step: the figures and the report of a paired run.
 
-Each step of a paired run (``ablate.paired.paired_rollouts``: the same prompts, weights and key
+Each step of a paired run (``ablate.paired.PairedRollouts``: the same prompts, weights and key
 decoded plainly and with HistoSpec) gives ``{"plain": stats, "spec": stats}`` with the engine's
 ``RolloutResult.stats``. ``paired_ratios`` pools steps into tokens/s, forward passes and
 acceptance of each side and their ratios; ``write_report`` writes the per-epoch table
