@@ -42,7 +42,7 @@ def _parse_lines(path: Path) -> tuple[list[dict], bool]:
     except JsonlError as exc:
         if _is_last(lines, exc.lineno):  # truncated last line: the run died mid-write
             return rows, True
-        raise MetricsError(f"{exc.where}: corrupt metrics line ({exc.reason})") from None
+        raise MetricsError(f"{exc.where}: corrupt metrics line ({exc.detail})") from None
     return rows, dirty
 
 
