@@ -19,7 +19,6 @@ naming ``<file>:<line>`` (Parquet: ``<file>: row <n>``) and the field.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,6 +26,7 @@ from typing import Any, Iterator
 from rhyme_jax.config import DataSection
 from rhyme_jax.data.gsm8k import canonical_gsm8k_answer
 from rhyme_jax.data.problems import DataError, Problem
+from rhyme_jax.io.jsonl import JsonlError, read_jsonl
 
 USER_SOURCES = ("jsonl", "parquet")
 _NUMERIC = re.compile(r"[-+]?\d+(?:\.\d+)?(?:/\d+)?")
@@ -52,23 +52,16 @@ def split_answer(text: str) -> tuple[str, str]:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """``("<path>:<line>", record)`` of each non-blank line of a JSONL file.
+    """``("<path>:<line>", record)`` of each non-blank line of a JSONL file (``io.jsonl.read_jsonl``).
 
     Raises:
-      DataError: a line is not valid JSON (or not UTF-8).
+      DataError: a line is not valid JSON (or not UTF-8); the message names ``<path>:<line>``.
     """
-    with path.open("r", encoding="utf-8") as fh:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from None
+    try:
+        for record in read_jsonl(path):
+            yield record.where, record.value
+    except JsonlError as exc:
+        raise DataError(str(exc)) from None
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:

@@ -12,10 +12,10 @@ vendored split when the field is empty.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rhyme_jax.data.problems import DataError, Problem
+from rhyme_jax.io.jsonl import JsonlError, read_jsonl
 
 GSM8K_DIR = Path(__file__).resolve().with_name("gsm8k_data")  # vendored train.jsonl, test.jsonl
 SPLITS = ("train", "test")
@@ -49,35 +49,37 @@ def load_gsm8k(path: str | Path) -> list[Problem]:
       Problems in file order; ``Problem.id`` is the 0-based index among the loaded problems.
 
     Raises:
-      DataError: the file is missing, a line is not valid JSON or not an object, a field is
-        missing or not a string, or the answer has no ``####`` / an empty final answer. The
+      DataError: the file is missing or not UTF-8, a line is not valid JSON or not an object, a
+        field is missing or not a string, or the answer has no ``####`` / an empty final answer. The
         message starts with ``"<path>:<line>:"`` (1-based line) and names the field.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: GSM8K file not found")
     problems: list[Problem] = []
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in ("question", "answer"):
-                if key not in obj:
-                    raise DataError(f"{where}: missing field {key!r}")
-                if not isinstance(obj[key], str):
-                    raise DataError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
-            solution = obj["answer"]
-            if "####" not in solution:
-                raise DataError(f"{where}: field 'answer' has no '#### <final answer>' marker")
-            final = canonical_gsm8k_answer(solution.rsplit("####", 1)[1])
-            if not final:
-                raise DataError(f"{where}: field 'answer' has an empty final answer after '####'")
-            problems.append(Problem(id=len(problems), question=obj["question"], solution=solution, answer=final))
+    try:
+        for record in read_jsonl(path):
+            problems.append(_problem(record.value, record.where, len(problems)))
+    except JsonlError as exc:
+        if exc.kind == "json":
+            raise DataError(f"{exc.where}: invalid JSON ({exc.detail})") from None
+        raise DataError(str(exc)) from None
     return problems
+
+
+def _problem(obj, where: str, index: int) -> Problem:
+    """The ``Problem`` of one GSM8K record (``where`` = ``"<path>:<line>"``; see ``load_gsm8k``)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("question", "answer"):
+        if key not in obj:
+            raise DataError(f"{where}: missing field {key!r}")
+        if not isinstance(obj[key], str):
+            raise DataError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+    solution = obj["answer"]
+    if "####" not in solution:
+        raise DataError(f"{where}: field 'answer' has no '#### <final answer>' marker")
+    final = canonical_gsm8k_answer(solution.rsplit("####", 1)[1])
+    if not final:
+        raise DataError(f"{where}: field 'answer' has an empty final answer after '####'")
+    return Problem(id=index, question=obj["question"], solution=solution, answer=final)

@@ -29,6 +29,7 @@ from rhyme_jax.spec.calibration import Calibration
 from rhyme_jax.spec.candidates import HistoryPack
 from rhyme_jax.spec.goodput import GoodputDrafts
 from rhyme_jax.spec.history import HistoryEntry, HistoryStore
+from rhyme_jax.spec.lengths import predict_lengths
 from rhyme_jax.spec.self_lookup import self_lookup_drafts
 from rhyme_jax.spec.suffix_index import IndexPack, SuffixIndex, check_draft_args, draft_batch
 from rhyme_jax.spec.window import initial_window, next_window
@@ -149,9 +150,8 @@ class Drafter:
         pack = HistoryPack(indexes, self.branch) if self.goodput else IndexPack.of(indexes)
         batch = DraftBatch(self, pack, np.array([slot_of.get(p, -1) for p in pids], np.int64),
                            np.array([group_of[p] for p in pids], np.int64))
-        if self.goodput:  # makespan priority: each request's prompt's mean length last time
-            means = {pid: float(np.mean(ln)) if (ln := self.store.lengths(pid)) is not None and ln.size else 0.0
-                     for pid in group_of}
+        if self.goodput:  # makespan priority: each request's prompt's mean length last time, 0 unseen
+            means = dict(zip(group_of, predict_lengths(self.store, list(group_of), "mean", unseen=0.0).tolist()))
             batch.predicted_lengths = np.array([means[p] for p in pids], np.float64)
         return batch
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rhyme_jax.io.atomic import atomic_write
+from rhyme_jax.io.jsonl import JsonlError, parse_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -31,18 +32,23 @@ def _parse_lines(path: Path) -> tuple[list[dict], bool]:
     lines = path.read_text(encoding="utf-8").split("\n")
     # The text after the final "\n" is "" for a complete file, or a partial line from a killed run.
     dirty = lines[-1] != ""
-    numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
-    for k, (lineno, line) in enumerate(numbered):
-        try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict) or "step" not in obj:
-                raise ValueError("not a metrics object with a 'step'")
-        except ValueError as exc:
-            if k == len(numbered) - 1:  # truncated last line: the run died mid-write
-                return rows, True
-            raise MetricsError(f"{path}:{lineno}: corrupt metrics line ({exc})") from None
-        rows.append(obj)
+    try:
+        for record in parse_jsonl(lines, path):
+            if not isinstance(record.value, dict) or "step" not in record.value:
+                if _is_last(lines, record.lineno):
+                    return rows, True
+                raise MetricsError(f"{record.where}: corrupt metrics line (not a metrics object with a 'step')")
+            rows.append(record.value)
+    except JsonlError as exc:
+        if _is_last(lines, exc.lineno):  # truncated last line: the run died mid-write
+            return rows, True
+        raise MetricsError(f"{exc.where}: corrupt metrics line ({exc.detail})") from None
     return rows, dirty
+
+
+def _is_last(lines: list[str], lineno: int) -> bool:
+    """Whether 1-based line ``lineno`` is the last non-blank one of ``lines``."""
+    return not any(ln.strip() for ln in lines[lineno:])
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

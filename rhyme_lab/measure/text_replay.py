@@ -33,12 +33,12 @@ HistoSpec" scope 4.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from rhyme_jax.io.jsonl import JsonlError, read_jsonl
 from rhyme_lab.measure.draft_replay import floor_step, replay_targets
 
 __all__ = ["ReplayCase", "ReplayInputError", "accept_floor_error", "floor_step", "priced_cost", "read_cases",
@@ -67,39 +67,42 @@ def read_cases(path: Path, encode) -> list[ReplayCase]:
         the history, text the tokenizer rejects, or an empty target (named by file and line).
     """
     try:
-        lines = Path(path).read_text().splitlines()
+        records = read_jsonl(path)
     except OSError as exc:
         raise ReplayInputError(f"{path}: {exc.strerror or exc}") from None
-    cases = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{no}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReplayInputError(f"{where}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
-                or not isinstance(row.get("target"), str) or not isinstance(row.get("history"), list) \
-                or not all(isinstance(h, str) for h in row["history"]):
-            raise ReplayInputError(f"{where}: needs string 'prompt' and 'target' and a list of strings 'history'")
-        rewards = row.get("history_rewards", [0.0] * len(row["history"]))
-        if not isinstance(rewards, list) or len(rewards) != len(row["history"]) \
-                or not all(isinstance(r, (int, float)) and np.isfinite(r) for r in rewards):
-            raise ReplayInputError(f"{where}: 'history_rewards' must be {len(row['history'])} finite numbers")
-        try:
-            target = np.asarray(encode(row["target"]), np.int32)
-            case = ReplayCase(np.asarray(encode(row["prompt"]), np.int32),
-                              [np.asarray(encode(h), np.int32) for h in row["history"]],
-                              np.asarray(rewards, np.float64), target)
-        except ValueError as exc:  # the tokenizer's errors (e.g. characters outside its vocabulary)
-            raise ReplayInputError(f"{where}: {exc}") from None
-        if target.size == 0:
-            raise ReplayInputError(f"{where}: 'target' encodes to no tokens")
-        cases.append(case)
+    try:
+        cases = [_case(record.value, record.where, encode) for record in records]
+    except JsonlError as exc:
+        raise ReplayInputError(str(exc)) from None
     if not cases:
         raise ReplayInputError(f"{path}: no cases")
     return cases
+
+
+def _case(row, where: str, encode) -> ReplayCase:
+    """One tokenized case of the replay file (``where`` = ``"<path>:<line>"``; see ``read_cases``).
+
+    Raises:
+      ReplayInputError: as ``read_cases``, for this line.
+    """
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
+            or not isinstance(row.get("target"), str) or not isinstance(row.get("history"), list) \
+            or not all(isinstance(h, str) for h in row["history"]):
+        raise ReplayInputError(f"{where}: needs string 'prompt' and 'target' and a list of strings 'history'")
+    rewards = row.get("history_rewards", [0.0] * len(row["history"]))
+    if not isinstance(rewards, list) or len(rewards) != len(row["history"]) \
+            or not all(isinstance(r, (int, float)) and np.isfinite(r) for r in rewards):
+        raise ReplayInputError(f"{where}: 'history_rewards' must be {len(row['history'])} finite numbers")
+    try:
+        target = np.asarray(encode(row["target"]), np.int32)
+        case = ReplayCase(np.asarray(encode(row["prompt"]), np.int32),
+                          [np.asarray(encode(h), np.int32) for h in row["history"]],
+                          np.asarray(rewards, np.float64), target)
+    except ValueError as exc:  # the tokenizer's errors (e.g. characters outside its vocabulary)
+        raise ReplayInputError(f"{where}: {exc}") from None
+    if target.size == 0:
+        raise ReplayInputError(f"{where}: 'target' encodes to no tokens")
+    return case
 
 
 def priced_cost(price: float):
