@@ -26,7 +26,7 @@ from rhyme_lab.measure.timing import median_seconds
 
 def time_program(runner, shape, repeats: int) -> float:
     """Median seconds of one prefill program on dummy inputs (two untimed runs first);
-    ``runner``: the engine's ``StepRunner``."""
+    ``runner``: the engine's ``PassRunner``."""
     inp = runner.inputs(shape)
     return median_seconds(lambda: runner.run(inp), repeats, warmup=2)
 
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     for t in buckets:
         rows, q = plan.prefill_layout(t)
         n, q_one = min(r.max_slots, t), min(t, tile)
-        chunked = shapes.StepShape("prefill", t, rows, q, plan.pages_per_seq)
-        one = shapes.StepShape("prefill", t, n, q_one, plan.pages_per_seq)
+        chunked = shapes.PassShape("prefill", t, rows, q, plan.pages_per_seq)
+        one = shapes.PassShape("prefill", t, n, q_one, plan.pages_per_seq)
         a = time_program(runner, chunked, args.repeats)
         b = time_program(runner, one, args.repeats)
         print(f"| {t} | ({rows}, {q}) | {1e3 * a:.1f} | ({n}, {q_one}) | {1e3 * b:.1f} | {b / a:.2f}x |", flush=True)

@@ -291,10 +291,10 @@ def test_step_pairs():
     assert shapes.verify_pairs(1, 64) == ((1, 1), (2, 2), (8, 8), (33, 33))
     assert shapes.verify_pairs(128, 512, spec=False) == ((128, 1),)
     plan = shapes.plan(max_slots=32, page_size=16, max_prompt_len=64, max_new_tokens=64)
-    assert [plan.step_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
+    assert [plan.pass_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
         [(32, 1), (32, 1), (48, 4), (80, 6), (80, 6), (128, 9)]
     with pytest.raises(ValueError, match="more than the cap 128"):
-        plan.step_pair(32, 129)
+        plan.pass_pair(32, 129)
 
 
 def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():

@@ -35,15 +35,15 @@ from flax import nnx
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, shapes
-from rhyme_jax.rollout.allocation import StepChoice
-from rhyme_jax.rollout.step_cost import PROFILE_VERSION, StepCost, profile
-from rhyme_jax.rollout.step_cost import cache_path as step_cost_cache_path
-from rhyme_jax.rollout.batching import StepInputs
+from rhyme_jax.rollout.allocation import PassChoice
+from rhyme_jax.rollout.pass_cost import PROFILE_VERSION, PassCost, profile
+from rhyme_jax.rollout.pass_cost import cache_path as pass_cost_cache_path
+from rhyme_jax.rollout.batching import PassInputs
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
-from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
-from rhyme_jax.rollout.step_runner import StepRunner
+from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
+from rhyme_jax.rollout.pass_runner import PassRunner
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
 
@@ -140,10 +140,10 @@ class RolloutEngine:
         self.kv: KVCache | None = None
         self._static: StaticModel | None = None
         self.check_invariants = False  # tests: run allocator.check() after every step
-        self.programs_run: set[shapes.StepShape] = set()  # every step program run (within programs())
+        self.programs_run: set[shapes.PassShape] = set()  # every step program run (within programs())
         # Seconds per decode/verify program, for the goodput allocation of estimated drafts
-        # (``profile_step_cost`` measures it; the prior until then).
-        self.step_cost: StepCost = StepCost.prior()
+        # (``profile_pass_cost`` measures it; the prior until then).
+        self.pass_cost: PassCost = PassCost.prior()
 
     @classmethod
     def from_section(cls, graphdef, model_cfg, rollout: "RolloutSection", eos_ids: Sequence[int],
@@ -164,7 +164,7 @@ class RolloutEngine:
             self._static = StaticModel(self.graphdef, treedef)
         return leaves, self._static
 
-    def programs(self, spec: bool = True) -> list[shapes.StepShape]:
+    def programs(self, spec: bool = True) -> list[shapes.PassShape]:
         """Every step program this engine can compile (``self.plan.programs(spec)``)."""
         return self.plan.programs(spec)
 
@@ -190,35 +190,35 @@ class RolloutEngine:
             runner.run(inp)
         return len(inputs)
 
-    def runner(self, state: nnx.State, sampling: SamplingParams) -> "StepRunner":
-        """A ``StepRunner``: this engine's step programs run or lowered one at a time on given
+    def runner(self, state: nnx.State, sampling: SamplingParams) -> "PassRunner":
+        """A ``PassRunner``: this engine's step programs run or lowered one at a time on given
         inputs (benchmarks, compile reports, profiles), the KV pool created for ``state``."""
-        return StepRunner(self, state, sampling)
+        return PassRunner(self, state, sampling)
 
-    def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
-        """Measure ``self.step_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
-        (``step_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
+    def profile_pass_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> PassCost:
+        """Measure ``self.pass_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
+        (``pass_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
         when no slot holds any, ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
         runner = self.runner(state, sampling)
         own_pages = self.num_pages if not self.allocator.num_held.any() else 0  # pool idle: rows on their own pages
         secs = profile(lambda shape: runner.run(runner.inputs(shape, busy=True, own_pages=own_pages)),
                        self.programs(spec=True), repeats)
         dev = jax.devices()[0]
-        self.step_cost = StepCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
+        self.pass_cost = PassCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
                                          "source": "profiled"})
-        return self.step_cost
+        return self.pass_cost
 
-    def use_step_cost(self, state: nnx.State, sampling: SamplingParams, path: str = "") -> StepCost:
-        """Set ``self.step_cost`` from ``path`` (a ``StepCost`` JSON; ``"prior"``: the analytical
+    def use_pass_cost(self, state: nnx.State, sampling: SamplingParams, path: str = "") -> PassCost:
+        """Set ``self.pass_cost`` from ``path`` (a ``PassCost`` JSON; ``"prior"``: the analytical
         prior) or, with no path, from the cache file of this engine's model, dtype, backend, device kind and plan
-        (``step_cost.cache_path``), profiling and caching it when there is none.
+        (``pass_cost.cache_path``), profiling and caching it when there is none.
 
         Raises:
-          StepCostError: ``path`` (or a corrupt cache file) cannot be read.
+          PassCostError: ``path`` (or a corrupt cache file) cannot be read.
         """
         if path:
-            self.step_cost = StepCost.prior() if path == "prior" else StepCost.load(path)
-            return self.step_cost
+            self.pass_cost = PassCost.prior() if path == "prior" else PassCost.load(path)
+            return self.pass_cost
         leaves = jax.tree.leaves(state)
         cfg = self.model_cfg
         parts = {"profile": PROFILE_VERSION, "model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
@@ -226,12 +226,12 @@ class RolloutEngine:
                  "dtype": str(leaves[0].dtype) if leaves else "", "backend": jax.default_backend(),
                  "device": jax.devices()[0].device_kind, "devices": int(self.mesh.size),
                  "attention": self.attention_impl, "plan": dataclasses.astuple(self.plan)}
-        cached = step_cost_cache_path(parts)
+        cached = pass_cost_cache_path(parts)
         if cached.is_file():
-            self.step_cost = StepCost.load(cached)
+            self.pass_cost = PassCost.load(cached)
         else:
-            self.profile_step_cost(state, sampling).save(cached)
-        return self.step_cost
+            self.profile_pass_cost(state, sampling).save(cached)
+        return self.pass_cost
 
     def _pool_factory(self, state) -> Callable[[], KVCache]:
         """A function creating this engine's zero KV pool in the dtype ``state`` computes in."""
@@ -281,22 +281,22 @@ class RolloutEngine:
             out.append(arr.astype(np.int32))
         return out
 
-    def _call(self, flat_state, inp: StepInputs, key, sp, mode):
+    def _call(self, flat_state, inp: PassInputs, key, sp, mode):
         """``(jitted step function, positional args, keyword args)`` of one step."""
         leaves, static = flat_state
         scalars = (np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
-            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
+            return verify_pass, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
                                     *scalars), kw
-        return step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
+        return prefill_pass, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
                          inp.streams, key, *scalars), kw
 
-    def _run(self, flat_state, inp: StepInputs, key, sp, mode, live: bool = False):
-        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
+    def _run(self, flat_state, inp: PassInputs, key, sp, mode, live: bool = False):
+        """Prefill (``PassInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
         (``VerifyInputs``) -> ``(tokens [T], logprobs [T], num_emitted [S])``, packed. With
-        ``live`` (a rollout's pass) a decode/verify pass's time goes to the step-cost model
-        (``StepCost.observe``: live times replace profiled ones)."""
+        ``live`` (a rollout's pass) a decode/verify pass's time goes to the pass-cost model
+        (``PassCost.observe``: live times replace profiled ones)."""
         fn, args, kw = self._call(flat_state, inp, key, sp, mode)
         shape = batching.shape_of(inp)
         self.programs_run.add(shape)
@@ -304,18 +304,18 @@ class RolloutEngine:
         *out, self.kv = fn(*args, **kw)
         out = jax.device_get(tuple(out))
         if live and shape.kind != "prefill":
-            self.step_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
+            self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
         if self.check_invariants:
             self.allocator.check()
         return out
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
-               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, StepChoice]:
+               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:
         """Drafts ``i32[n, K]`` of the live slots ``ids`` and the step that carries them
-        (``allocation.StepChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
+        (``allocation.PassChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
         The engine alone sizes drafts: they never pass the request's ``max_new_tokens`` (room for
         the bonus token) nor ``shapes.MAX_DRAFT``; with the drafter's acceptance estimates the
-        goodput allocation keeps what pays under ``self.step_cost``, else they are cut
+        goodput allocation keeps what pays under ``self.pass_cost``, else they are cut
         longest-first to the step's token budget; they only use pages the pool can give without
         preempting anyone (a draft is cut to the pages its slot holds otherwise); a step where
         the drafter proposes nothing is the plain decode step (``allocation.fixed_rule``). With ``backoff``
@@ -335,7 +335,7 @@ class RolloutEngine:
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
         if not got.any():  # nothing proposed: the plain decode step, no choice to make
             return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
-        choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
+        choice, curve = allocation.choose_pass(self.plan, got, est, self.pass_cost, prio)
         if backoff is not None and est is not None:
             backoff.chose(True, bool(choice.draft_lens.any()))  # proposed: got has a draft
         lens = self._page_cut(table, ids, choice.draft_lens)
@@ -354,7 +354,7 @@ class RolloutEngine:
                 alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))
         return np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
 
-    def _step_inputs(self, ids, drafts, choice: StepChoice, table: SlotTable) -> batching.VerifyInputs:
+    def _pass_inputs(self, ids, drafts, choice: PassChoice, table: SlotTable) -> batching.VerifyInputs:
         """Pack one decode/verify step of live slots ``ids`` as ``choice`` sized it. Counts
         drafted tokens."""
         table.stats["drafted_tokens"] += int(choice.draft_lens.sum())
@@ -381,7 +381,7 @@ class RolloutEngine:
         the emitted tokens (accepted drafts + one sampled) are recorded and the drafter told."""
         ids = table.live()
         drafts, choice = self._draft(drafter, table, ids, backoff)
-        inp = self._step_inputs(ids, drafts, choice, table)
+        inp = self._pass_inputs(ids, drafts, choice, table)
         d_lens = inp.draft_lens[: ids.size]
         toks, lps, n_emit = run(inp)
         cu = inp.meta.cu_q_lens
@@ -470,6 +470,6 @@ class _Passes:
         self.engine, self.flat_state, self.key, self.sampling = engine, flat_state, key, sampling
         self.mode = sampling.mode
 
-    def __call__(self, inp: StepInputs):
+    def __call__(self, inp: PassInputs):
         """``RolloutEngine._run`` of ``inp`` as the next live pass."""
         return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live=True)

@@ -95,7 +95,7 @@ def verify_pairs(num_rows: int, budget: int, spec: bool = True) -> tuple[tuple[i
 
 
 @dataclass(frozen=True, order=True)
-class StepShape:
+class PassShape:
     """One compiled step program.
 
     Attributes:
@@ -149,7 +149,7 @@ class ShapePlan:
         """Smallest width holding ``max_pages_held`` page-table columns."""
         return next(w for w in self.widths if w >= min(max_pages_held, self.pages_per_seq))
 
-    def step_pair(self, num_rows: int, used: int) -> tuple[int, int]:
+    def pass_pair(self, num_rows: int, used: int) -> tuple[int, int]:
         """``(T, Q)`` of a decode/verify step of ``num_rows`` rows packing ``used`` tokens.
 
         Raises:
@@ -161,12 +161,12 @@ class ShapePlan:
                 return t, q
         raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
 
-    def programs(self, spec: bool = True) -> list[StepShape]:
+    def programs(self, spec: bool = True) -> list[PassShape]:
         """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""
-        out = [StepShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
+        out = [PassShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
         for s in seq_buckets(self.max_slots):
             for t, q in verify_pairs(s, self.verify_budget, spec):
-                out += [StepShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
+                out += [PassShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
         return sorted(set(out))
 
 
@@ -190,6 +190,6 @@ def plan_from_config(cfg: RunConfig) -> ShapePlan:
                 max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
 
 
-def programs_from_config(cfg: RunConfig) -> list[StepShape]:
+def programs_from_config(cfg: RunConfig) -> list[PassShape]:
     """Step programs a run compiles: ``plan_from_config(cfg).programs(spec=cfg.spec.enabled)``."""
     return plan_from_config(cfg).programs(spec=bool(cfg.spec.enabled))

@@ -244,20 +244,20 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
     return RolloutParts(engines, shardings, scheduler, history, drafter, compute_dtype(cfg.model.dtype))
 
 
-def attach_step_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
-    """With ``spec.window=goodput``, give every engine the step-cost model its draft allocation
+def attach_pass_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
+    """With ``spec.window=goodput``, give every engine the pass-cost model its draft allocation
     uses: ``spec.step_cost`` when set, else the cached profile of this model and backend (the
     first engine profiles it once, a few seconds; the workers' engines are alike and share it).
 
     Raises:
-      StepCostError: the ``spec.step_cost`` file (or a cached one) cannot be read.
+      PassCostError: the ``spec.step_cost`` file (or a cached one) cannot be read.
     """
     if not (cfg.spec.enabled and cfg.spec.window == "goodput"):
         return
     first = rollout.engines[0]
-    cost = first.use_step_cost(rollout.states(state)[0], SamplingParams.from_section(cfg.rollout), cfg.spec.step_cost)
+    cost = first.use_pass_cost(rollout.states(state)[0], SamplingParams.from_section(cfg.rollout), cfg.spec.step_cost)
     for eng in rollout.engines[1:]:
-        eng.step_cost = cost
+        eng.pass_cost = cost
 
 
 def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts) -> RolloutPipeline:
@@ -409,7 +409,7 @@ def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume
     history = (HistoryStore.from_bytes(start.blobs["history"], source=source)
                if uses_history(cfg) and "history" in start.blobs else None)
     rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, wrap_generate=wrap_generate)
-    attach_step_cost(cfg, rollout, state)
+    attach_pass_cost(cfg, rollout, state)
     pipeline = build_pipeline(cfg, policy, rollout)
     if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples
         pipeline.carry = carry.from_bytes(start.blobs["carry"], source=source)

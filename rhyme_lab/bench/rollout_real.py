@@ -17,7 +17,7 @@ from rhyme_lab.bench import real_workload
 DEFAULTS = dict(real_workload.DEFAULTS, max_slots=16, max_prompt_len=256)
 # max_prompt_len 0: the longest prompt rounded up to a page (fewer page-table widths to warm up)
 # HistoSpec with the goodput policy (--goodput): every draft source, acceptance estimates and the
-# engine's cost-aware allocation under the step-cost profile of this machine
+# engine's cost-aware allocation under the pass-cost profile of this machine
 GOODPUT = dict(window="goodput", pattern_min=1, self_lookup=True, siblings=True, min_token_prob=0.0)
 QUICK = dict(real_workload.QUICK, max_slots=4, max_new_tokens=24, max_prompt_len=0)
 KINDS = (("plain", "plain"), ("spec", "HistoSpec"))
