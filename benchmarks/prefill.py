@@ -44,15 +44,16 @@ def main(argv=None) -> int:
     from rhyme_jax.config import load_config
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.rollout import shapes
-    from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams
     from rhyme_jax.train.memory_plan import model_config_of
 
     cfg = load_config(args.config)
     r = cfg.rollout
     model_cfg, source = model_config_of(cfg, "")
     graphdef, state = nnx.split(Decoder(model_cfg, rngs=nnx.Rngs(0)))
-    engine = RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size, num_pages=0,
-                           max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=())
+    engine = RolloutEngine(graphdef, model_cfg, EngineConfig(
+        max_slots=r.max_slots, page_size=r.page_size, num_pages=0, max_prompt_len=r.max_prompt_len,
+        max_new_tokens=r.max_new_tokens, eos_ids=()))
     sampling = SamplingParams.from_section(r)
     runner = engine.runner(state, sampling)
     plan = engine.plan

@@ -34,11 +34,11 @@ def test_pass_cost_passes_and_report(tmp_path):
 def test_pass_inputs_give_every_sequence_its_own_pages():
     from flax import nnx
     from rhyme_jax.model.transformer import Decoder
-    from rhyme_jax.rollout.engine import RolloutEngine
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine
 
     graphdef, _ = nnx.split(Decoder(pass_cost.DEMO, rngs=nnx.Rngs(0)))
-    eng = RolloutEngine(graphdef, pass_cost.DEMO, max_slots=3, page_size=16, num_pages=0, max_prompt_len=40,
-                        max_new_tokens=4, eos_ids=[])
+    eng = RolloutEngine(graphdef, pass_cost.DEMO, EngineConfig(max_slots=3, page_size=16, num_pages=0,
+                                                                max_prompt_len=40, max_new_tokens=4, eos_ids=[]))
     inp, t = pass_cost.pass_inputs(eng, 3, 40, 1, np.random.default_rng(0))
     assert t >= 3 * 2
     held = eng.allocator.num_held[:3]

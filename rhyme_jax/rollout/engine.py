@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ from rhyme_jax.rollout.allocation import PassChoice
 from rhyme_jax.rollout.pass_cost import PROFILE_VERSION, PassCost, profile
 from rhyme_jax.rollout.pass_cost import cache_path as pass_cost_cache_path
 from rhyme_jax.rollout.batching import PassInputs
+from rhyme_jax.rollout.engine_config import EngineConfig  # noqa: F401 (re-exported with the engine)
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
@@ -46,9 +47,6 @@ from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
 from rhyme_jax.rollout.pass_runner import PassRunner
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
-
-if TYPE_CHECKING:
-    from rhyme_jax.config import RolloutSection
 
 _WHERE = "rhyme_jax/rollout/engine.py"
 
@@ -59,71 +57,43 @@ class RolloutEngine:
     Args:
       graphdef: ``nnx.split(Decoder)[0]``; the state is passed to each ``generate`` call.
       model_cfg: the model's ``ModelConfig`` (num_layers, num_kv_heads, head_dim, vocab_size).
-      max_slots: concurrent sequences.
-      page_size: tokens per KV page.
-      num_pages: pool size in pages including scratch page 0; 0 = ``max_slots`` full-length
-        sequences + 1.
-      max_prompt_len, max_new_tokens: limits in tokens (they size the page table rows).
-      eos_ids: tokens that end a sequence (emitted and kept in the response).
-      on_overlong_prompt: ``"error"`` (raise PromptTooLongError) or ``"skip"``.
-      attention_impl: ragged paged attention implementation: a name, ``"auto"`` (kernel of the
-        backend, reference on CPU) or an ordered list (``pallas_kernels/.../api.py``).
-      share_prompt_prefix: samples of the same prompt (a GRPO group) share the KV pages that
-        the prompt fills completely; only the prompt's last partial page is prefilled again per
-        sample (vLLM-style prefix sharing; outputs are unchanged).
+      config: the engine's ``EngineConfig`` (slots, page size, pool, token limits, stop tokens,
+        attention, pass budgets; ``EngineConfig.from_run`` for a run).
       mesh: device mesh with a ``tensor`` axis; the attention op runs inside ``shard_map`` over
         it and the KV pool is sharded by KV head over ``tensor``. ``None`` = a one-device mesh
         on ``jax.devices()[0]``.
-      max_prefill_tokens: token budget of one prefill call (rounded up to a power of two, at
-        least one full sequence); bounds the number of prefill shape buckets.
-      max_verify_tokens: packed-token budget of one decode/verify step (pending tokens plus
-        drafts of all slots); 0 = ``4 * max_slots``. Longest drafts are cut first to fit.
 
-    The buckets are ``self.plan = shapes.plan(...)`` of these sizes.
+    The buckets are ``self.plan = shapes.plan(...)`` of the config's sizes; its fields are also
+    attributes of the engine (``max_slots``, ``page_size``, ``eos_ids``, ...).
 
     Raises:
-      EngineConfigError: a size is invalid, the pool cannot hold one full-length sequence, or
-        ``attention_impl`` / ``on_overlong_prompt`` is unknown.
+      EngineConfigError: ``eos_ids`` outside the vocabulary, the pool cannot hold one
+        full-length sequence, ``attention_impl`` is unknown or cannot run here, or the mesh has
+        no ``tensor`` axis dividing the KV heads (sizes: ``EngineConfig``).
     """
 
-    def __init__(self, graphdef, model_cfg, *, max_slots: int, page_size: int, num_pages: int,
-                 max_prompt_len: int, max_new_tokens: int, eos_ids: Sequence[int],
-                 on_overlong_prompt: str = "error", attention_impl: str = "reference",
-                 max_prefill_tokens: int = 2048, max_verify_tokens: int = 0, mesh=None,
-                 share_prompt_prefix: bool = True):
-        for name, val in dict(max_slots=max_slots, page_size=page_size, max_prompt_len=max_prompt_len,
-                              max_new_tokens=max_new_tokens).items():
-            if int(val) < 1:
-                raise EngineConfigError(f"{_WHERE}: RolloutEngine {name} must be >= 1, got {val}")
-        if num_pages < 0:
-            raise EngineConfigError(f"{_WHERE}: RolloutEngine num_pages must be >= 0, got {num_pages}")
-        if on_overlong_prompt not in ("error", "skip"):
-            raise EngineConfigError(
-                f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {on_overlong_prompt!r}")
+    def __init__(self, graphdef, model_cfg, config: EngineConfig, *, mesh=None):
+        c = self.config = config
         try:
-            attention_impl = attention_api.resolve_name(attention_api.parse_implementation(attention_impl))
+            self.attention_impl = attention_api.resolve_name(attention_api.parse_implementation(c.attention_impl))
         except ValueError as exc:
             raise EngineConfigError(f"{_WHERE}: attention_impl: {exc}") from None
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
         if "tensor" not in self.mesh.axis_names or model_cfg.num_kv_heads % self.mesh.shape["tensor"]:
             raise EngineConfigError(f"{_WHERE}: mesh needs a 'tensor' axis dividing num_kv_heads="
                                     f"{model_cfg.num_kv_heads}, got {dict(self.mesh.shape)}")
-        self.graphdef = graphdef
-        self.model_cfg = model_cfg
-        self.max_slots = int(max_slots)
-        self.page_size = int(page_size)
-        self.max_prompt_len = int(max_prompt_len)
-        self.max_new_tokens = int(max_new_tokens)
-        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.graphdef, self.model_cfg = graphdef, model_cfg
+        self.max_slots, self.page_size = int(c.max_slots), int(c.page_size)
+        self.max_prompt_len, self.max_new_tokens = int(c.max_prompt_len), int(c.max_new_tokens)
+        self.eos_ids = c.eos_ids
         bad = [e for e in self.eos_ids if not 0 <= e < model_cfg.vocab_size]
         if bad:
             raise EngineConfigError(f"{_WHERE}: eos_ids {bad} outside [0, vocab_size={model_cfg.vocab_size})")
-        self.on_overlong_prompt = on_overlong_prompt
-        self.attention_impl = attention_impl
-        self.share_prompt_prefix = bool(share_prompt_prefix)
-        self.max_seq_len = self.max_prompt_len + self.max_new_tokens
+        self.on_overlong_prompt = c.on_overlong_prompt
+        self.share_prompt_prefix = bool(c.share_prompt_prefix)
+        self.max_seq_len = c.max_seq_len
         self.pages_per_seq = -(-self.max_seq_len // self.page_size)
-        self.num_pages = int(num_pages) or self.max_slots * self.pages_per_seq + 1
+        self.num_pages = int(c.num_pages) or self.max_slots * self.pages_per_seq + 1
         if self.num_pages - 1 < self.pages_per_seq:
             raise EngineConfigError(
                 f"{_WHERE}: num_pages={self.num_pages} cannot hold one full-length sequence "
@@ -131,7 +101,7 @@ class RolloutEngine:
                 f"{self.pages_per_seq} pages of {self.page_size} plus scratch page 0)")
         self.plan = shapes.plan(max_slots=self.max_slots, page_size=self.page_size,
                                 max_prompt_len=self.max_prompt_len, max_new_tokens=self.max_new_tokens,
-                                max_prefill_tokens=max_prefill_tokens, max_verify_tokens=max_verify_tokens)
+                                max_prefill_tokens=c.max_prefill_tokens, max_verify_tokens=c.max_verify_tokens)
         self.prefill_budget = self.plan.prefill_budget
         self.prefill_buckets = self.plan.prefill_buckets
         self.verify_budget = self.plan.verify_budget
@@ -139,23 +109,11 @@ class RolloutEngine:
         self.allocator = PageAllocator(self.num_pages, self.page_size, self.max_slots, self.pages_per_seq)
         self.kv: KVCache | None = None
         self._static: StaticModel | None = None
-        self.check_invariants = False  # tests: run allocator.check() after every step
-        self.programs_run: set[shapes.PassShape] = set()  # every step program run (within programs())
+        self.check_invariants = False  # tests: run allocator.check() after every pass
+        self.programs_run: set[shapes.PassShape] = set()  # every pass program run (within programs())
         # Seconds per decode/verify program, for the goodput allocation of estimated drafts
         # (``profile_pass_cost`` measures it; the prior until then).
         self.pass_cost: PassCost = PassCost.prior()
-
-    @classmethod
-    def from_section(cls, graphdef, model_cfg, rollout: "RolloutSection", eos_ids: Sequence[int],
-                     mesh=None) -> "RolloutEngine":
-        """The engine a run's ``rollout`` config section sizes (``eos_ids``: tokens that end a
-        response; ``()``: every response runs to ``max_new_tokens``), on ``mesh`` (a rollout
-        worker's sub-mesh with a ``tensor`` axis; None = one device)."""
-        r = rollout
-        return cls(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size, num_pages=r.num_pages,
-                   max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
-                   on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
-                   max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix, mesh=mesh)
 
     # ------------------------------------------------------------------ helpers
     def _flat_state(self, state):

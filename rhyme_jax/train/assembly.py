@@ -49,6 +49,7 @@ from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
 from rhyme_jax.parallel.reshard import reshard
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
 from rhyme_jax.rollout.engine import RolloutEngine
+from rhyme_jax.rollout.engine_config import EngineConfig
 from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler
@@ -92,10 +93,10 @@ def warm_start_dir(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
 
 def make_engine(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: RunConfig, eos: Sequence[int],
                 mesh: jax.sharding.Mesh | None = None) -> RolloutEngine:
-    """The rollout engine of a run, sized by the ``rollout`` config section, on ``mesh`` (a rollout
-    worker's sub-mesh with a ``tensor`` axis; None = one device); ``eos``: token ids that end a
-    response (``()``: every response runs to ``max_new_tokens``)."""
-    return RolloutEngine.from_section(graphdef, model_cfg, cfg.rollout, eos, mesh=mesh)
+    """The rollout engine of a run, sized by the ``rollout`` config section (``EngineConfig.from_run``),
+    on ``mesh`` (a rollout worker's sub-mesh with a ``tensor`` axis; None = one device); ``eos``: token
+    ids that end a response (``()``: every response runs to ``max_new_tokens``)."""
+    return RolloutEngine(graphdef, model_cfg, EngineConfig.from_run(cfg, eos), mesh=mesh)
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:

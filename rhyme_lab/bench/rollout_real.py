@@ -45,7 +45,7 @@ def load_setup(args) -> Setup:
 
     from rhyme_jax.model.loader import load_hf_checkpoint
     from rhyme_jax.model.tokenizer import Tokenizer
-    from rhyme_jax.rollout.engine import RolloutEngine
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine
     from rhyme_jax.train.policy import eos_ids
 
     path = real_workload.model_dir(args.model)
@@ -56,10 +56,9 @@ def load_setup(args) -> Setup:
     toks = [tokenizer.encode(t) for t in real_workload.prompt_texts([p.question for p in probs])]
     if not args.max_prompt_len:
         args.max_prompt_len = -(-max(map(len, toks)) // args.page_size) * args.page_size
-    engine = RolloutEngine(graphdef, model_cfg, max_slots=args.max_slots, page_size=args.page_size,
-                           num_pages=0, max_prompt_len=args.max_prompt_len,
-                           max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model_cfg, tokenizer),
-                           attention_impl="auto")
+    engine = RolloutEngine(graphdef, model_cfg, EngineConfig(
+        max_slots=args.max_slots, page_size=args.page_size, num_pages=0, max_prompt_len=args.max_prompt_len,
+        max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model_cfg, tokenizer), attention_impl="auto"))
     rows = [i for i in range(len(probs)) for _ in range(args.samples)]
     params = sum(int(x.size) for x in jax.tree.leaves(state))
     return Setup(engine, state, tokenizer, np.array([probs[i].id for i in rows], np.int64),

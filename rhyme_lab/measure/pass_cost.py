@@ -77,14 +77,14 @@ def pass_engine(cfg: ModelConfig, dtype: str, rows: int, context: int, max_k: in
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.parallel.reshard import create_sharded
-    from rhyme_jax.rollout.engine import RolloutEngine
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine
 
     dt = jnp.dtype(dtype)
     graphdef, state, _ = create_sharded(lambda: Decoder(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0)),
                                         train_mesh(1, 1, 1))
-    eng = RolloutEngine(graphdef, cfg, max_slots=rows, page_size=RolloutSection.page_size, num_pages=0,
-                        max_prompt_len=context, max_new_tokens=max_k + 2, eos_ids=[],
-                        attention_impl=attention, max_verify_tokens=rows * (max_k + 1))
+    eng = RolloutEngine(graphdef, cfg, EngineConfig(
+        max_slots=rows, page_size=RolloutSection.page_size, num_pages=0, max_prompt_len=context,
+        max_new_tokens=max_k + 2, eos_ids=[], attention_impl=attention, max_verify_tokens=rows * (max_k + 1)))
     return eng, state
 
 
