@@ -377,7 +377,7 @@ class SchedSection:
     length_stat: LengthStat = "mean"  # length prediction from the last rollout
     growth: float = 1.5  # migration: generated > growth x predicted length
     tail_fraction: float = 0.1  # migration: the worker has at most this share of its rows unfinished
-    cost_model: str = ""  # profiled cost model JSON (python -m benchmarks.schedule --mode profile); "" = placeholder
+    cost_model: str = ""  # cost model JSON fitted to the engine's pass-cost profile (python -m benchmarks.schedule --mode profile); "" = placeholder
 
     def __post_init__(self):
         check_fields(self)
