@@ -121,7 +121,7 @@ def test_fixed_rule_sends_drafts_when_fewer_rows_are_live_than_the_bucket():
         allocation.fixed_rule(PLAN, np.array([t_last, 0]))
 
 
-def test_choose_step_without_estimates_trims_to_the_budget():
+def test_choose_pass_without_estimates_trims_to_the_budget():
     lens = np.full(16, 32)
     choice, curve = allocation.choose_pass(PLAN, lens, None, PassCost.prior())
     assert curve is None and 16 + choice.draft_lens.sum() <= PLAN.verify_budget

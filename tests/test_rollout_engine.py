@@ -312,7 +312,7 @@ def test_warmup_compiles_every_bucket():
         np.testing.assert_array_equal(got, exp)
 
 
-def test_step_pairs():
+def test_pass_pairs():
     """A decode/verify step packs the first ``(T, Q)`` pair of its row bucket holding its tokens;
     plain decode is ``(S, 1)``; three packed sizes from 1.5 S to the cap (every row's 33 tokens
     limited by the budget), geometrically; ``Q <= min(33, T - S + 1, 2 T / S + 1)``."""

@@ -123,12 +123,12 @@ class RolloutEngine:
         return leaves, self._static
 
     def programs(self, spec: bool = True) -> list[shapes.PassShape]:
-        """Every step program this engine can compile (``self.plan.programs(spec)``)."""
+        """Every pass program this engine can compile (``self.plan.programs(spec)``)."""
         return self.plan.programs(spec)
 
     def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,),
                compile_threads: int = 1, *, spec: bool | None = None) -> int:
-        """Run every step program of ``self.programs(spec)`` once for ``sampling``'s program.
+        """Run every pass program of ``self.programs(spec)`` once for ``sampling``'s program.
 
         ``spec`` (default: whether ``draft_buckets`` has a nonzero entry, the older spelling)
         adds the verify programs HistoSpec drafting uses. Afterwards ``generate`` with the same
@@ -149,7 +149,7 @@ class RolloutEngine:
         return len(inputs)
 
     def runner(self, state: nnx.State, sampling: SamplingParams) -> "PassRunner":
-        """A ``PassRunner``: this engine's step programs run or lowered one at a time on given
+        """A ``PassRunner``: this engine's pass programs run or lowered one at a time on given
         inputs (benchmarks, compile reports, profiles), the KV pool created for ``state``."""
         return PassRunner(self, state, sampling)
 

@@ -53,7 +53,7 @@ class PassCostError(ValueError):
 
 @dataclass(frozen=True)
 class PassCost:
-    """Seconds of the decode/verify step programs of one engine.
+    """Seconds of the decode/verify pass programs of one engine.
 
     Attributes:
       seconds: ``{(rows, tokens, max_q_len): seconds}`` measured per program (empty = prior).

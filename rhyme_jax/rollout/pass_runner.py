@@ -13,7 +13,7 @@ from rhyme_jax.rollout.types import SamplingParams
 
 
 class PassRunner:
-    """Runs ``engine``'s step programs over ``state`` with ``sampling``'s program (mode, T, top-k,
+    """Runs ``engine``'s pass programs over ``state`` with ``sampling``'s program (mode, T, top-k,
     top-p) and a fixed key.
 
     Args:
@@ -37,7 +37,7 @@ class PassRunner:
         self.flat_state = engine._flat_state(state)
 
     def inputs(self, shape, *, busy: bool = False, own_pages: int = 0) -> batching.PassInputs:
-        """Dummy inputs of the step program ``shape`` (``batching.pass_inputs``; with ``busy``, a
+        """Dummy inputs of the pass program ``shape`` (``batching.pass_inputs``; with ``busy``, a
         decode/verify step whose rows are all live, ``batching.busy_verify``)."""
         e = self.engine
         if busy:

@@ -1,4 +1,4 @@
-"""The rollout engine's step programs: every shape a run compiles, from its config alone.
+"""The rollout engine's pass programs: every shape a run compiles, from its config alone.
 
 Pure functions (no JAX): the engine picks each step's bucket here, its warm-up compiles
 ``ShapePlan.programs()``, and ``rhyme-jax compile-report`` lists and times the same list, so a
@@ -96,7 +96,7 @@ def verify_pairs(num_rows: int, budget: int, spec: bool = True) -> tuple[tuple[i
 
 @dataclass(frozen=True, order=True)
 class PassShape:
-    """One compiled step program.
+    """One compiled pass program.
 
     Attributes:
       kind: ``"prefill"``, ``"decode"`` (``Q = 1``) or ``"verify"`` (drafts packed).
@@ -162,7 +162,7 @@ class ShapePlan:
         raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
 
     def programs(self, spec: bool = True) -> list[PassShape]:
-        """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""
+        """Every pass program of a run (prefill, decode and, with ``spec``, verify), sorted."""
         out = [PassShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
         for s in seq_buckets(self.max_slots):
             for t, q in verify_pairs(s, self.verify_budget, spec):
