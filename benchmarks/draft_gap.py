@@ -16,7 +16,7 @@ Usage::
     python -m benchmarks.draft_gap results/learning/runs/learn_oracle_paired [--from-epoch 2] [--json]
     python -m benchmarks.draft_gap RUN --set spec.siblings=false     # the drafter without siblings
     python -m benchmarks.draft_gap RUN --unit results/learning/units/learn_oracle_paired.json
-        # each pass sends what the engine's allocation would under the unit's step-cost profile
+        # each pass sends what the engine's allocation would under the unit's pass-cost profile
     python -m benchmarks.draft_gap RUN --unit UNIT.json --bound
         # estimates or drafts? (``rhyme_lab.measure.cut_bound``): modelled speed-up over plain of
         # the drafter with its own estimates, the same drafter knowing which of its draft tokens
@@ -98,7 +98,7 @@ def rules_table(rules: dict[int, dict]) -> list[str]:
 
 
 def unit_cost(path: str):
-    """The ``StepCost`` of the profile a unit JSON recorded (``result.step_cost``, its profiled
+    """The ``PassCost`` of the profile a unit JSON recorded (``result.step_cost``, its profiled
     programs; ``ablate.oracle.cost_model``). Raises ``OSError`` / ``ValueError`` / ``KeyError`` on
     a file that is not such a unit."""
     from rhyme_lab.ablate.oracle import cost_model
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--from-epoch", type=int, default=2, help="report steps of this epoch on")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override the run's config (its spec section is the drafter replayed)")
-    ap.add_argument("--unit", default="", help="a unit JSON whose recorded step-cost profile sizes each pass as "
+    ap.add_argument("--unit", default="", help="a unit JSON whose recorded pass-cost profile sizes each pass as "
                     "the engine's allocation would (default: every drafted token sent)")
     ap.add_argument("--bound", action="store_true", help="with --unit: the drafter with its estimates, knowing "
                     "its acceptance, and the source-bound oracle under the profile (rhyme_lab.measure.cut_bound)")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.bound and not args.unit:
-        print("benchmarks.draft_gap: --bound needs --unit (the step-cost profile that sizes each pass)", file=sys.stderr)
+        print("benchmarks.draft_gap: --bound needs --unit (the pass-cost profile that sizes each pass)", file=sys.stderr)
         return 2
     try:
         cost = unit_cost(args.unit) if args.unit else None

@@ -26,7 +26,7 @@ from rhyme_lab.measure.timing import median_seconds
 
 def time_program(runner, shape, repeats: int) -> float:
     """Median seconds of one prefill program on dummy inputs (two untimed runs first);
-    ``runner``: the engine's ``StepRunner``."""
+    ``runner``: the engine's ``PassRunner``."""
     inp = runner.inputs(shape)
     return median_seconds(lambda: runner.run(inp), repeats, warmup=2)
 
@@ -44,15 +44,16 @@ def main(argv=None) -> int:
     from rhyme_jax.config import load_config
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.rollout import shapes
-    from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams
     from rhyme_jax.train.memory_plan import model_config_of
 
     cfg = load_config(args.config)
     r = cfg.rollout
     model_cfg, source = model_config_of(cfg, "")
     graphdef, state = nnx.split(Decoder(model_cfg, rngs=nnx.Rngs(0)))
-    engine = RolloutEngine(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size, num_pages=0,
-                           max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=())
+    engine = RolloutEngine(graphdef, model_cfg, EngineConfig(
+        max_slots=r.max_slots, page_size=r.page_size, num_pages=0, max_prompt_len=r.max_prompt_len,
+        max_new_tokens=r.max_new_tokens, eos_ids=()))
     sampling = SamplingParams.from_section(r)
     runner = engine.runner(state, sampling)
     plan = engine.plan
@@ -64,8 +65,8 @@ def main(argv=None) -> int:
     for t in buckets:
         rows, q = plan.prefill_layout(t)
         n, q_one = min(r.max_slots, t), min(t, tile)
-        chunked = shapes.StepShape("prefill", t, rows, q, plan.pages_per_seq)
-        one = shapes.StepShape("prefill", t, n, q_one, plan.pages_per_seq)
+        chunked = shapes.PassShape("prefill", t, rows, q, plan.pages_per_seq)
+        one = shapes.PassShape("prefill", t, n, q_one, plan.pages_per_seq)
         a = time_program(runner, chunked, args.repeats)
         b = time_program(runner, one, args.repeats)
         print(f"| {t} | ({rows}, {q}) | {1e3 * a:.1f} | ({n}, {q_one}) | {1e3 * b:.1f} | {b / a:.2f}x |", flush=True)

@@ -1,15 +1,15 @@
 """Upper bound on HistoSpec's rollout speed-up on this machine: a drafter that is always right.
 
 ``python -m rhyme_lab replay-drafts`` replays the real drafter along target responses and models each step's
-seconds with the engine's step-cost profile. This script replays the same corpus with a drafter
+seconds with the engine's pass-cost profile. This script replays the same corpus with a drafter
 that knows the targets (``rhyme_lab.measure.oracle_drafters.KnownTargets``): every row's draft is
 its next target tokens (up to ``shapes.MAX_DRAFT`` and the tokens left; ``AlwaysRightDrafter``),
 with acceptance estimates of 1 and the true remaining length as priority, and the engine's own
-allocation (``allocation.choose_step``) picks each step's program. Every
+allocation (``allocation.choose_pass``) picks each step's program. Every
 drafted token is accepted, so no drafter over any source, with any acceptance estimates, can
 emit more tokens per modelled second through the engine's programs: the printed
 ``modelled_speedup`` (plain decode's modelled seconds / the replay's) bounds what HistoSpec
-can reach for these targets, rows and step-cost profile. (The allocation is per step and greedy;
+can reach for these targets, rows and pass-cost profile. (The allocation is per step and greedy;
 prefill passes are left out of both sides; pages are not simulated.)
 
 Usage::
@@ -33,7 +33,7 @@ from rhyme_lab.measure.oracle_drafters import KnownTargets
 from rhyme_lab.measure.text_replay import read_cases, replay
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout import shapes
-from rhyme_jax.rollout.step_cost import StepCost
+from rhyme_jax.rollout.pass_cost import PassCost
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--rows", type=int, default=128)
-    ap.add_argument("--step-cost", required=True, help="step-cost profile JSON of the engine's plan")
+    ap.add_argument("--step-cost", required=True, help="pass-cost profile JSON of the engine's plan")
     ap.add_argument("--sources", action="store_true",
                     help="drafts limited to what the draft sources hold (history, siblings, self; best in hindsight)")
     ap.add_argument("--json", action="store_true")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     r = cfg.rollout
     plan = shapes.plan(max_slots=args.rows, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
                        max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
-    cost = StepCost.load(args.step_cost)
+    cost = PassCost.load(args.step_cost)
     drafter = KnownTargets([c.prompt for c in cases], [c.target for c in cases],
                            [c.history for c in cases] if args.sources else None)
     out = replay(cases, cfg.spec, plan, args.rows, cost, make_drafter=drafter)

@@ -108,10 +108,10 @@ def main(argv=None) -> int:
             "load_s": round(load_s, 1), "warmup": args.warmup, "warmup_s": round(warm_s, 1),
             "warmup_shapes": shapes, "compile_threads": args.compile_threads}
     print(f"loaded in {load_s:.1f} s; warm-up {args.warmup}: {warm_s:.1f} s, {shapes} step shapes", flush=True)
-    if args.goodput:  # the goodput policy's step-cost model: cached profile of this machine, or profiled now
+    if args.goodput:  # the goodput policy's pass-cost model: cached profile of this machine, or profiled now
         from rhyme_jax.rollout.engine import SamplingParams
 
-        cost = setup.engine.use_step_cost(setup.state, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens))
+        cost = setup.engine.use_pass_cost(setup.state, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens))
         meta["step_cost"] = f"{len(cost.seconds)} programs ({cost.meta.get('source', '')})"
     rows = []
     for temp in args.temperatures:

@@ -4,8 +4,9 @@ Three modes:
 
 * ``--mode replay`` (default, part a): saved run lengths through the planner and a cost-model
   simulation of the workers; no model, no device (below).
-* ``--mode profile``: measures the cost model ``T(tokens, batch)`` of ONE rollout worker on the demo
-  policy and saves it for the planner (``sched.cost_model``); see ``run_profile``.
+* ``--mode profile``: the cost model ``T(tokens, batch)`` of ONE rollout worker on the demo policy,
+  fitted to the engine's pass-cost profile (``CostModel.from_pass_cost``), checked against timed
+  ``generate`` calls and saved for the planner (``sched.cost_model``); see ``run_profile``.
 * ``--mode workers``: the same plans on W real rollout workers (one engine per device, driven by
   ``RolloutScheduler``) over a few steps of the demo run's prompts; see ``run_workers_mode``. On
   CPU it must be started with ``XLA_FLAGS=--xla_force_host_platform_device_count=W``.
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--mode", choices=["replay", "profile", "workers"], default="replay",
                     help="replay: saved run lengths through the planner + cost-model simulation (no device); "
-                         "profile: measure one rollout worker's cost model T(tokens, batch) and save it; "
+                         "profile: one rollout worker's cost model T(tokens, batch) from its pass-cost profile, "
+                         "checked on a grid of generate calls, saved; "
                          "workers: the configurations on W real rollout workers (CPU: needs XLA_FLAGS="
                          "--xla_force_host_platform_device_count=W)")
     ap.add_argument("--run-dir", default="runs/demo",

@@ -27,7 +27,7 @@ from rhyme_jax.model.transformer import Decoder  # noqa: E402
 from rhyme_jax.parallel.mesh import rollout_meshes, train_mesh  # noqa: E402
 from rhyme_jax.parallel.reshard import create_sharded, leaf_checksums, put_global, reshard  # noqa: E402
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings  # noqa: E402
-from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams  # noqa: E402
+from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from rhyme_jax.train.checkpoint import Checkpointer  # noqa: E402
 from rhyme_jax.train.grpo_step import TrainShardings, make_grpo_step  # noqa: E402
 from rhyme_jax.train.optim import make_optimizer  # noqa: E402
@@ -128,12 +128,12 @@ def case_rollout_tensor_parallel():
     prompts = [list(np.random.default_rng(i).integers(2, 64, 5 + i % 7)) for i in range(12)]
     sp = SamplingParams(temperature=0.0, max_new_tokens=12)
     kw = dict(max_slots=4, page_size=4, num_pages=0, max_prompt_len=16, max_new_tokens=12, eos_ids=(1,))
-    ref = RolloutEngine(graphdef, CFG, **kw).generate(ref_state, prompts, sp, jax.random.key(0))
+    ref = RolloutEngine(graphdef, CFG, EngineConfig(**kw)).generate(ref_state, prompts, sp, jax.random.key(0))
     mesh = train_mesh(1, 4, 2)
     _, state, _ = create_sharded(model, mesh)
     toks, lps = [], []
     for w, wm in enumerate(rollout_meshes(2, 4)):
-        eng = RolloutEngine(graphdef, CFG, mesh=wm, **kw)
+        eng = RolloutEngine(graphdef, CFG, EngineConfig(**kw), mesh=wm)
         out = eng.generate(reshard(state, param_shardings(state, wm)), prompts[w * 3:(w + 1) * 3], sp,
                            jax.random.key(0))
         toks += out.tokens

@@ -20,7 +20,7 @@ from parallel_cases import CFG, main, model, run_trainer  # noqa: E402
 from rhyme_jax.parallel.mesh import rollout_meshes, train_mesh  # noqa: E402
 from rhyme_jax.parallel.reshard import create_sharded, reshard  # noqa: E402
 from rhyme_jax.parallel.rules import param_shardings  # noqa: E402
-from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams  # noqa: E402
+from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from rhyme_jax.sched.scheduler import RolloutScheduler  # noqa: E402
 
 N = 4  # samples per prompt
@@ -47,7 +47,7 @@ def _setup():
     _, state, _ = create_sharded(model, train_mesh(1, 4, 2))
     meshes = rollout_meshes(2, 4)
     kw = dict(max_slots=8, page_size=4, num_pages=0, max_prompt_len=16, max_new_tokens=24, eos_ids=(1,))
-    engines = [RolloutEngine(graphdef, CFG, mesh=m, **kw) for m in meshes]
+    engines = [RolloutEngine(graphdef, CFG, EngineConfig(**kw), mesh=m) for m in meshes]
     states = [reshard(state, param_shardings(state, m)) for m in meshes]
     ids = list(range(8))
     prompts = [list(np.random.default_rng(p).integers(2, 64, 4 + p % 5)) for p in ids for _ in range(N)]

@@ -1,4 +1,4 @@
-"""Goodput allocation of draft tokens (rollout/allocation.py) and the step-cost model (step_cost.py)."""
+"""Goodput allocation of draft tokens (rollout/allocation.py) and the pass-cost model (step_cost.py)."""
 
 import itertools
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.rollout import allocation, shapes
-from rhyme_jax.rollout.step_cost import StepCost, StepCostError, cache_path, monotone, profile
+from rhyme_jax.rollout.pass_cost import PassCost, PassCostError, cache_path, monotone, profile
 
 PLAN = shapes.plan(max_slots=16, page_size=16, max_prompt_len=32, max_new_tokens=64)
 
@@ -44,7 +44,7 @@ def test_goodput_choice_is_optimal_against_brute_force(seed):
     plan = shapes.plan(max_slots=4, page_size=16, max_prompt_len=8, max_new_tokens=16, max_verify_tokens=8)
     est = rng.uniform(0.05, 1.0, (n, k))
     curve = allocation.accept_curve(est, rng.integers(0, k + 1, n))
-    cost = StepCost({(4, 4, 1): 1.0, (4, 6, 2): rng.uniform(1.0, 2.0), (4, 8, 2): rng.uniform(1.2, 3.0)})
+    cost = PassCost({(4, 4, 1): 1.0, (4, 6, 2): rng.uniform(1.0, 2.0), (4, 8, 2): rng.uniform(1.2, 3.0)})
     choice = allocation.goodput_choice(plan, curve, cost)
     rate = choice.expected / cost(choice.rows, choice.tokens, choice.q_len)
     assert rate == pytest.approx(_brute_force(plan, curve, cost), rel=1e-9)
@@ -60,7 +60,7 @@ def test_goodput_choice_takes_equal_tokens_shallowest_first_then_by_row(seed):
     n, k = 5, 6
     plan = shapes.plan(max_slots=8, page_size=16, max_prompt_len=8, max_new_tokens=16, max_verify_tokens=24)
     curve = allocation.accept_curve(rng.choice([0.5, 1.0], (n, k)), rng.integers(0, k + 1, n))
-    cost = StepCost({(r, t, q): 1.0 + 0.01 * t for r in shapes.seq_buckets(8)
+    cost = PassCost({(r, t, q): 1.0 + 0.01 * t for r in shapes.seq_buckets(8)
                      for t, q in shapes.verify_pairs(r, plan.verify_budget)})
     choice = allocation.goodput_choice(plan, curve, cost)
     rows, depth = np.nonzero(curve > 0)
@@ -75,7 +75,7 @@ def test_drafts_that_do_not_pay_are_not_sent():
     curve = allocation.accept_curve(np.full((16, 4), 0.19), np.full(16, 4))
     rows = 16
     pairs = shapes.verify_pairs(rows, PLAN.verify_budget)
-    cost = StepCost({(rows, t, q): (1.0 if q == 1 else 1.8) for t, q in pairs})
+    cost = PassCost({(rows, t, q): (1.0 if q == 1 else 1.8) for t, q in pairs})
     choice = allocation.goodput_choice(PLAN, curve, cost)
     assert (choice.tokens, choice.q_len) == (rows, 1) and choice.draft_lens.sum() == 0
     # Near-certain drafts at the same costs: the biggest program pays.
@@ -92,7 +92,7 @@ def test_a_larger_row_bucket_runs_the_step_when_the_model_times_it_faster():
     assert shapes.seq_bucket(2, 16) == 4
 
     def cost_of(small):
-        return StepCost({(r, t, q): (small if r < 16 else 1.0) * (1.0 + 0.01 * t) for r in pairs for t, q in pairs[r]})
+        return PassCost({(r, t, q): (small if r < 16 else 1.0) * (1.0 + 0.01 * t) for r in pairs for t, q in pairs[r]})
 
     slow_small = allocation.goodput_choice(PLAN, curve, cost_of(3.0))
     assert slow_small.rows == 16 and slow_small.draft_lens.sum() > 0
@@ -121,39 +121,39 @@ def test_fixed_rule_sends_drafts_when_fewer_rows_are_live_than_the_bucket():
         allocation.fixed_rule(PLAN, np.array([t_last, 0]))
 
 
-def test_choose_step_without_estimates_trims_to_the_budget():
+def test_choose_pass_without_estimates_trims_to_the_budget():
     lens = np.full(16, 32)
-    choice, curve = allocation.choose_step(PLAN, lens, None, StepCost.prior())
+    choice, curve = allocation.choose_pass(PLAN, lens, None, PassCost.prior())
     assert curve is None and 16 + choice.draft_lens.sum() <= PLAN.verify_budget
 
 
-def test_step_cost_lookup_scaling_save_load(tmp_path):
-    cost = StepCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0}, {"backend": "cpu"})
+def test_pass_cost_lookup_scaling_save_load(tmp_path):
+    cost = PassCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0}, {"backend": "cpu"})
     assert cost(4, 8, 3) == 3.0
     assert cost(4, 6, 2) == pytest.approx(2.0 * (8 + 6) / (8 + 4))  # nearest profiled program, scaled
-    assert StepCost.prior()(4, 8, 3) == 16.0
-    lin = StepCost({(r, t, 1): 0.5 + 0.1 * r + 0.01 * t for r in (4, 16) for t in (r, 3 * r)})
+    assert PassCost.prior()(4, 8, 3) == 16.0
+    lin = PassCost({(r, t, 1): 0.5 + 0.1 * r + 0.01 * t for r in (4, 16) for t in (r, 3 * r)})
     assert lin(64, 128, 9) == pytest.approx(0.5 + 6.4 + 1.28)  # an unprofiled row bucket: the linear fit
     path = cost.save(tmp_path / "c.json")
-    back = StepCost.load(path)
+    back = PassCost.load(path)
     assert back.seconds == cost.seconds and back.meta == {"backend": "cpu"}
     body = json.loads(path.read_text())
     body["programs"][0]["seconds"] = -1
     path.write_text(json.dumps(body))
-    with pytest.raises(StepCostError, match=r"programs\[0\]"):
-        StepCost.load(path)
-    with pytest.raises(StepCostError, match="unreadable"):
-        StepCost.load(tmp_path / "missing.json")
+    with pytest.raises(PassCostError, match=r"programs\[0\]"):
+        PassCost.load(path)
+    with pytest.raises(PassCostError, match="unreadable"):
+        PassCost.load(tmp_path / "missing.json")
 
 
 def test_live_step_times_replace_the_profiled_ones(tmp_path):
-    """``StepCost.observe``: from ``LIVE_MIN`` live times on, a program costs the median of its
+    """``PassCost.observe``: from ``LIVE_MIN`` live times on, a program costs the median of its
     last ``LIVE_WINDOW``; the bucket's other programs cost their profiled figure times the bucket's
     live / profiled ratio, other buckets their profiled figure; the prior ignores live times
     (other units) and a saved profile holds only what was profiled."""
-    from rhyme_jax.rollout.step_cost import LIVE_MIN, LIVE_WINDOW
+    from rhyme_jax.rollout.pass_cost import LIVE_MIN, LIVE_WINDOW
 
-    cost = StepCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0, (8, 8, 1): 4.0})
+    cost = PassCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0, (8, 8, 1): 4.0})
     for i in range(LIVE_MIN - 1):
         cost.observe(4, 4, 1, 1.0 + i)
         assert cost(4, 4, 1) == 2.0  # too few live times yet
@@ -168,8 +168,8 @@ def test_live_step_times_replace_the_profiled_ones(tmp_path):
     for _ in range(LIVE_MIN):
         cost.observe(4, 8, 3, 6.0)
     assert cost(4, 8, 3) == 6.0 and cost(4, 6, 2) == pytest.approx(2.0 * 2.75 * 14 / 12)  # median of 3.5 and 2
-    assert StepCost.load(cost.save(tmp_path / "c.json")).seconds == {(4, 4, 1): 2.0, (4, 8, 3): 3.0, (8, 8, 1): 4.0}
-    prior = StepCost.prior()
+    assert PassCost.load(cost.save(tmp_path / "c.json")).seconds == {(4, 4, 1): 2.0, (4, 8, 3): 3.0, (8, 8, 1): 4.0}
+    prior = PassCost.prior()
     for _ in range(LIVE_MIN):
         prior.observe(4, 8, 3, 1e-3)
     assert prior(4, 8, 3) == 16.0
@@ -177,8 +177,8 @@ def test_live_step_times_replace_the_profiled_ones(tmp_path):
 
 def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tmp_path):
     calls = []
-    progs = [shapes.StepShape("prefill", 64, 16, 16, 4), shapes.StepShape("decode", 4, 4, 1, 2),
-             shapes.StepShape("decode", 4, 4, 1, 8), shapes.StepShape("verify", 8, 4, 3, 8)]
+    progs = [shapes.PassShape("prefill", 64, 16, 16, 4), shapes.PassShape("decode", 4, 4, 1, 2),
+             shapes.PassShape("decode", 4, 4, 1, 8), shapes.PassShape("verify", 8, 4, 3, 8)]
     out = profile(calls.append, progs, repeats=2)
     assert sorted(out) == [(4, 4, 1), (4, 8, 3)] and all(v >= 0 for v in out.values())
     assert [c.width for c in calls if c.kind == "decode"] == [8] * 4  # 2 untimed + 2 timed, widest only
@@ -195,7 +195,7 @@ def test_profile_takes_the_median_of_rounds_over_the_programs(monkeypatch):
     each) and each program's figure is the median of its rounds."""
     import types
 
-    from rhyme_jax.rollout import step_cost as sc
+    from rhyme_jax.rollout import pass_cost as sc
 
     clock, order = [0.0], []
     timed = {(4, 4, 1): [0, 0, 5.0, 1.0, 3.0], (4, 8, 3): [0, 0, 2.0, 9.0, 4.0]}  # seconds per call
@@ -206,7 +206,7 @@ def test_profile_takes_the_median_of_rounds_over_the_programs(monkeypatch):
         clock[0] += timed[key][sum(k == key for k in order) - 1]
 
     monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    progs = [shapes.StepShape("decode", 4, 4, 1, 8), shapes.StepShape("verify", 8, 4, 3, 8)]
+    progs = [shapes.PassShape("decode", 4, 4, 1, 8), shapes.PassShape("verify", 8, 4, 3, 8)]
     assert sc.profile(run, progs, repeats=3) == {(4, 4, 1): 3.0, (4, 8, 3): 4.0}
     assert order[4:] == [(4, 4, 1), (4, 8, 3)] * 3
 
@@ -221,7 +221,7 @@ def test_rows_predicted_long_get_the_scarce_draft_tokens():
     longest gets them; without priorities the first rows do (ties by depth, then order)."""
     plan = shapes.plan(max_slots=4, page_size=16, max_prompt_len=8, max_new_tokens=16, max_verify_tokens=8)
     curve = allocation.accept_curve(np.full((4, 4), 0.9), np.full(4, 4))
-    free = StepCost({(4, t, q): 1.0 for t, q in shapes.verify_pairs(4, plan.verify_budget)})
+    free = PassCost({(4, t, q): 1.0 for t, q in shapes.verify_pairs(4, plan.verify_budget)})
     w = allocation.makespan_weights(np.array([0.0, 3.0, 30.0, 0.0]), 4)
     np.testing.assert_allclose(w, [1.0, 1.1, 2.0, 1.0])
     choice = allocation.goodput_choice(plan, curve, free, w)

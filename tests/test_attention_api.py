@@ -16,7 +16,7 @@ from flax import nnx
 
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
-from rhyme_jax.rollout.engine import EngineConfigError, RolloutEngine, SamplingParams
+from rhyme_jax.rollout.engine import EngineConfig, EngineConfigError, RolloutEngine, SamplingParams
 from test_rollout_engine import _engine, _prompts
 
 # Kernels need head_dim a power of two >= 16 (Triton tiles); GQA group 2.
@@ -56,8 +56,8 @@ def test_engine_greedy_with_kernel_equals_reference(impl):
     state = jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, state)  # varied greedy tokens
 
     def engine(impl):
-        return RolloutEngine(graphdef, KCFG, max_slots=3, page_size=4, num_pages=0, max_prompt_len=16,
-                             max_new_tokens=5, eos_ids=(), attention_impl=impl)
+        return RolloutEngine(graphdef, KCFG, EngineConfig(max_slots=3, page_size=4, num_pages=0, max_prompt_len=16,
+                                                          max_new_tokens=5, eos_ids=(), attention_impl=impl))
 
     want = engine("reference").generate(state, prompts, sp, jax.random.key(0))
     got = engine(impl).generate(state, prompts, sp, jax.random.key(0))

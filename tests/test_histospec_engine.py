@@ -207,12 +207,12 @@ def test_source_bound_drafts_only_what_the_sources_hold():
 
 
 def test_backoff_skips_the_drafter_while_drafts_do_not_pay():
-    """``allocation.DraftBackoff`` in the engine: under a step-cost model where every verify
+    """``allocation.DraftBackoff`` in the engine: under a pass-cost model where every verify
     program costs 100 decode steps no draft is sent, and after the first choices the drafter is
     asked on at most every other step (1, 2, 4, ... 8 skipped); the tokens stay plain decode's.
     Where drafts pay (the prior) it is asked on every step."""
     from rhyme_lab.ablate.paired import AlwaysRightDrafter
-    from rhyme_jax.rollout.step_cost import StepCost
+    from rhyme_jax.rollout.pass_cost import PassCost
 
     class Counting(AlwaysRightDrafter):
         calls = 0
@@ -226,7 +226,7 @@ def test_backoff_skips_the_drafter_while_drafts_do_not_pay():
     key = jax.random.key(3)
     eng = _engine()
     plain = eng.generate(_model()[1], prompts, sp, key)
-    eng.step_cost = StepCost({(s.rows, s.tokens, s.q_len): 1.0 if s.q_len == 1 else 100.0
+    eng.pass_cost = PassCost({(s.rows, s.tokens, s.q_len): 1.0 if s.q_len == 1 else 100.0
                               for s in eng.programs(spec=True) if s.kind != "prefill"})
     dear = Counting(prompts, plain.tokens, MAX_NEW)
     res = eng.generate(_model()[1], prompts, sp, key, drafter=dear)
@@ -300,16 +300,16 @@ def test_goodput_allocation_keeps_greedy_outputs_and_drops_drafts_that_do_not_pa
         assert s["drafted_tokens"] == 0 and s["predicted_accepted"] == 0.0
 
 
-def test_step_cost_profile_times_every_program_and_leaves_outputs_unchanged():
-    """``profile_step_cost`` runs every decode/verify program with each row on its own pages of the
+def test_pass_cost_profile_times_every_program_and_leaves_outputs_unchanged():
+    """``profile_pass_cost`` runs every decode/verify program with each row on its own pages of the
     idle pool; a rollout afterwards still gives the greedy reference (the profile's writes do not
     leak into it), and the model covers every program of the plan. The rollout's own passes then
-    feed the model live times (``StepCost.observe``): only decode/verify programs it ran, each as
+    feed the model live times (``PassCost.observe``): only decode/verify programs it ran, each as
     often as it ran them."""
     prompts, eos, want, _ = _reference_with_eos()
     eng = _engine(eos_ids=[eos])
     sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
-    cost = eng.profile_step_cost(_model()[1], sp, repeats=1)
+    cost = eng.profile_pass_cost(_model()[1], sp, repeats=1)
     progs = {(s.rows, s.tokens, s.q_len) for s in eng.programs(spec=True) if s.kind != "prefill"}
     assert set(cost.seconds) == progs and all(v > 0 for v in cost.seconds.values())
     assert cost.live == {}  # the profile's own runs are not live times
@@ -345,7 +345,7 @@ def test_an_idle_drafter_is_never_called_and_a_step_without_proposals_is_plain_d
     def no_choice(*args, **kw):
         raise AssertionError("the goodput choice ran on a step without proposals")
 
-    monkeypatch.setattr(allocation, "choose_step", no_choice)
+    monkeypatch.setattr(allocation, "choose_pass", no_choice)
     silent = _greedy(prompts, eos, proposing_nothing)
     assert len(proposing_nothing.observed) == plain.stats["decode_steps"]
     for res in (idle, silent):

@@ -292,7 +292,7 @@ def _engine_private_names() -> set[str]:
 
 
 def test_no_private_engine_name_outside_rollout():
-    """The engine's public API (``warmup``, ``runner``, ``generate``, ``profile_step_cost``, ...)
+    """The engine's public API (``warmup``, ``runner``, ``generate``, ``profile_pass_cost``, ...)
     is all the trainer, ``ablate/``, the CLI and the benchmarks use."""
     private = _engine_private_names()
     assert {"_run", "_ensure_pool", "_flat_state", "_call"} <= private

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rhyme_lab.ablate import learning, measures, oracle, registry
-from rhyme_jax.rollout.step_cost import StepCost
+from rhyme_jax.rollout.pass_cost import PassCost
 
 
 
@@ -91,8 +91,8 @@ def test_lagged_pipelines_beside_sync(tmp_path, compile_cache):
     assert {"sync", "one_step_off", "cross_step", "one_step_off / sync", "cross_step / sync"} <= variants
 
 
-def test_oracle_prices_batch_passes_with_the_step_cost():
-    cost = StepCost({(2, 2, 1): 1.0, (2, 4, 2): 1.5, (1, 1, 1): 0.6, (1, 3, 3): 0.9}, {})
+def test_oracle_prices_batch_passes_with_the_pass_cost():
+    cost = PassCost({(2, 2, 1): 1.0, (2, 4, 2): 1.5, (1, 1, 1): 0.6, (1, 3, 3): 0.9}, {})
     # plain: 3 passes of 2 rows, then 1 of 1 row
     assert oracle.batch_cost([[0, 0, 0, 0], [0, 0, 0]], cost) == pytest.approx(3 * 1.0 + 0.6)
     # oracle: pass 0 packs 2 + 2 tokens (q 2), pass 1 one row of 3 tokens (q 3)
@@ -102,7 +102,7 @@ def test_oracle_prices_batch_passes_with_the_step_cost():
 def test_step_bound_takes_the_fastest_window_and_never_loses_to_plain():
     prompt = np.array([1, 2], np.int32)
     response = np.array([5, 6, 7, 8, 9], np.int32)
-    cost = StepCost.prior()  # 2 * rows + tokens
+    cost = PassCost.prior()  # 2 * rows + tokens
     # the history holds the whole response: after the prefill's token one pass of 4 accepted
     plain, best = oracle.step_bound([prompt], [response], [[np.concatenate([prompt, response])]], cost, 64)
     assert plain == pytest.approx(4 * (2 + 1)) and best == pytest.approx(2 + 5)

@@ -23,7 +23,7 @@ from rhyme_jax.config import SpecSection
 from rhyme_jax.data import gsm8k_path
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer
-from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 
@@ -78,8 +78,8 @@ def test_logits_match_transformers_on_gsm8k_chat_prompts(real):
 
 @functools.lru_cache(maxsize=None)
 def _engine(cfg, graphdef):
-    return RolloutEngine(graphdef, cfg, max_slots=4, page_size=16, num_pages=0, max_prompt_len=128,
-                         max_new_tokens=NEW_TOKENS, eos_ids=cfg.eos_token_ids)
+    return RolloutEngine(graphdef, cfg, EngineConfig(max_slots=4, page_size=16, num_pages=0, max_prompt_len=128,
+                                                     max_new_tokens=NEW_TOKENS, eos_ids=cfg.eos_token_ids))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from rhyme_lab.cli.main import main
 from rhyme_lab.measure.oracle_drafters import KnownTargets
-from rhyme_lab.measure.text_replay import ReplayInputError, floor_step, read_cases, replay
+from rhyme_lab.measure.text_replay import ReplayInputError, floor_pass, read_cases, replay
 from rhyme_jax.config import load_config
 from rhyme_jax.model.tokenizer import train_demo_tokenizer
 from rhyme_jax.rollout import shapes
@@ -91,14 +91,14 @@ def test_drafts_are_cut_to_the_step_budget_of_the_rows(tokenizer, tmp_path):
 
 def test_floor_step_sends_the_prefix_whose_cumulative_estimate_clears_the_floor():
     est = np.array([[0.9, 0.5, 0.5], [0.2, 0.9, 0.0], [0.8, 0.8, 0.8]], np.float32)
-    choice, curve = floor_step(np.array([3, 2, 1]), est, 0.25, rows=4)
+    choice, curve = floor_pass(np.array([3, 2, 1]), est, 0.25, rows=4)
     # cumulative 0.9, 0.45, 0.225 | 0.2, 0.18 | 0.8 (its length is 1)
     assert choice.draft_lens.tolist() == [2, 0, 1]
     assert (choice.rows, choice.tokens, choice.q_len) == (4, 4 + 3, 3)
     assert choice.expected == pytest.approx(3 + 0.9 + 0.45 + 0.8)
     assert curve[0, 2] == pytest.approx(0.225)
     with pytest.raises(ValueError, match="goodput"):
-        floor_step(np.array([1]), None, 0.1, rows=1)
+        floor_pass(np.array([1]), None, 0.1, rows=1)
 
 
 def test_accept_floor_trades_drafts_for_acceptance(tokenizer, tmp_path):

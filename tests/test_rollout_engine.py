@@ -12,7 +12,7 @@ from rhyme_jax.compile_count import CompileCounter
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.rollout import batching, sampling
-from rhyme_jax.rollout.engine import (EngineConfigError, PromptTooLongError, RolloutEngine,
+from rhyme_jax.rollout.engine import (EngineConfig, EngineConfigError, PromptTooLongError, RolloutEngine,
                                       SamplingParams)
 from rhyme_jax.rollout.page_allocator import PageAllocationError, PageAllocator
 from rhyme_jax.train import grpo_step, losses
@@ -78,7 +78,7 @@ def _engine(**kw):
     args = dict(max_slots=3, page_size=PAGE, num_pages=0, max_prompt_len=MAX_PROMPT,
                 max_new_tokens=MAX_NEW, eos_ids=())
     args.update(kw)
-    eng = RolloutEngine(graphdef, CFG, **args)
+    eng = RolloutEngine(graphdef, CFG, EngineConfig(**args))
     eng.check_invariants = True  # allocator.check() (no page owned twice) after every step
     return eng
 
@@ -225,6 +225,38 @@ def test_pool_too_small_for_one_sequence():
         _engine(num_pages=7)
 
 
+def test_engine_config_checks_its_fields_and_is_built_from_the_run_config():
+    import dataclasses
+    from pathlib import Path
+
+    from rhyme_jax.config import load_config
+
+    base = dict(max_slots=3, page_size=PAGE, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW)
+    for field, bad, msg in (("max_slots", 0, "max_slots must be >= 1, got 0"),
+                            ("max_new_tokens", -1, "max_new_tokens must be >= 1, got -1"),
+                            ("num_pages", -2, "num_pages must be >= 0, got -2"),
+                            ("on_overlong_prompt", "drop", "on_overlong_prompt must be 'error' or 'skip'")):
+        with pytest.raises(EngineConfigError, match=msg):
+            EngineConfig(**{**base, field: bad})
+    with pytest.raises(EngineConfigError, match=r"eos_ids \[64\] outside \[0, vocab_size=64\)"):
+        _engine(eos_ids=[64])  # checked against the model by the engine
+    c = EngineConfig(**base, eos_ids=[np.int64(5), 7])
+    assert c.eos_ids == (5, 7) and c.max_seq_len == MAX_PROMPT + MAX_NEW and c.attention_impl == "reference"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.max_slots = 4
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_test.yaml", ["rollout.max_slots=6", "rollout.max_verify_tokens=40",
+                                                 "rollout.on_overlong_prompt=skip"])
+    run = EngineConfig.from_run(cfg, (1, 2))
+    r = cfg.rollout
+    assert run == EngineConfig(max_slots=6, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
+                               max_new_tokens=r.max_new_tokens, eos_ids=(1, 2), num_pages=r.num_pages,
+                               on_overlong_prompt="skip", attention_impl=r.attention_impl, max_verify_tokens=40,
+                               share_prompt_prefix=r.share_prompt_prefix)
+    eng = RolloutEngine(_model()[0], CFG, dataclasses.replace(run, attention_impl="reference"))
+    assert (eng.max_slots, eng.eos_ids, eng.verify_budget, eng.on_overlong_prompt) == (6, (1, 2), 40, "skip")
+    assert eng.config.max_verify_tokens == 40
+
+
 def _count_compiles(fn):
     events, active = [], [True]
 
@@ -280,7 +312,7 @@ def test_warmup_compiles_every_bucket():
         np.testing.assert_array_equal(got, exp)
 
 
-def test_step_pairs():
+def test_pass_pairs():
     """A decode/verify step packs the first ``(T, Q)`` pair of its row bucket holding its tokens;
     plain decode is ``(S, 1)``; three packed sizes from 1.5 S to the cap (every row's 33 tokens
     limited by the budget), geometrically; ``Q <= min(33, T - S + 1, 2 T / S + 1)``."""
@@ -291,10 +323,10 @@ def test_step_pairs():
     assert shapes.verify_pairs(1, 64) == ((1, 1), (2, 2), (8, 8), (33, 33))
     assert shapes.verify_pairs(128, 512, spec=False) == ((128, 1),)
     plan = shapes.plan(max_slots=32, page_size=16, max_prompt_len=64, max_new_tokens=64)
-    assert [plan.step_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
+    assert [plan.pass_pair(32, u) for u in (20, 32, 33, 64, 65, 128)] == \
         [(32, 1), (32, 1), (48, 4), (80, 6), (80, 6), (128, 9)]
     with pytest.raises(ValueError, match="more than the cap 128"):
-        plan.step_pair(32, 129)
+        plan.pass_pair(32, 129)
 
 
 def test_sampled_logprobs_are_behaviour_logprobs_and_reproducible():

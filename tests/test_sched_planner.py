@@ -76,6 +76,30 @@ def test_cost_model_fit_recovers_coefficients():
         CostModel.fit([[10, 4, 1.0]])
 
 
+def test_cost_model_from_pass_cost_recovers_a_b_c_of_a_synthetic_profile():
+    from rhyme_jax.rollout import shapes
+    from rhyme_jax.rollout.pass_cost import PassCost
+
+    a, b, c, prompt = 2e-3, 3e-5, 4e-4, 80  # c: 80 prompt tokens at g = 5e-6 s per packed token
+    g = c / prompt
+    plan = shapes.plan(max_slots=64, page_size=16, max_prompt_len=128, max_new_tokens=96)
+    programs = [p for p in plan.programs(spec=True) if p.kind != "prefill"]
+    assert {p.rows for p in programs} == {4, 16, 64} and any(p.tokens > p.rows for p in programs)
+    profile = PassCost({(p.rows, p.tokens, p.q_len): a + b * p.rows + g * (p.tokens - p.rows) for p in programs})
+    fit = CostModel.from_pass_cost(profile, prompt)
+    np.testing.assert_allclose([fit.a, fit.b, fit.c], [a, b, c], rtol=1e-6)
+    # a decode pass of S rows costs a + b S: the model's seconds for one token of a batch of S, less c S
+    np.testing.assert_allclose(fit.seconds(1, 16) - fit.c * 16, profile(16, 16, 1), rtol=1e-6)
+    assert CostModel.from_pass_cost(profile, 0).c == 0.0
+    with pytest.raises(CostModelError, match="no profiled programs"):
+        CostModel.from_pass_cost(PassCost.prior(), prompt)
+    decode_only = PassCost({k: v for k, v in profile.seconds.items() if k[2] == 1})
+    with pytest.raises(CostModelError, match="identifiable"):
+        CostModel.from_pass_cost(decode_only, prompt)
+    with pytest.raises(CostModelError, match="prompt_tokens"):
+        CostModel.from_pass_cost(profile, -1)
+
+
 def test_cost_model_save_load_and_errors(tmp_path):
     path = CostModel(a=1e-3, b=2e-5, c=3e-4).save(tmp_path / "cm.json", meta={"device": "cpu"})
     assert CostModel.load(path) == CostModel(a=1e-3, b=2e-5, c=3e-4)

@@ -18,7 +18,7 @@ from test_trainer import STEPS, host_copy, parity_reward, tiny_cfg, train_rows
 pytestmark = pytest.mark.slow
 
 # 2 prompts cycled: every step is a new epoch, so drafts come from history from step 2 on;
-# short matches for the untrained model; the analytical step-cost prior (no profiling); a low
+# short matches for the untrained model; the analytical pass-cost prior (no profiling); a low
 # temperature so the untrained policy repeats its responses across epochs.
 COMMON = ("grpo.num_prompts=2", "spec.pattern_min=1", "spec.min_token_prob=0.0", "spec.step_cost=prior",
           "rollout.temperature=0.1")  # a peaked policy repeats itself: drafts get accepted

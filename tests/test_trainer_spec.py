@@ -75,22 +75,22 @@ def test_resume_with_history_is_bit_identical(spec_run, tmp_path):
                 assert got[step][key] == value, (step, key)
 
 
-@pytest.mark.slow  # ~100 s on 2 busy cores; test_attach_step_cost_* covers the wiring in the default set
+@pytest.mark.slow  # ~100 s on 2 busy cores; test_attach_pass_cost_* covers the wiring in the default set
 def test_goodput_run_loads_its_step_cost_and_logs_predicted_acceptance(tmp_path):
-    """spec.window=goodput end to end: the step-cost file reaches every engine (a profile in which
+    """spec.window=goodput end to end: the pass-cost file reaches every engine (a profile in which
     every program of a row bucket costs the same: drafting is free, so the engine sends drafts) and
     the metrics carry the drafter's predicted acceptance beside the observed one."""
     from rhyme_jax.rollout.shapes import programs_from_config
-    from rhyme_jax.rollout.step_cost import StepCost
+    from rhyme_jax.rollout.pass_cost import PassCost
 
     base = tiny_cfg(tmp_path, *SPEC)
-    flat = StepCost({(p.rows, p.tokens, p.q_len): 1.0 for p in programs_from_config(base) if p.kind != "prefill"})
+    flat = PassCost({(p.rows, p.tokens, p.q_len): 1.0 for p in programs_from_config(base) if p.kind != "prefill"})
     path = flat.save(tmp_path / "flat_cost.json")
     cfg = tiny_cfg(tmp_path, *SPEC, "spec.window=goodput", f"spec.step_cost={path}", "grpo.steps=2",
                    "spec.self_lookup=true", "spec.siblings=true")
     trainer = GRPOTrainer(cfg, reward_fn=parity_reward)
     try:
-        assert all(e.step_cost.seconds == flat.seconds for e in trainer.rollout.engines)
+        assert all(e.pass_cost.seconds == flat.seconds for e in trainer.rollout.engines)
         trainer.fit()
     finally:
         trainer.close()
@@ -100,25 +100,25 @@ def test_goodput_run_loads_its_step_cost_and_logs_predicted_acceptance(tmp_path)
     assert 0.0 <= rows[2]["spec/acceptance_rate"] <= 1.0
 
 
-def test_attach_step_cost_gives_every_engine_the_first_engines_model(tmp_path):
+def test_attach_pass_cost_gives_every_engine_the_first_engines_model(tmp_path):
     from types import SimpleNamespace
 
-    from rhyme_jax.rollout.step_cost import StepCost
-    from rhyme_jax.train.assembly import attach_step_cost
+    from rhyme_jax.rollout.pass_cost import PassCost
+    from rhyme_jax.train.assembly import attach_pass_cost
 
     class Engine:
         def __init__(self):
-            self.step_cost, self.calls = StepCost.prior(), []
+            self.pass_cost, self.calls = PassCost.prior(), []
 
-        def use_step_cost(self, state, sampling, path=""):
+        def use_pass_cost(self, state, sampling, path=""):
             self.calls.append((state, path))
-            self.step_cost = StepCost({(1, 1, 1): 2.0})
-            return self.step_cost
+            self.pass_cost = PassCost({(1, 1, 1): 2.0})
+            return self.pass_cost
 
     engines = [Engine(), Engine()]
     parts = SimpleNamespace(engines=engines, states=lambda s: [f"{s}@w0", f"{s}@w1"])
-    attach_step_cost(tiny_cfg(tmp_path, *SPEC), parts, "state")  # window=fixed: nothing to do
-    assert engines[0].calls == [] and engines[1].step_cost.meta == {"source": "prior"}
-    attach_step_cost(tiny_cfg(tmp_path, *SPEC, "spec.window=goodput", "spec.step_cost=prior"), parts, "state")
+    attach_pass_cost(tiny_cfg(tmp_path, *SPEC), parts, "state")  # window=fixed: nothing to do
+    assert engines[0].calls == [] and engines[1].pass_cost.meta == {"source": "prior"}
+    attach_pass_cost(tiny_cfg(tmp_path, *SPEC, "spec.window=goodput", "spec.step_cost=prior"), parts, "state")
     assert engines[0].calls == [("state@w0", "prior")] and engines[1].calls == []
-    assert engines[1].step_cost is engines[0].step_cost
+    assert engines[1].pass_cost is engines[0].pass_cost

@@ -82,9 +82,9 @@ def _abstract_engine(cfg: RunConfig, model_cfg):
 
 def compile_seconds(engine, state, program, sampling) -> float:
     """Seconds to lower and XLA-compile one step program of ``engine`` (abstract arguments)."""
-    from rhyme_jax.rollout.step_runner import StepRunner
+    from rhyme_jax.rollout.pass_runner import PassRunner
 
-    runner = StepRunner(engine, state, sampling, allocate=False)  # the engine holds an abstract pool
+    runner = PassRunner(engine, state, sampling, allocate=False)  # the engine holds an abstract pool
     inp = runner.inputs(program)
     t0 = time.perf_counter()
     runner.lower(inp).compile()

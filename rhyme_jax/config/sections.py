@@ -313,7 +313,7 @@ class SpecSection:
     history_depth: int = 1  # rollouts of each prompt kept in the history store
     self_lookup: bool = False  # extension: no history match -> draft from the sequence's own earlier tokens
     siblings: bool = False  # extension: also draft from the same step's other responses to the prompt (GRPO group)
-    # step-cost model of window=goodput: a profile JSON | "" = profiled at start-up, cached per model and backend
+    # pass-cost model of window=goodput: a profile JSON | "" = profiled at start-up, cached per model and backend
     # | "prior" = the analytical stand-in (2 x rows + packed tokens; no profiling)
     step_cost: str = ""
 
@@ -327,7 +327,7 @@ class SpecSection:
         if not self.pattern_min <= self.pattern_max <= MAX_PATTERN:
             raise fail(self, "pattern_max", f"must be in [spec.pattern_min={self.pattern_min}, {MAX_PATTERN}]")
         if self.step_cost not in ("", "prior") and not Path(self.step_cost).is_file():
-            raise fail(self, "step_cost", "is not a file (a step-cost profile JSON; '' = profile at start-up, 'prior' = no profile)")
+            raise fail(self, "step_cost", "is not a file (a pass-cost profile JSON; '' = profile at start-up, 'prior' = no profile)")
 
 
 @dataclass(frozen=True)
@@ -377,7 +377,7 @@ class SchedSection:
     length_stat: LengthStat = "mean"  # length prediction from the last rollout
     growth: float = 1.5  # migration: generated > growth x predicted length
     tail_fraction: float = 0.1  # migration: the worker has at most this share of its rows unfinished
-    cost_model: str = ""  # profiled cost model JSON (python -m benchmarks.schedule --mode profile); "" = placeholder
+    cost_model: str = ""  # cost model JSON fitted to the engine's pass-cost profile (python -m benchmarks.schedule --mode profile); "" = placeholder
 
     def __post_init__(self):
         check_fields(self)

@@ -15,7 +15,7 @@ expected tokens per second (goodput). Drafting that does not pay is not sent: pl
 whenever no draft adds enough expected tokens to pay for the bigger step. Rows the history predicts
 long weigh up to twice as much (``makespan_weights``): the rollout waits for its longest row.
 The search covers every row bucket that holds the live rows, not only the smallest: where the
-step-cost model times a small bucket's programs above a larger one's, a tail of few rows runs
+pass-cost model times a small bucket's programs above a larger one's, a tail of few rows runs
 padded in the larger bucket.
 
 ``DraftBackoff``: while the choice keeps sending no draft although the drafter proposed some
@@ -49,7 +49,7 @@ from rhyme_jax.rollout.shapes import ShapePlan, seq_bucket, seq_buckets, verify_
 
 
 @dataclass(frozen=True)
-class StepChoice:
+class PassChoice:
     """One decode/verify step's shape and draft lengths.
 
     Attributes:
@@ -97,15 +97,15 @@ def makespan_weights(priorities: Float[np.ndarray, "n"] | None, n: int) -> Float
 
 
 def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Callable[[int, int, int], float],
-                   weights: Float[np.ndarray, "n"] | None = None) -> StepChoice:
+                   weights: Float[np.ndarray, "n"] | None = None) -> PassChoice:
     """The step of ``n`` live rows with acceptance curve ``curve`` (``accept_curve``) that
     maximises expected emitted tokens per second under ``cost(rows, tokens, q_len)``, over the
     programs of every row bucket that holds the ``n`` rows; with
     ``weights`` (``makespan_weights``) row i's expected tokens count ``weights[i]`` times in the
-    choice of drafts and program (``StepChoice.expected`` stays unweighted).
+    choice of drafts and program (``PassChoice.expected`` stays unweighted).
 
     Returns:
-      ``StepChoice`` (ties: the smaller program, i.e. plain decode first).
+      ``PassChoice`` (ties: the smaller program, i.e. plain decode first).
     """
     n = curve.shape[0]
     smallest = seq_bucket(n, plan.max_slots)
@@ -130,7 +130,7 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
         return prefix[q_len]
 
     best, best_rate = None, -1.0
-    # every row bucket that holds the rows: where the step-cost model times a small bucket's
+    # every row bucket that holds the rows: where the pass-cost model times a small bucket's
     # programs above a larger one's (a backend that runs few rows badly), the tail runs padded
     pairs = [(r, t, q) for r in seq_buckets(plan.max_slots) if r >= smallest
              for t, q in verify_pairs(r, plan.verify_budget)]
@@ -140,11 +140,11 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
         rate = (total_w + float(weighted[m])) / max(cost(rows, t_total, q_len), 1e-12)
         if rate > best_rate * (1 + 1e-9):
             lens = np.bincount(kept[:m] % max(n, 1), minlength=n).astype(np.int64)
-            best, best_rate = StepChoice(rows, t_total, q_len, lens, n + float(plain[m])), rate
+            best, best_rate = PassChoice(rows, t_total, q_len, lens, n + float(plain[m])), rate
     return best
 
 
-def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> StepChoice:
+def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> PassChoice:
     """The step of the paper's window policies (module docstring).
 
     Raises:
@@ -157,12 +157,12 @@ def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> StepChoice:
     if not pairs:
         raise ValueError(f"step packs {used} tokens, more than the cap of {rows} rows")
     t_total, q_len = pairs[0]
-    return StepChoice(rows, t_total, q_len, np.minimum(lens, q_len - 1), 0.0)
+    return PassChoice(rows, t_total, q_len, np.minimum(lens, q_len - 1), 0.0)
 
 
-def choose_step(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] | None,
+def choose_pass(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] | None,
                 cost: Callable[[int, int, int], float],
-                priorities: Float[np.ndarray, "n"] | None = None) -> tuple[StepChoice, np.ndarray | None]:
+                priorities: Float[np.ndarray, "n"] | None = None) -> tuple[PassChoice, np.ndarray | None]:
     """The engine's step for drafts of ``draft_lens`` tokens (already capped by each request's
     budget and ``shapes.MAX_DRAFT``): with ``estimates``, ``goodput_choice`` under ``cost``;
     without, the drafts cut longest-first to the plan's packed-token budget
@@ -182,7 +182,7 @@ def expected_accepted(curve: np.ndarray | None, lens: Int[np.ndarray, "n"]) -> f
     return float(curve[np.arange(curve.shape[1])[None, :] < np.asarray(lens)[:, None]].sum())
 
 
-__all__ = ["StepChoice", "accept_curve", "choose_step", "expected_accepted", "fixed_rule", "goodput_choice",
+__all__ = ["PassChoice", "accept_curve", "choose_pass", "expected_accepted", "fixed_rule", "goodput_choice",
            "makespan_weights"]
 
 

@@ -8,7 +8,7 @@ step into them:
   A sequence may start after a shared prompt prefix.
 * decode / verify: the live slots are compacted into ``S`` sequence rows (``seq_buckets``); each
   feeds its pending token plus its draft, packed back to back into ``T`` tokens
-  (``ShapePlan.step_pair``; decode is one token per row); the page table is cut to a width of
+  (``ShapePlan.pass_pair``; decode is one token per row); the page table is cut to a width of
   ``shapes.decode_widths``.
 """
 
@@ -24,7 +24,7 @@ from rhyme_jax.rollout.shapes import (  # noqa: F401 (re-exported)
 
 
 @dataclass
-class StepInputs:
+class PassInputs:
     """Arguments of one jitted step: ``tokens/positions i32[T]``, ``meta``, ``logits_rows i32[S]``,
     the static ``max_q_len`` and ``streams i32[T]``, the sequence (request) of each packed token,
     which keys its sampling draw (``sampling.position_noise``; 0 for padding)."""
@@ -49,7 +49,7 @@ def _streams_of(slot_streams: np.ndarray | None, slots: np.ndarray) -> np.ndarra
 
 def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndarray, page_size: int,
                    max_slots: int, t_b: int, num_rows: int, q_len: int,
-                   slot_streams: np.ndarray | None = None) -> StepInputs:
+                   slot_streams: np.ndarray | None = None) -> PassInputs:
     """Pack ``[(slot, new tokens i32[L], start)]`` into one prefill step, each sequence cut into
     attention rows (chunks) of at most ``q_len`` tokens.
 
@@ -101,7 +101,7 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     rows[: len(batch)] = seq_off[1:] - 1
     meta = RaggedMeta(kv_lens=kv_lens, page_indices=pages, cu_q_lens=cu,
                       num_seqs=np.array([row_seq.size], np.int32), slot_mapping=slot_mapping)
-    return StepInputs(tokens, positions, meta, rows, int(q_len), streams)
+    return PassInputs(tokens, positions, meta, rows, int(q_len), streams)
 
 
 def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
@@ -125,8 +125,8 @@ def trim_drafts(draft_lens: np.ndarray, budget: int) -> np.ndarray:
 
 
 @dataclass
-class VerifyInputs(StepInputs):
-    """``StepInputs`` of a decode/verify step plus ``draft_lens i32[S]`` (row ``i`` fed
+class VerifyInputs(PassInputs):
+    """``PassInputs`` of a decode/verify step plus ``draft_lens i32[S]`` (row ``i`` fed
     ``1 + draft_lens[i]`` tokens at ``cu_q_lens[i]``; ``logits_rows`` is unused: the step returns
     every packed position) and ``slots i32[n]`` (the engine slot of each of the first ``n`` rows)."""
 
@@ -150,7 +150,7 @@ def verify_inputs(slots: np.ndarray, slot_len: np.ndarray, slot_last: np.ndarray
         slot_last: ``int[max_slots]`` pending token; drafts: ``int[n, K]`` (any ``K``);
         draft_lens: ``int[n]`` in ``[0, min(K, q_len - 1)]``; page_table: the allocator's
         ``int32[max_slots, pages_per_seq]``; num_rows, t_total, q_len, width: the bucket
-        (``ShapePlan.step_pair``, ``ShapePlan.width``); slot_streams: ``int[max_slots]`` the
+        (``ShapePlan.pass_pair``, ``ShapePlan.width``); slot_streams: ``int[max_slots]`` the
         request of each slot, which keys its tokens' sampling draws (default: the slot id).
 
     Raises:
@@ -203,14 +203,14 @@ def unpack_rows(values: np.ndarray, cu_q_lens: np.ndarray, n: int, width: int) -
     return np.asarray(values)[np.minimum(idx, len(values) - 1)]
 
 
-def dummy_prefill(t_b: int, num_rows: int, q_len: int, max_slots: int, pages_per_seq: int) -> StepInputs:
+def dummy_prefill(t_b: int, num_rows: int, q_len: int, max_slots: int, pages_per_seq: int) -> PassInputs:
     """Prefill inputs of bucket ``(t_b, num_rows, q_len)`` with no live sequence (warm-up; page 0
     only)."""
     z = np.zeros(t_b, np.int32)
     meta = RaggedMeta(kv_lens=np.zeros(num_rows, np.int32),
                       page_indices=np.zeros((num_rows, pages_per_seq), np.int32),
                       cu_q_lens=np.zeros(num_rows + 1, np.int32), num_seqs=np.zeros(1, np.int32), slot_mapping=z)
-    return StepInputs(z, z, meta, np.zeros(min(max_slots, t_b), np.int32), q_len)
+    return PassInputs(z, z, meta, np.zeros(min(max_slots, t_b), np.int32), q_len)
 
 
 def dummy_verify(num_rows: int, t_total: int, q_len: int, width: int, pages_per_seq: int) -> VerifyInputs:
@@ -223,7 +223,7 @@ def dummy_verify(num_rows: int, t_total: int, q_len: int, width: int, pages_per_
 
 
 def busy_verify(shape, max_slots: int, pages_per_seq: int, page_size: int, num_pages: int = 0) -> VerifyInputs:
-    """Decode/verify inputs of a ``shapes.StepShape`` with every row live (the step-cost profile:
+    """Decode/verify inputs of a ``shapes.PassShape`` with every row live (the pass-cost profile:
     a step's cost depends on its live rows, drafts and context, which ``dummy_verify`` leaves
     empty): ``shape.rows`` rows, each with a context filling half its page-table width and the
     ``T - rows`` draft tokens spread evenly (at most ``q_len - 1`` per row). With ``num_pages``
@@ -243,17 +243,17 @@ def busy_verify(shape, max_slots: int, pages_per_seq: int, page_size: int, num_p
                          shape.width)
 
 
-def step_inputs(shape, max_slots: int, pages_per_seq: int) -> StepInputs:
-    """Dummy inputs of one ``shapes.StepShape`` (warm-up, compile reports)."""
+def pass_inputs(shape, max_slots: int, pages_per_seq: int) -> PassInputs:
+    """Dummy inputs of one ``shapes.PassShape`` (warm-up, compile reports)."""
     if shape.kind == "prefill":
         return dummy_prefill(shape.tokens, shape.rows, shape.q_len, max_slots, pages_per_seq)
     return dummy_verify(shape.rows, shape.tokens, shape.q_len, shape.width, pages_per_seq)
 
 
-def shape_of(inp: StepInputs):
-    """The ``shapes.StepShape`` program an input runs (the engine records every one it runs)."""
-    from rhyme_jax.rollout.shapes import StepShape
+def shape_of(inp: PassInputs):
+    """The ``shapes.PassShape`` program an input runs (the engine records every one it runs)."""
+    from rhyme_jax.rollout.shapes import PassShape
 
     rows, width = inp.meta.page_indices.shape
     kind = "prefill" if not isinstance(inp, VerifyInputs) else ("decode" if inp.max_q_len == 1 else "verify")
-    return StepShape(kind, len(inp.tokens), rows, int(inp.max_q_len), width)
+    return PassShape(kind, len(inp.tokens), rows, int(inp.max_q_len), width)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +35,18 @@ from flax import nnx
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, shapes
-from rhyme_jax.rollout.allocation import StepChoice
-from rhyme_jax.rollout.step_cost import PROFILE_VERSION, StepCost, profile
-from rhyme_jax.rollout.step_cost import cache_path as step_cost_cache_path
-from rhyme_jax.rollout.batching import StepInputs
+from rhyme_jax.rollout.allocation import PassChoice
+from rhyme_jax.rollout.pass_cost import PROFILE_VERSION, PassCost, profile
+from rhyme_jax.rollout.pass_cost import cache_path as pass_cost_cache_path
+from rhyme_jax.rollout.batching import PassInputs
+from rhyme_jax.rollout.engine_config import EngineConfig  # noqa: F401 (re-exported with the engine)
 from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
-from rhyme_jax.rollout.step import StaticModel, step_fn, verify_step_fn
-from rhyme_jax.rollout.step_runner import StepRunner
+from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
+from rhyme_jax.rollout.pass_runner import PassRunner
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
-
-if TYPE_CHECKING:
-    from rhyme_jax.config import RolloutSection
 
 _WHERE = "rhyme_jax/rollout/engine.py"
 
@@ -59,71 +57,43 @@ class RolloutEngine:
     Args:
       graphdef: ``nnx.split(Decoder)[0]``; the state is passed to each ``generate`` call.
       model_cfg: the model's ``ModelConfig`` (num_layers, num_kv_heads, head_dim, vocab_size).
-      max_slots: concurrent sequences.
-      page_size: tokens per KV page.
-      num_pages: pool size in pages including scratch page 0; 0 = ``max_slots`` full-length
-        sequences + 1.
-      max_prompt_len, max_new_tokens: limits in tokens (they size the page table rows).
-      eos_ids: tokens that end a sequence (emitted and kept in the response).
-      on_overlong_prompt: ``"error"`` (raise PromptTooLongError) or ``"skip"``.
-      attention_impl: ragged paged attention implementation: a name, ``"auto"`` (kernel of the
-        backend, reference on CPU) or an ordered list (``pallas_kernels/.../api.py``).
-      share_prompt_prefix: samples of the same prompt (a GRPO group) share the KV pages that
-        the prompt fills completely; only the prompt's last partial page is prefilled again per
-        sample (vLLM-style prefix sharing; outputs are unchanged).
+      config: the engine's ``EngineConfig`` (slots, page size, pool, token limits, stop tokens,
+        attention, pass budgets; ``EngineConfig.from_run`` for a run).
       mesh: device mesh with a ``tensor`` axis; the attention op runs inside ``shard_map`` over
         it and the KV pool is sharded by KV head over ``tensor``. ``None`` = a one-device mesh
         on ``jax.devices()[0]``.
-      max_prefill_tokens: token budget of one prefill call (rounded up to a power of two, at
-        least one full sequence); bounds the number of prefill shape buckets.
-      max_verify_tokens: packed-token budget of one decode/verify step (pending tokens plus
-        drafts of all slots); 0 = ``4 * max_slots``. Longest drafts are cut first to fit.
 
-    The buckets are ``self.plan = shapes.plan(...)`` of these sizes.
+    The buckets are ``self.plan = shapes.plan(...)`` of the config's sizes; its fields are also
+    attributes of the engine (``max_slots``, ``page_size``, ``eos_ids``, ...).
 
     Raises:
-      EngineConfigError: a size is invalid, the pool cannot hold one full-length sequence, or
-        ``attention_impl`` / ``on_overlong_prompt`` is unknown.
+      EngineConfigError: ``eos_ids`` outside the vocabulary, the pool cannot hold one
+        full-length sequence, ``attention_impl`` is unknown or cannot run here, or the mesh has
+        no ``tensor`` axis dividing the KV heads (sizes: ``EngineConfig``).
     """
 
-    def __init__(self, graphdef, model_cfg, *, max_slots: int, page_size: int, num_pages: int,
-                 max_prompt_len: int, max_new_tokens: int, eos_ids: Sequence[int],
-                 on_overlong_prompt: str = "error", attention_impl: str = "reference",
-                 max_prefill_tokens: int = 2048, max_verify_tokens: int = 0, mesh=None,
-                 share_prompt_prefix: bool = True):
-        for name, val in dict(max_slots=max_slots, page_size=page_size, max_prompt_len=max_prompt_len,
-                              max_new_tokens=max_new_tokens).items():
-            if int(val) < 1:
-                raise EngineConfigError(f"{_WHERE}: RolloutEngine {name} must be >= 1, got {val}")
-        if num_pages < 0:
-            raise EngineConfigError(f"{_WHERE}: RolloutEngine num_pages must be >= 0, got {num_pages}")
-        if on_overlong_prompt not in ("error", "skip"):
-            raise EngineConfigError(
-                f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {on_overlong_prompt!r}")
+    def __init__(self, graphdef, model_cfg, config: EngineConfig, *, mesh=None):
+        c = self.config = config
         try:
-            attention_impl = attention_api.resolve_name(attention_api.parse_implementation(attention_impl))
+            self.attention_impl = attention_api.resolve_name(attention_api.parse_implementation(c.attention_impl))
         except ValueError as exc:
             raise EngineConfigError(f"{_WHERE}: attention_impl: {exc}") from None
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
         if "tensor" not in self.mesh.axis_names or model_cfg.num_kv_heads % self.mesh.shape["tensor"]:
             raise EngineConfigError(f"{_WHERE}: mesh needs a 'tensor' axis dividing num_kv_heads="
                                     f"{model_cfg.num_kv_heads}, got {dict(self.mesh.shape)}")
-        self.graphdef = graphdef
-        self.model_cfg = model_cfg
-        self.max_slots = int(max_slots)
-        self.page_size = int(page_size)
-        self.max_prompt_len = int(max_prompt_len)
-        self.max_new_tokens = int(max_new_tokens)
-        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.graphdef, self.model_cfg = graphdef, model_cfg
+        self.max_slots, self.page_size = int(c.max_slots), int(c.page_size)
+        self.max_prompt_len, self.max_new_tokens = int(c.max_prompt_len), int(c.max_new_tokens)
+        self.eos_ids = c.eos_ids
         bad = [e for e in self.eos_ids if not 0 <= e < model_cfg.vocab_size]
         if bad:
             raise EngineConfigError(f"{_WHERE}: eos_ids {bad} outside [0, vocab_size={model_cfg.vocab_size})")
-        self.on_overlong_prompt = on_overlong_prompt
-        self.attention_impl = attention_impl
-        self.share_prompt_prefix = bool(share_prompt_prefix)
-        self.max_seq_len = self.max_prompt_len + self.max_new_tokens
+        self.on_overlong_prompt = c.on_overlong_prompt
+        self.share_prompt_prefix = bool(c.share_prompt_prefix)
+        self.max_seq_len = c.max_seq_len
         self.pages_per_seq = -(-self.max_seq_len // self.page_size)
-        self.num_pages = int(num_pages) or self.max_slots * self.pages_per_seq + 1
+        self.num_pages = int(c.num_pages) or self.max_slots * self.pages_per_seq + 1
         if self.num_pages - 1 < self.pages_per_seq:
             raise EngineConfigError(
                 f"{_WHERE}: num_pages={self.num_pages} cannot hold one full-length sequence "
@@ -131,7 +101,7 @@ class RolloutEngine:
                 f"{self.pages_per_seq} pages of {self.page_size} plus scratch page 0)")
         self.plan = shapes.plan(max_slots=self.max_slots, page_size=self.page_size,
                                 max_prompt_len=self.max_prompt_len, max_new_tokens=self.max_new_tokens,
-                                max_prefill_tokens=max_prefill_tokens, max_verify_tokens=max_verify_tokens)
+                                max_prefill_tokens=c.max_prefill_tokens, max_verify_tokens=c.max_verify_tokens)
         self.prefill_budget = self.plan.prefill_budget
         self.prefill_buckets = self.plan.prefill_buckets
         self.verify_budget = self.plan.verify_budget
@@ -139,23 +109,11 @@ class RolloutEngine:
         self.allocator = PageAllocator(self.num_pages, self.page_size, self.max_slots, self.pages_per_seq)
         self.kv: KVCache | None = None
         self._static: StaticModel | None = None
-        self.check_invariants = False  # tests: run allocator.check() after every step
-        self.programs_run: set[shapes.StepShape] = set()  # every step program run (within programs())
+        self.check_invariants = False  # tests: run allocator.check() after every pass
+        self.programs_run: set[shapes.PassShape] = set()  # every pass program run (within programs())
         # Seconds per decode/verify program, for the goodput allocation of estimated drafts
-        # (``profile_step_cost`` measures it; the prior until then).
-        self.step_cost: StepCost = StepCost.prior()
-
-    @classmethod
-    def from_section(cls, graphdef, model_cfg, rollout: "RolloutSection", eos_ids: Sequence[int],
-                     mesh=None) -> "RolloutEngine":
-        """The engine a run's ``rollout`` config section sizes (``eos_ids``: tokens that end a
-        response; ``()``: every response runs to ``max_new_tokens``), on ``mesh`` (a rollout
-        worker's sub-mesh with a ``tensor`` axis; None = one device)."""
-        r = rollout
-        return cls(graphdef, model_cfg, max_slots=r.max_slots, page_size=r.page_size, num_pages=r.num_pages,
-                   max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
-                   on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
-                   max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix, mesh=mesh)
+        # (``profile_pass_cost`` measures it; the prior until then).
+        self.pass_cost: PassCost = PassCost.prior()
 
     # ------------------------------------------------------------------ helpers
     def _flat_state(self, state):
@@ -164,13 +122,13 @@ class RolloutEngine:
             self._static = StaticModel(self.graphdef, treedef)
         return leaves, self._static
 
-    def programs(self, spec: bool = True) -> list[shapes.StepShape]:
-        """Every step program this engine can compile (``self.plan.programs(spec)``)."""
+    def programs(self, spec: bool = True) -> list[shapes.PassShape]:
+        """Every pass program this engine can compile (``self.plan.programs(spec)``)."""
         return self.plan.programs(spec)
 
     def warmup(self, state: nnx.State, sampling: SamplingParams, draft_buckets: Sequence[int] = (0,),
                compile_threads: int = 1, *, spec: bool | None = None) -> int:
-        """Run every step program of ``self.programs(spec)`` once for ``sampling``'s program.
+        """Run every pass program of ``self.programs(spec)`` once for ``sampling``'s program.
 
         ``spec`` (default: whether ``draft_buckets`` has a nonzero entry, the older spelling)
         adds the verify programs HistoSpec drafting uses. Afterwards ``generate`` with the same
@@ -190,35 +148,35 @@ class RolloutEngine:
             runner.run(inp)
         return len(inputs)
 
-    def runner(self, state: nnx.State, sampling: SamplingParams) -> "StepRunner":
-        """A ``StepRunner``: this engine's step programs run or lowered one at a time on given
+    def runner(self, state: nnx.State, sampling: SamplingParams) -> "PassRunner":
+        """A ``PassRunner``: this engine's pass programs run or lowered one at a time on given
         inputs (benchmarks, compile reports, profiles), the KV pool created for ``state``."""
-        return StepRunner(self, state, sampling)
+        return PassRunner(self, state, sampling)
 
-    def profile_step_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> StepCost:
-        """Measure ``self.step_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
-        (``step_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
+    def profile_pass_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> PassCost:
+        """Measure ``self.pass_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
+        (``pass_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
         when no slot holds any, ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
         runner = self.runner(state, sampling)
         own_pages = self.num_pages if not self.allocator.num_held.any() else 0  # pool idle: rows on their own pages
         secs = profile(lambda shape: runner.run(runner.inputs(shape, busy=True, own_pages=own_pages)),
                        self.programs(spec=True), repeats)
         dev = jax.devices()[0]
-        self.step_cost = StepCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
+        self.pass_cost = PassCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
                                          "source": "profiled"})
-        return self.step_cost
+        return self.pass_cost
 
-    def use_step_cost(self, state: nnx.State, sampling: SamplingParams, path: str = "") -> StepCost:
-        """Set ``self.step_cost`` from ``path`` (a ``StepCost`` JSON; ``"prior"``: the analytical
+    def use_pass_cost(self, state: nnx.State, sampling: SamplingParams, path: str = "") -> PassCost:
+        """Set ``self.pass_cost`` from ``path`` (a ``PassCost`` JSON; ``"prior"``: the analytical
         prior) or, with no path, from the cache file of this engine's model, dtype, backend, device kind and plan
-        (``step_cost.cache_path``), profiling and caching it when there is none.
+        (``pass_cost.cache_path``), profiling and caching it when there is none.
 
         Raises:
-          StepCostError: ``path`` (or a corrupt cache file) cannot be read.
+          PassCostError: ``path`` (or a corrupt cache file) cannot be read.
         """
         if path:
-            self.step_cost = StepCost.prior() if path == "prior" else StepCost.load(path)
-            return self.step_cost
+            self.pass_cost = PassCost.prior() if path == "prior" else PassCost.load(path)
+            return self.pass_cost
         leaves = jax.tree.leaves(state)
         cfg = self.model_cfg
         parts = {"profile": PROFILE_VERSION, "model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
@@ -226,12 +184,12 @@ class RolloutEngine:
                  "dtype": str(leaves[0].dtype) if leaves else "", "backend": jax.default_backend(),
                  "device": jax.devices()[0].device_kind, "devices": int(self.mesh.size),
                  "attention": self.attention_impl, "plan": dataclasses.astuple(self.plan)}
-        cached = step_cost_cache_path(parts)
+        cached = pass_cost_cache_path(parts)
         if cached.is_file():
-            self.step_cost = StepCost.load(cached)
+            self.pass_cost = PassCost.load(cached)
         else:
-            self.profile_step_cost(state, sampling).save(cached)
-        return self.step_cost
+            self.profile_pass_cost(state, sampling).save(cached)
+        return self.pass_cost
 
     def _pool_factory(self, state) -> Callable[[], KVCache]:
         """A function creating this engine's zero KV pool in the dtype ``state`` computes in."""
@@ -281,22 +239,22 @@ class RolloutEngine:
             out.append(arr.astype(np.int32))
         return out
 
-    def _call(self, flat_state, inp: StepInputs, key, sp, mode):
+    def _call(self, flat_state, inp: PassInputs, key, sp, mode):
         """``(jitted step function, positional args, keyword args)`` of one step."""
         leaves, static = flat_state
         scalars = (np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
-            return verify_step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
+            return verify_pass, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
                                     *scalars), kw
-        return step_fn, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
+        return prefill_pass, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.logits_rows,
                          inp.streams, key, *scalars), kw
 
-    def _run(self, flat_state, inp: StepInputs, key, sp, mode, live: bool = False):
-        """Prefill (``StepInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
+    def _run(self, flat_state, inp: PassInputs, key, sp, mode, live: bool = False):
+        """Prefill (``PassInputs``) -> ``(tokens [S], logprobs [S])``; decode/verify
         (``VerifyInputs``) -> ``(tokens [T], logprobs [T], num_emitted [S])``, packed. With
-        ``live`` (a rollout's pass) a decode/verify pass's time goes to the step-cost model
-        (``StepCost.observe``: live times replace profiled ones)."""
+        ``live`` (a rollout's pass) a decode/verify pass's time goes to the pass-cost model
+        (``PassCost.observe``: live times replace profiled ones)."""
         fn, args, kw = self._call(flat_state, inp, key, sp, mode)
         shape = batching.shape_of(inp)
         self.programs_run.add(shape)
@@ -304,18 +262,18 @@ class RolloutEngine:
         *out, self.kv = fn(*args, **kw)
         out = jax.device_get(tuple(out))
         if live and shape.kind != "prefill":
-            self.step_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
+            self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
         if self.check_invariants:
             self.allocator.check()
         return out
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
-               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, StepChoice]:
+               backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:
         """Drafts ``i32[n, K]`` of the live slots ``ids`` and the step that carries them
-        (``allocation.StepChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
+        (``allocation.PassChoice``: program and kept draft lengths; ``K = 0`` without a drafter).
         The engine alone sizes drafts: they never pass the request's ``max_new_tokens`` (room for
         the bonus token) nor ``shapes.MAX_DRAFT``; with the drafter's acceptance estimates the
-        goodput allocation keeps what pays under ``self.step_cost``, else they are cut
+        goodput allocation keeps what pays under ``self.pass_cost``, else they are cut
         longest-first to the step's token budget; they only use pages the pool can give without
         preempting anyone (a draft is cut to the pages its slot holds otherwise); a step where
         the drafter proposes nothing is the plain decode step (``allocation.fixed_rule``). With ``backoff``
@@ -335,7 +293,7 @@ class RolloutEngine:
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
         if not got.any():  # nothing proposed: the plain decode step, no choice to make
             return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
-        choice, curve = allocation.choose_step(self.plan, got, est, self.step_cost, prio)
+        choice, curve = allocation.choose_pass(self.plan, got, est, self.pass_cost, prio)
         if backoff is not None and est is not None:
             backoff.chose(True, bool(choice.draft_lens.any()))  # proposed: got has a draft
         lens = self._page_cut(table, ids, choice.draft_lens)
@@ -354,7 +312,7 @@ class RolloutEngine:
                 alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))
         return np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
 
-    def _step_inputs(self, ids, drafts, choice: StepChoice, table: SlotTable) -> batching.VerifyInputs:
+    def _pass_inputs(self, ids, drafts, choice: PassChoice, table: SlotTable) -> batching.VerifyInputs:
         """Pack one decode/verify step of live slots ``ids`` as ``choice`` sized it. Counts
         drafted tokens."""
         table.stats["drafted_tokens"] += int(choice.draft_lens.sum())
@@ -381,7 +339,7 @@ class RolloutEngine:
         the emitted tokens (accepted drafts + one sampled) are recorded and the drafter told."""
         ids = table.live()
         drafts, choice = self._draft(drafter, table, ids, backoff)
-        inp = self._step_inputs(ids, drafts, choice, table)
+        inp = self._pass_inputs(ids, drafts, choice, table)
         d_lens = inp.draft_lens[: ids.size]
         toks, lps, n_emit = run(inp)
         cu = inp.meta.cu_q_lens
@@ -470,6 +428,6 @@ class _Passes:
         self.engine, self.flat_state, self.key, self.sampling = engine, flat_state, key, sampling
         self.mode = sampling.mode
 
-    def __call__(self, inp: StepInputs):
+    def __call__(self, inp: PassInputs):
         """``RolloutEngine._run`` of ``inp`` as the next live pass."""
         return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live=True)

@@ -1,4 +1,4 @@
-"""The rollout engine's step programs: every shape a run compiles, from its config alone.
+"""The rollout engine's pass programs: every shape a run compiles, from its config alone.
 
 Pure functions (no JAX): the engine picks each step's bucket here, its warm-up compiles
 ``ShapePlan.programs()``, and ``rhyme-jax compile-report`` lists and times the same list, so a
@@ -95,8 +95,8 @@ def verify_pairs(num_rows: int, budget: int, spec: bool = True) -> tuple[tuple[i
 
 
 @dataclass(frozen=True, order=True)
-class StepShape:
-    """One compiled step program.
+class PassShape:
+    """One compiled pass program.
 
     Attributes:
       kind: ``"prefill"``, ``"decode"`` (``Q = 1``) or ``"verify"`` (drafts packed).
@@ -149,7 +149,7 @@ class ShapePlan:
         """Smallest width holding ``max_pages_held`` page-table columns."""
         return next(w for w in self.widths if w >= min(max_pages_held, self.pages_per_seq))
 
-    def step_pair(self, num_rows: int, used: int) -> tuple[int, int]:
+    def pass_pair(self, num_rows: int, used: int) -> tuple[int, int]:
         """``(T, Q)`` of a decode/verify step of ``num_rows`` rows packing ``used`` tokens.
 
         Raises:
@@ -161,12 +161,12 @@ class ShapePlan:
                 return t, q
         raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
 
-    def programs(self, spec: bool = True) -> list[StepShape]:
-        """Every step program of a run (prefill, decode and, with ``spec``, verify), sorted."""
-        out = [StepShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
+    def programs(self, spec: bool = True) -> list[PassShape]:
+        """Every pass program of a run (prefill, decode and, with ``spec``, verify), sorted."""
+        out = [PassShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
         for s in seq_buckets(self.max_slots):
             for t, q in verify_pairs(s, self.verify_budget, spec):
-                out += [StepShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
+                out += [PassShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
         return sorted(set(out))
 
 
@@ -190,6 +190,6 @@ def plan_from_config(cfg: RunConfig) -> ShapePlan:
                 max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
 
 
-def programs_from_config(cfg: RunConfig) -> list[StepShape]:
+def programs_from_config(cfg: RunConfig) -> list[PassShape]:
     """Step programs a run compiles: ``plan_from_config(cfg).programs(spec=cfg.spec.enabled)``."""
     return plan_from_config(cfg).programs(spec=bool(cfg.spec.enabled))

@@ -119,7 +119,7 @@ class Drafter(Protocol):
         tokens) estimated probability that draft token j of row i is accepted given that tokens
         ``< j`` were, or ``None`` when the drafter gives no estimates. With estimates the engine
         chooses each row's draft length and the step shape for the most expected tokens per
-        second under its step-cost model (``rollout/allocation.py``); without, it keeps every
+        second under its pass-cost model (``rollout/allocation.py``); without, it keeps every
         draft that fits the first step shape holding it.
       priorities: optionally, after each ``draft`` call, ``float32[n]`` tokens each row is
         predicted still to generate (the allocation weighs rows predicted long up to twice), or

@@ -14,9 +14,15 @@ steps gives ``decode_cost`` = ``a * max(L) + b * sum(L) + c * rows`` (``T`` is i
 when every row has the longest length). The planner plans with ``T``; the replay benchmark
 simulates with ``decode_cost``.
 
-``fit`` recovers (a, b, c) from measured (tokens, batch, seconds) samples by non-negative least
-squares; ``save``/``load`` keep them as JSON. Measuring the samples (``profile``) lives with the
-rollout workers, not here.
+Where a, b, c come from: the engine's one measured model is its pass-cost profile
+(``rhyme_jax.rollout.pass_cost.PassCost``: seconds of every decode/verify program, profiled at
+engine start-up and cached). ``CostModel.from_pass_cost`` fits this form to it: a decode pass of
+``S`` rows costs ``a + b S``, and each packed token beyond one per row (a draft token, or a prompt
+token of a prefill) costs ``g``, so ``c = g * prompt_tokens``. ``python -m benchmarks.schedule
+--mode profile`` derives the model that way and checks it against whole ``generate`` calls;
+``fit`` (a non-negative least-squares fit to measured ``(tokens, batch, seconds)`` samples) is
+that check's comparison. ``save``/``load`` keep a, b, c as JSON (``sched.cost_model``); without a
+file the planner uses ``DEFAULT_COST_MODEL``'s placeholder constants.
 """
 
 from __future__ import annotations
@@ -116,6 +122,43 @@ class CostModel:
         coef, _ = nnls(X / scale, secs)
         a, b, c = (coef / scale).tolist()
         return cls(a, b, c)
+
+    @classmethod
+    def from_pass_cost(cls, pass_cost, prompt_tokens: float) -> "CostModel":
+        """Fit ``T(tokens, batch)`` to the engine's pass-cost profile: non-negative least squares
+        of ``seconds ~ a + b * rows + g * (tokens - rows)`` over its decode/verify programs
+        (``pass_cost.seconds``: ``{(rows, tokens, max_q_len): seconds}``, the profiled figures),
+        then ``c = g * prompt_tokens``: a sequence's admission costs the prefill of its prompt at
+        the marginal seconds of one packed token. A decode pass of ``S`` rows costs ``a + b S``.
+
+        Args:
+          pass_cost: a ``rhyme_jax.rollout.pass_cost.PassCost`` holding a profile (seconds).
+          prompt_tokens: tokens a sequence prefills on admission (e.g. the mean prompt length of
+            the run's prompts; with prompt-prefix sharing, what each sample prefills), >= 0.
+
+        Raises:
+          CostModelError: no profile (the analytical prior has no seconds), ``prompt_tokens``
+            negative or not finite, or programs that cannot tell a, b, g apart (they need two row
+            buckets and a verify program packing more tokens than rows).
+        """
+        from scipy.optimize import nnls
+
+        if not math.isfinite(float(prompt_tokens)) or float(prompt_tokens) < 0:
+            raise CostModelError(f"prompt_tokens: expected a finite number >= 0, got {prompt_tokens!r}")
+        progs = sorted(getattr(pass_cost, "seconds", {}).items())
+        if not progs:
+            raise CostModelError("pass_cost: no profiled programs (the analytical prior has no seconds)")
+        rows = np.array([k[0] for k, _ in progs], np.float64)
+        tokens = np.array([k[1] for k, _ in progs], np.float64)
+        secs = np.array([v for _, v in progs], np.float64)
+        X = np.stack([np.ones_like(rows), rows, tokens - rows], axis=1)
+        if np.linalg.matrix_rank(X) < 3:
+            raise CostModelError("pass_cost: a, b, c are not identifiable (the profile needs decode programs of "
+                                 "two row buckets and a verify program; spec-enabled plans have both)")
+        scale = np.maximum(np.abs(X).max(axis=0), 1e-300)
+        coef, _ = nnls(X / scale, secs)
+        a, b, g = (coef / scale).tolist()
+        return cls(a, b, g * float(prompt_tokens))
 
     def save(self, path: str | Path, meta: dict | None = None) -> Path:
         """Write ``{"version", "form", "a", "b", "c"[, "meta"]}`` as JSON atomically.

@@ -51,6 +51,7 @@ from rhyme_jax.parallel.mesh import MeshConfigError, rollout_meshes, train_mesh
 from rhyme_jax.parallel.reshard import reshard
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings
 from rhyme_jax.rollout.engine import RolloutEngine
+from rhyme_jax.rollout.engine_config import EngineConfig
 from rhyme_jax.rollout.types import SamplingParams
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler
@@ -91,10 +92,10 @@ def warm_start_dir(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
 
 def make_engine(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: RunConfig, eos: Sequence[int],
                 mesh: jax.sharding.Mesh | None = None) -> RolloutEngine:
-    """The rollout engine of a run, sized by the ``rollout`` config section, on ``mesh`` (a rollout
-    worker's sub-mesh with a ``tensor`` axis; None = one device); ``eos``: token ids that end a
-    response (``()``: every response runs to ``max_new_tokens``)."""
-    return RolloutEngine.from_section(graphdef, model_cfg, cfg.rollout, eos, mesh=mesh)
+    """The rollout engine of a run, sized by the ``rollout`` config section (``EngineConfig.from_run``),
+    on ``mesh`` (a rollout worker's sub-mesh with a ``tensor`` axis; None = one device); ``eos``: token
+    ids that end a response (``()``: every response runs to ``max_new_tokens``)."""
+    return RolloutEngine(graphdef, model_cfg, EngineConfig.from_run(cfg, eos), mesh=mesh)
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:
@@ -247,20 +248,20 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
     return RolloutParts(engines, shardings, scheduler, history, drafter, compute_dtype(cfg.model.dtype))
 
 
-def attach_step_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
-    """With ``spec.window=goodput``, give every engine the step-cost model its draft allocation
+def attach_pass_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
+    """With ``spec.window=goodput``, give every engine the pass-cost model its draft allocation
     uses: ``spec.step_cost`` when set, else the cached profile of this model and backend (the
     first engine profiles it once, a few seconds; the workers' engines are alike and share it).
 
     Raises:
-      StepCostError: the ``spec.step_cost`` file (or a cached one) cannot be read.
+      PassCostError: the ``spec.step_cost`` file (or a cached one) cannot be read.
     """
     if not (cfg.spec.enabled and cfg.spec.window == "goodput"):
         return
     first = rollout.engines[0]
-    cost = first.use_step_cost(rollout.states(state)[0], SamplingParams.from_section(cfg.rollout), cfg.spec.step_cost)
+    cost = first.use_pass_cost(rollout.states(state)[0], SamplingParams.from_section(cfg.rollout), cfg.spec.step_cost)
     for eng in rollout.engines[1:]:
-        eng.step_cost = cost
+        eng.pass_cost = cost
 
 
 def build_pipeline(cfg: RunConfig, policy: Policy, rollout: RolloutParts,
@@ -423,7 +424,7 @@ def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume
     history = (HistoryStore.from_bytes(start.blobs["history"], source=source)
                if uses_history(cfg) and "history" in start.blobs else None)
     rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, callbacks=callbacks)
-    attach_step_cost(cfg, rollout, state)
+    attach_pass_cost(cfg, rollout, state)
     pipeline = build_pipeline(cfg, policy, rollout, callbacks)
     if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples
         pipeline.carry = carry.from_bytes(start.blobs["carry"], source=source)

@@ -139,20 +139,20 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", t
             if row["step"] in twins:
                 row["twin"] = twins[row["step"]]
         workers = len(trainer.engines)
-        cost = trainer.engines[0].step_cost
+        cost = trainer.engines[0].pass_cost
     finally:
         trainer.close()
     return {"run_dir": str(trainer.run_dir), "workers": workers, "warmup_s": warm, "steps": steps,
             "rows_per_step": cfg.grpo.prompts_per_step * cfg.grpo.samples_per_prompt,
             "sched": {"mode": cfg.sched.mode, "tier1": cfg.sched.tier1, "tier2": cfg.sched.tier2,
                       "migration": cfg.sched.migration}, "spec": bool(cfg.spec.enabled),
-            "analysis": _analysis(trainer.run_dir), "step_cost": step_cost_rows(cost)}
+            "analysis": _analysis(trainer.run_dir), "step_cost": pass_cost_rows(cost)}
 
 
-def step_cost_rows(cost) -> dict:
-    """Worker 0's step-cost model at the end of the run, as JSON: ``profiled`` and ``live``
+def pass_cost_rows(cost) -> dict:
+    """Worker 0's pass-cost model at the end of the run, as JSON: ``profiled`` and ``live``
     (median of its recent passes, where it has one) rows of ``[rows, tokens, max_q_len, seconds]``
-    and ``meta`` (``rollout.step_cost.StepCost``; empty rows: the analytical prior)."""
+    and ``meta`` (``rollout.pass_cost.PassCost``; empty rows: the analytical prior)."""
     live = [[*k, v[1]] for k, v in sorted(cost.live.items()) if v[1] is not None]
     return {"profiled": [[*k, s] for k, s in sorted(cost.seconds.items())], "live": live, "meta": dict(cost.meta)}
 

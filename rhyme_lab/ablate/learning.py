@@ -14,12 +14,12 @@ the mean per-token entropy of the sampled tokens (estimated as their mean negati
 log-prob, in nats, from the plain run), acceptance, tokens per sequence pass, batch passes, the
 rollout and end-to-end ratios against plain (same tokens: plain seconds / HistoSpec seconds) and,
 where the plain run's rollouts allow it, the oracle bound (``oracle``). Two bounds: the modelled
-one (``oracle.epoch_bounds``: the oracle's passes priced by the step-cost model at any shape,
+one (``oracle.epoch_bounds``: the oracle's passes priced by the pass-cost model at any shape,
 beyond the engine's verify token budget) and the live one, measured: the goodput run again with
 each step's rollout decoded plain and then by the source-bound oracle drafter
 (``measure.oracle_drafters.SourceBoundDrafter``: drafts exactly what the history, the siblings so
 far and the row itself hold of its coming tokens, estimates 1) through the same engine, programs
-and step-cost model, back to back (``learn_oracle_paired``), its host search time left out. The
+and pass-cost model, back to back (``learn_oracle_paired``), its host search time left out. The
 targets use the live bound where it was measured. The first ``skip`` steps (compiles) are left
 out of the timed figures.
 
@@ -55,7 +55,7 @@ SCHED_UNITS = ("learn_plain", "learn_one_step_off", "learn_cross_step")
 WORKER_UNITS = ("learn_workers_fifo", "learn_workers_histopipe")
 TWIN_UNIT = "learn_workers_paired"  # HistoPipe run whose every rollout is also placed fifo, back to back
 # H200 cost of one demo-model pass at 128 rows by drafts per row (0 = decode): 1.838 ms and 1.01x,
-# 1.21x, 1.23x for 1, 3, 7 drafts (benchmarks/step_cost.py on one H200, 2026-11-30; docs/results.md
+# 1.21x, 1.23x for 1, 3, 7 drafts (benchmarks/pass_cost.py on one H200, 2026-11-30; docs/results.md
 # "GPU kernels and pass costs"). Used for L1's projection only: no H200 profile of SmolLM2 exists.
 H200_DEMO_PASS_S = ((0, 1.838e-3), (1, 1.838e-3 * 1.01), (3, 1.838e-3 * 1.21), (7, 1.838e-3 * 1.23))
 TARGET_RATIO = 0.98  # goodput >= 0.98x plain in every epoch (rollout and end to end)
@@ -247,11 +247,11 @@ def table_lines(name: str, rows: list[dict]) -> list[str]:
 
 def judged_bound(r: dict) -> tuple[float | None, str]:
     """The bound the targets use and its name: the live oracle's paired rollout ratio where it was
-    measured (the oracle drafter through the same engine, programs and step-cost model), else the
+    measured (the oracle drafter through the same engine, programs and pass-cost model), else the
     modelled bound from history and the sequence's own tokens (the modelled bound with the
     siblings' whole responses, which no drafter has while the siblings decode beside the row,
     where that one is missing). The modelled bounds price passes at any shape, beyond the
-    engine's verify token budget, by the step-cost model's extrapolation."""
+    engine's verify token budget, by the pass-cost model's extrapolation."""
     if r.get("oracle_rollout"):
         return r["oracle_rollout"], "the live oracle drafter (paired)"
     return r.get("bound_history_self") or r["bound"], "the modelled bound from history + own tokens"
@@ -355,7 +355,7 @@ def spec_learning(inp: Inputs, aid: str) -> dict:
         if label == "goodput":
             miss = targets(rows)
             cells.append("goodput targets: " + ("all met" if not miss else "; ".join(miss)))
-    model = "the goodput run's step-cost profile" if cost.get("profiled") else "the prior cost model (no profile)"
+    model = "the goodput run's pass-cost profile" if cost.get("profiled") else "the prior cost model (no profile)"
     return {"ours": "; ".join(cells), "figures": figs, "details": "\n\n".join(notes), "epochs": epochs,
             "notes": f"{plain['rows_per_step']} rows per step, 1 rollout worker; live oracle bound: the source-bound "
                      f"oracle drafter through the same engine, paired with plain; modelled bound under {model}; "

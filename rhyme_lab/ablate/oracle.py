@@ -1,4 +1,4 @@
-"""The oracle's rollout bound on a recorded run, under the run's step-cost profile.
+"""The oracle's rollout bound on a recorded run, under the run's pass-cost profile.
 
 Given the tokens each sequence of a step emitted, an oracle drafter that sends, at every pass,
 exactly the longest continuation that a draft source holds (the prompt's previous rollout, the
@@ -6,8 +6,8 @@ same step's other responses of the prompt, the sequence itself: ``measure.pass_r
 oracle_accepts``) gets all
 of it accepted, and nothing faster is possible through these sources. Its passes are replayed
 batch-wise (all rows start together after one prefill; a pass packs ``1 + accepted`` tokens per
-live row, the widest row sets ``max_q_len``), and each pass is priced with the step-cost model of
-the engine (``rollout.step_cost.StepCost``: the goodput run's profile, its live medians where it
+live row, the widest row sets ``max_q_len``), and each pass is priced with the pass-cost model of
+the engine (``rollout.pass_cost.PassCost``: the goodput run's profile, its live medians where it
 has them). The oracle may cap its drafts at ``w`` tokens; the bound takes the fastest of
 ``WINDOWS`` and of plain decode, so it is never below 1.
 
@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from rhyme_lab.measure.pass_replay import oracle_accepts
-from rhyme_jax.rollout.step_cost import StepCost, bucket_scales
+from rhyme_jax.rollout.pass_cost import PassCost, bucket_scales
 
 WINDOWS = (2, 4, 8, 32)  # draft caps the oracle may choose from (32 = MAX_DRAFT)
 PATTERN = (7, 1)  # longest / shortest context suffix matched (the goodput drafter's pattern_min 1)
 
 
-def batch_cost(per_row: list[list[int]], cost: StepCost) -> float:
+def batch_cost(per_row: list[list[int]], cost: PassCost) -> float:
     """Modelled seconds of the verify/decode passes of rows that start together: pass ``j``
     runs the rows with a ``j``-th pass, ``1 + accepted`` tokens each (plain decode: all zeros)."""
     total, j = 0.0, 0
@@ -49,7 +49,7 @@ def batch_cost(per_row: list[list[int]], cost: StepCost) -> float:
 
 
 def step_bound(prompts: list[np.ndarray], responses: list[np.ndarray], sources: list[list[np.ndarray]],
-               cost: StepCost, max_new: int) -> tuple[float, float]:
+               cost: PassCost, max_new: int) -> tuple[float, float]:
     """``(model(plain), model(oracle))`` of one step (module docstring): the oracle's fastest
     window, plain decode included. ``prompts`` / ``responses``: ``int32`` tokens per row;
     ``sources``: each row's draft sources; ``max_new``: ``rollout.max_new_tokens``."""
@@ -61,17 +61,17 @@ def step_bound(prompts: list[np.ndarray], responses: list[np.ndarray], sources: 
     return plain, best
 
 
-def cost_model(rows: dict) -> tuple[StepCost, bool]:
-    """A ``StepCost`` from a unit's ``step_cost`` JSON (``ablate.e2e.step_cost_rows``): live
+def cost_model(rows: dict) -> tuple[PassCost, bool]:
+    """A ``PassCost`` from a unit's ``step_cost`` JSON (``ablate.e2e.pass_cost_rows``): live
     medians over profiled seconds, and the profiled programs without a live median scaled by their
-    row bucket's median live / profiled ratio (as the engine's ``StepCost.observe`` does).
+    row bucket's median live / profiled ratio (as the engine's ``PassCost.observe`` does).
     Returns ``(model, in_seconds)``; no rows: the prior (not seconds)."""
     seconds = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("profiled", [])}
     live = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("live", [])}
     scales = bucket_scales(seconds, live)
     seconds = {k: s * scales.get(k[0], 1.0) for k, s in seconds.items()}
     seconds.update(live)
-    return (StepCost(seconds, dict(rows.get("meta", {}))), True) if seconds else (StepCost.prior(), False)
+    return (PassCost(seconds, dict(rows.get("meta", {}))), True) if seconds else (PassCost.prior(), False)
 
 
 def _step_inputs(run_dir: Path, step: int, history, prompt_of, siblings: bool = True) -> tuple:

@@ -8,7 +8,7 @@ to x. So replaying the drafter along plain rollouts gives the pass counts and ac
 HistoSpec in distribution, without the model (as ``python -m rhyme_lab replay-drafts`` and
 ``measure.pass_replay`` do; the loop is ``measure.draft_replay``'s). Drafts are cut as the engine
 cuts them (longest first to the packed-token budget and the step program:
-``rollout.allocation.choose_step``), ``rows`` targets live at once; pages are not simulated.
+``rollout.allocation.choose_pass``), ``rows`` targets live at once; pages are not simulated.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def targets_of(prompts: dict[int, list[int]], epoch: dict) -> list[Target]:
 def replay(spec_cfg, store, targets: list[Target], plan, rows: int) -> dict:
     """Draft along every target, ``rows`` at a time, with the ``spec`` section ``spec_cfg``
     drafting from ``store`` (module docstring; ``measure.draft_replay.replay_targets`` under the
-    analytical step-cost prior).
+    analytical pass-cost prior).
 
     Returns:
       ``acceptance`` (accepted / drafted), ``tokens_per_forward`` (target tokens per sequence
@@ -65,13 +65,13 @@ def replay(spec_cfg, store, targets: list[Target], plan, rows: int) -> dict:
       passes with room for one), ``mean_draft`` (drafted per non-empty draft), the counts, and
       ``draft_hist`` (passes per draft length 0..32).
     """
-    from rhyme_jax.rollout.step_cost import StepCost
+    from rhyme_jax.rollout.pass_cost import PassCost
     from rhyme_jax.spec.drafter import Drafter
 
     with Drafter(spec_cfg, store) as drafter:
         drafter.rebuild(sorted({t.pid for t in targets}))
         tot, _, _ = replay_targets(drafter, [t.prompt for t in targets], [t.tokens for t in targets],
-                                   [t.pid for t in targets], plan, rows, StepCost.prior())
+                                   [t.pid for t in targets], plan, rows, PassCost.prior())
     tokens = int(sum(t.tokens.size for t in targets))
     d, p = tot.drafted, max(tot.passes, 1)
     return {"acceptance": tot.accepted / d if d else 0.0, "tokens_per_forward": tokens / p,

@@ -115,14 +115,14 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
     """``measure.draft_gap.gap_step`` over a run's saved steps, merged per epoch (epochs >=
     ``from_epoch``): ``{epoch: merged gap}``. One ``Drafter`` drafts every step, the earlier
     epochs too, so its calibration learns over the run as the engine's does. With ``cost`` (a
-    ``StepCost``, e.g. the run's own profile) each pass sends what the engine's allocation would
-    (``draft_replay.EngineSteps`` over the run's shape plan; pages and backoff not simulated),
+    ``PassCost``, e.g. the run's own profile) each pass sends what the engine's allocation would
+    (``draft_replay.EnginePasses`` over the run's shape plan; pages and backoff not simulated),
     else every drafted token.
 
     Raises:
       CorpusError: no ``config.yaml`` or no saved step of that epoch (names the path).
     """
-    from rhyme_lab.measure.draft_replay import EngineSteps
+    from rhyme_lab.measure.draft_replay import EnginePasses
     from rhyme_jax.rollout.shapes import plan_from_config
     from rhyme_jax.spec.drafter import Drafter
 
@@ -132,7 +132,7 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
         for cfg, _step, epoch, prompts, pids, resp, rew, history in saved_steps(run, overrides):
             drafter = drafter or Drafter(cfg.spec, history)
             r = cfg.rollout
-            send = None if cost is None else EngineSteps(plan_from_config(cfg), cost)
+            send = None if cost is None else EnginePasses(plan_from_config(cfg), cost)
             gap = draft_gap.gap_step(cfg.spec, r.max_new_tokens, prompts, pids, resp, rew, history, send=send,
                                      drafter=drafter)
             if epoch >= from_epoch:
@@ -146,7 +146,7 @@ def draft_gap_run(run, overrides=(), from_epoch: int = 2, cost=None) -> dict[int
 
 
 def cut_bound_run(run, cost, overrides=(), from_epoch: int = 2, cross: bool = False) -> dict[int, dict]:
-    """``measure.cut_bound.bound_step`` over a run's saved steps under the step-cost model
+    """``measure.cut_bound.bound_step`` over a run's saved steps under the pass-cost model
     ``cost`` (e.g. the run's own profile), merged per epoch (epochs >= ``from_epoch``): ``{epoch:
     merged}``. One ``Drafter`` per mode drafts every step, the earlier epochs too (its calibration
     learns over the run as the engine's does). Where the run has ``policy_modes/`` (the policy's

@@ -152,7 +152,7 @@ def check_engine(kernel: str, new_tokens: int, seed: int = 0) -> list[dict]:
 
     from rhyme_jax.model.config import ModelConfig
     from rhyme_jax.model.transformer import Decoder
-    from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 
     cfg = ModelConfig(family="qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True)
@@ -164,9 +164,9 @@ def check_engine(kernel: str, new_tokens: int, seed: int = 0) -> list[dict]:
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
 
     def generate(impl, drafter=None):
-        eng = RolloutEngine(graphdef, cfg, max_slots=slots, page_size=16, num_pages=0, max_prompt_len=max_prompt,
-                            max_new_tokens=new_tokens, eos_ids=(), attention_impl=impl,
-                            max_verify_tokens=slots * (k + 1))
+        eng = RolloutEngine(graphdef, cfg, EngineConfig(
+            max_slots=slots, page_size=16, num_pages=0, max_prompt_len=max_prompt, max_new_tokens=new_tokens,
+            eos_ids=(), attention_impl=impl, max_verify_tokens=slots * (k + 1)))
         return eng.generate(state, prompts, sp, jax.random.key(seed), drafter=drafter)
 
     results = []

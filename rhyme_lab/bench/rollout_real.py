@@ -17,7 +17,7 @@ from rhyme_lab.bench import real_workload
 DEFAULTS = dict(real_workload.DEFAULTS, max_slots=16, max_prompt_len=256)
 # max_prompt_len 0: the longest prompt rounded up to a page (fewer page-table widths to warm up)
 # HistoSpec with the goodput policy (--goodput): every draft source, acceptance estimates and the
-# engine's cost-aware allocation under the step-cost profile of this machine
+# engine's cost-aware allocation under the pass-cost profile of this machine
 GOODPUT = dict(window="goodput", pattern_min=1, self_lookup=True, siblings=True, min_token_prob=0.0)
 QUICK = dict(real_workload.QUICK, max_slots=4, max_new_tokens=24, max_prompt_len=0)
 KINDS = (("plain", "plain"), ("spec", "HistoSpec"))
@@ -45,7 +45,7 @@ def load_setup(args) -> Setup:
 
     from rhyme_jax.model.loader import load_hf_checkpoint
     from rhyme_jax.model.tokenizer import Tokenizer
-    from rhyme_jax.rollout.engine import RolloutEngine
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine
     from rhyme_jax.train.policy import eos_ids
 
     path = real_workload.model_dir(args.model)
@@ -56,10 +56,9 @@ def load_setup(args) -> Setup:
     toks = [tokenizer.encode(t) for t in real_workload.prompt_texts([p.question for p in probs])]
     if not args.max_prompt_len:
         args.max_prompt_len = -(-max(map(len, toks)) // args.page_size) * args.page_size
-    engine = RolloutEngine(graphdef, model_cfg, max_slots=args.max_slots, page_size=args.page_size,
-                           num_pages=0, max_prompt_len=args.max_prompt_len,
-                           max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model_cfg, tokenizer),
-                           attention_impl="auto")
+    engine = RolloutEngine(graphdef, model_cfg, EngineConfig(
+        max_slots=args.max_slots, page_size=args.page_size, num_pages=0, max_prompt_len=args.max_prompt_len,
+        max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model_cfg, tokenizer), attention_impl="auto"))
     rows = [i for i in range(len(probs)) for _ in range(args.samples)]
     params = sum(int(x.size) for x in jax.tree.leaves(state))
     return Setup(engine, state, tokenizer, np.array([probs[i].id for i in rows], np.int64),

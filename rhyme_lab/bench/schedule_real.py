@@ -1,6 +1,6 @@
 """HistoPipe on a real model (``python -m benchmarks.schedule --mode profile | workers``): one
-rollout worker's cost model measured and saved (``run_profile``), and the planner's configurations
-on W real rollout workers (``run_workers_mode``). The model-free parts (grid, fit report, saved
+rollout worker's cost model derived from the engine's pass-cost profile, checked and saved
+(``run_profile``), and the planner's configurations on W real rollout workers (``run_workers_mode``). The model-free parts (grid, fit report, saved
 steps, medians, tables) are ``rhyme_lab.schedule.profile``.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.sched.cost_model import CostModel
 from rhyme_jax.sched.length_predictor import predict_lengths
-from rhyme_lab.schedule.profile import (CROSS_STEP_CONFIGS, WORKER_CONFIGS, WORKER_FULL, BenchSetupError, corr,
-                                     fit_report, format_profile_table, format_workers_table, profile_grid,
-                                     step_row, summarize_workers, worker_steps)
+from rhyme_lab.schedule.profile import (CROSS_STEP_CONFIGS, WORKER_CONFIGS, WORKER_FULL, BenchSetupError,
+                                     check_rows, corr, fit_report, format_profile_table, format_workers_table,
+                                     profile_grid, step_row, summarize_workers, worker_steps)
 from rhyme_jax.sched.timeline import plot_gantt
 
 
@@ -71,19 +71,21 @@ def load_policy(config: str, overrides: list[str], init_from: str, run_dir: str)
 
 
 def run_profile(args) -> int:
-    """``--mode profile``: measure one rollout worker's ``T(tokens, batch)`` and save the fit.
+    """``--mode profile``: one rollout worker's ``T(tokens, batch)`` derived from the engine's
+    pass-cost profile, checked against whole ``generate`` calls, and saved for the planner.
 
-    One engine as the trainer builds it (``assembly.make_engine`` with the config's ``rollout`` section) but
-    with ``eos_ids=()``, so every sequence generates exactly ``tokens`` new tokens. The batch is
-    GRPO-shaped: ``ceil(batch / n)`` train prompts with ``n = grpo.samples_per_prompt`` samples each
-    (prompt-prefix sharing as in training). Per grid point: one warm-up ``generate`` (compiles the
-    shapes it needs), then the median wall time of ``--repeats`` calls with fresh keys.
+    One engine as the trainer builds it (``assembly.make_engine`` with the config's ``rollout``
+    section) but with ``eos_ids=()``, so every sequence generates exactly ``tokens`` new tokens.
+    The model is ``CostModel.from_pass_cost`` of the engine's pass-cost profile (what a goodput
+    run uses: ``spec.step_cost``, else this machine's cached profile, profiled now when there is
+    none), with the mean prompt length of the profile's prompts as each sequence's prefill. The
+    grid (``_measure_grid``) times GRPO-shaped batches for the check, and its own least-squares
+    fit is reported beside it; the saved file holds the pass-cost model.
     """
     import jax
 
     from rhyme_jax.parallel.reshard import reshard
     from rhyme_jax.parallel.rules import param_shardings
-    from rhyme_jax.rollout.batching import seq_buckets
     from rhyme_jax.rollout.engine import SamplingParams
     from rhyme_jax.train.assembly import make_engine
 
@@ -94,12 +96,60 @@ def run_profile(args) -> int:
     cfg, r = pol.cfg, pol.cfg.rollout
     engine = make_engine(pol.graphdef, pol.model_cfg, cfg, (), mesh=None)  # no EOS: exact lengths
     state = reshard(params, param_shardings(params, engine.mesh))
-    batches, tokens = profile_grid(r.max_slots, r.max_new_tokens)
     n = int(cfg.grpo.samples_per_prompt)
     dev = jax.devices()[0]
-    print(f"HistoPipe profile: one rollout worker on {dev.platform} ({dev.device_kind}), params {args.init_from}; "
-          f"batches {batches} (decode row buckets {list(seq_buckets(r.max_slots))}), tokens {tokens}, "
-          f"median of {args.repeats} timed calls after one warm-up per shape", flush=True)
+    pass_cost = engine.use_pass_cost(state, SamplingParams.from_section(r), cfg.spec.step_cost)
+    prompts = [pol.prompt_tokens(i) for i in range(-(-r.max_slots // n))]
+    prompt_tokens = float(np.mean([len(p) for p in prompts]))
+    cm = CostModel.from_pass_cost(pass_cost, prompt_tokens)
+    samples, compile_s = _measure_grid(engine, state, pol, args, n, dev)
+    rows = check_rows(cm, samples)
+    grid_cm, grid_rows = fit_report(samples)
+    print()
+    print(format_profile_table(cm, rows, source=f"From the pass-cost profile ({len(pass_cost.seconds)} programs)"))
+    print()
+    print(format_profile_table(grid_cm, grid_rows, source="The grid's own fit (for comparison)"))
+    out = Path(args.out or "benchmarks/results/cost_model.json")
+    meta = {"source": "python -m benchmarks.schedule --mode profile: CostModel.from_pass_cost",
+            "pass_cost": {"programs": len(pass_cost.seconds), **pass_cost.meta}, "prompt_tokens": prompt_tokens,
+            "platform": dev.platform, "device_kind": dev.device_kind, "jax_version": jax.__version__,
+            "init_from": str(args.init_from), "config": str(args.config), "overrides": list(args.overrides),
+            "model": {k: int(getattr(pol.model_cfg, k)) for k in
+                      ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")},
+            "rollout": {"max_slots": int(r.max_slots), "page_size": int(r.page_size),
+                        "max_new_tokens": int(r.max_new_tokens), "attention_impl": engine.attention_impl,
+                        "temperature": float(r.temperature)},
+            "samples_per_prompt": n, "repeats": int(args.repeats),
+            "samples": [[int(t), int(b), float(s)] for t, b, s in samples],
+            "rel_error": [r_["rel_error"] for r_ in rows],
+            "grid_fit": {"a": grid_cm.a, "b": grid_cm.b, "c": grid_cm.c,
+                         "rel_error": [r_["rel_error"] for r_ in grid_rows]},
+            "warmup_s": compile_s, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    cm.save(out, meta=meta)
+    print(f"\nwrote {out} ({time.perf_counter() - t_start:.0f} s in all); use it with "
+          f"`--set sched.cost_model={out}` (trainer) or `--cost-model {out}` (python -m benchmarks.schedule)")
+    return 0
+
+
+def _measure_grid(engine, state, pol, args, n: int, dev) -> tuple[list[tuple[int, int, float]], dict]:
+    """``(tokens, batch, seconds)`` of whole ``generate`` calls over ``profile_grid``: per grid
+    point ``ceil(batch / n)`` train prompts with ``n`` samples each (prompt-prefix sharing as in
+    training), one warm-up call (compiles the shapes it needs), then the median wall time of
+    ``args.repeats`` calls with fresh keys. Returns the samples and the warm-up seconds per point.
+
+    Raises:
+      RuntimeError: a call generated other than ``batch * tokens`` tokens.
+    """
+    import jax
+
+    from rhyme_jax.rollout.batching import seq_buckets
+    from rhyme_jax.rollout.engine import SamplingParams
+
+    r = pol.cfg.rollout
+    batches, tokens = profile_grid(r.max_slots, r.max_new_tokens)
+    print(f"HistoPipe profile check: one rollout worker on {dev.platform} ({dev.device_kind}), params "
+          f"{args.init_from}; batches {batches} (decode row buckets {list(seq_buckets(r.max_slots))}), tokens "
+          f"{tokens}, median of {args.repeats} timed calls after one warm-up per shape", flush=True)
     key = jax.random.key(args.seed)
     samples, compile_s = [], {}
     for b in batches:
@@ -122,34 +172,7 @@ def run_profile(args) -> int:
             samples.append((t, b, med))
             print(f"  batch {b:3d} tokens {t:3d}: warm-up {compile_s[f'{b}x{t}']:6.2f} s, median {med:.4f} s "
                   f"({b * t / med:7.0f} tok/s; runs {', '.join(f'{x:.4f}' for x in times)})", flush=True)
-    cm, rows = fit_report(samples)
-    print()
-    print(format_profile_table(cm, rows))
-    out = Path(args.out or "benchmarks/results/cost_model.json")
-    meta = {"source": "python -m benchmarks.schedule --mode profile", "platform": dev.platform,
-            "device_kind": dev.device_kind, "jax_version": jax.__version__, "init_from": str(args.init_from),
-            "config": str(args.config), "overrides": list(args.overrides),
-            "model": {k: int(getattr(pol.model_cfg, k)) for k in
-                      ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")},
-            "rollout": {"max_slots": int(r.max_slots), "page_size": int(r.page_size),
-                        "max_new_tokens": int(r.max_new_tokens), "attention_impl": engine.attention_impl,
-                        "temperature": float(r.temperature)},
-            "samples_per_prompt": n, "repeats": int(args.repeats),
-            "samples": [[int(t), int(b), float(s)] for t, b, s in samples],
-            "rel_error": [r_["rel_error"] for r_ in rows], "warmup_s": compile_s,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    cm.save(out, meta=meta)
-    print(f"\nwrote {out} ({time.perf_counter() - t_start:.0f} s in all); use it with "
-          f"`--set sched.cost_model={out}` (trainer) or `--cost-model {out}` (python -m benchmarks.schedule)")
-    return 0
-
-
-
-
-
-
-
-
+    return samples, compile_s
 
 
 def warm_up(engines, states, sampling, *, threads: int = 0) -> list[float]:

@@ -22,10 +22,10 @@ def register(sub) -> None:
     sp.add_argument("file", help="JSONL: {prompt, history: [str], history_rewards: [float], target} per line")
     sp.add_argument("--tokenizer", required=True, help="tokenizer.json or a directory holding one")
     sp.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="targets live at once (default: %(default)s)")
-    sp.add_argument("--step-cost", default="", help="step-cost profile JSON the step choice uses (default: the "
+    sp.add_argument("--step-cost", default="", help="pass-cost profile JSON the step choice uses (default: the "
                     "config's spec.step_cost, else the analytical prior)")
     sp.add_argument("--draft-price", type=float, default=None, metavar="P",
-                    help="instead of a step-cost model: a step of S rows packing T tokens costs S + P (T - S) "
+                    help="instead of a pass-cost model: a step of S rows packing T tokens costs S + P (T - S) "
                     "(one draft token = P row decodes; 0 = drafts are free); traces share against drafts per forward")
     sp.add_argument("--accept-floor", type=float, default=None, metavar="F",
                     help="no step shapes: each row sends the draft tokens whose estimated probability of "
@@ -39,17 +39,17 @@ def _fail(message: str) -> int:
 
 
 def _cost(args: argparse.Namespace, cfg):
-    """The step-cost model: ``--draft-price``, else ``--step-cost`` / ``spec.step_cost``, else the
-    prior (None). Raises ``StepCostError``."""
+    """The pass-cost model: ``--draft-price``, else ``--step-cost`` / ``spec.step_cost``, else the
+    prior (None). Raises ``PassCostError``."""
     from rhyme_lab.measure.text_replay import priced_cost
-    from rhyme_jax.rollout.step_cost import StepCost, StepCostError
+    from rhyme_jax.rollout.pass_cost import PassCost, PassCostError
 
     if args.draft_price is not None:
         if not args.draft_price >= 0:
-            raise StepCostError(f"--draft-price: expected >= 0, got {args.draft_price}")
+            raise PassCostError(f"--draft-price: expected >= 0, got {args.draft_price}")
         return priced_cost(args.draft_price)
     path = args.step_cost or cfg.spec.step_cost
-    return StepCost.load(path) if path not in ("", "prior") else None
+    return PassCost.load(path) if path not in ("", "prior") else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from rhyme_lab.measure.text_replay import ReplayInputError, accept_floor_error, read_cases, replay
     from rhyme_jax.model.tokenizer import Tokenizer, TokenizerError
     from rhyme_jax.rollout import shapes
-    from rhyme_jax.rollout.step_cost import StepCostError
+    from rhyme_jax.rollout.pass_cost import PassCostError
 
     if args.rows < 1:
         return _fail("--rows must be >= 1")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             return _fail(bad)
         cost = _cost(args, cfg)
-    except (TokenizerError, ReplayInputError, StepCostError) as exc:
+    except (TokenizerError, ReplayInputError, PassCostError) as exc:
         return _fail(str(exc))
     r = cfg.rollout
     plan = shapes.plan(max_slots=args.rows, page_size=r.page_size, max_prompt_len=r.max_prompt_len,

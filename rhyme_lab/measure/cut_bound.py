@@ -6,7 +6,7 @@ from the drafter twice over: it knows which draft tokens will be accepted (it ne
 rejected one, so its verify programs are no larger than they pay for) and it drafts from
 hindsight (the longest run of the emitted tokens that any occurrence in its sources holds). This
 module separates the two without a model: over one saved step it drives, each pass sized by the
-engine's allocation under one step-cost model (``draft_replay.EngineSteps``),
+engine's allocation under one pass-cost model (``draft_replay.EnginePasses``),
 
 * ``estimates``: the run's drafter with its own acceptance estimates (what the engine does);
 * ``known``: the same drafter, its estimates replaced by the truth (1 for each draft token the
@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 from jaxtyping import Int
 
-from rhyme_lab.measure.draft_replay import EngineSteps, Tally, accepted_prefix, drive, plain_seconds
+from rhyme_lab.measure.draft_replay import EnginePasses, Tally, accepted_prefix, drive, plain_seconds
 from rhyme_lab.measure.oracle_drafters import CrossPromptBoundDrafter, SourceBoundDrafter
 from rhyme_lab.measure.pass_replay import WithSiblings, sibling_rebatch
 from rhyme_lab.measure.policy_mode import ModeDrafter
@@ -104,7 +104,7 @@ class KnownAcceptance:
         self.done[reqs] = np.minimum(self.done[reqs] + np.asarray(accepted, np.int64) + 1, self.sizes[reqs])
 
 
-def _figures(steps: EngineSteps, tally: Tally) -> dict:
+def _figures(steps: EnginePasses, tally: Tally) -> dict:
     return {"seconds": float(steps.seconds), "passes": int(tally.passes), "drafted": int(tally.drafted),
             "accepted": int(tally.accepted)}
 
@@ -119,7 +119,7 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
       prompts: prompt id -> ``int32[p]``; ``pids``: ``int[N]`` prompt id per row.
       responses, rewards: the step's emitted ``int32[L_i]`` responses and their rewards.
       history: the history store as the trainer held it when the step ran.
-      plan, cost: the engine's ``shapes.plan`` and a step-cost model ``cost(rows, tokens, q_len)``
+      plan, cost: the engine's ``shapes.plan`` and a pass-cost model ``cost(rows, tokens, q_len)``
         (e.g. a unit's profile, ``ablate.oracle.cost_model``).
       drafters: ``{"estimates": Drafter, "known": Drafter}``, one per mode for the whole run (each
         learns its calibration over the steps as the engine's does; ``known`` ignores its
@@ -136,7 +136,7 @@ def bound_step(max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], response
     out: dict = {"tokens": int(sum(t.size for t in targets)),
                  "plain_seconds": float(plain_seconds([max(t.size - 1, 0) for t in targets], plan, cost))}
     for mode in MODES + (POLICY_MODES if modes is not None else ()) + ((CROSS_MODE,) if cross else ()):
-        steps, tally = EngineSteps(plan, cost), Tally()
+        steps, tally = EnginePasses(plan, cost), Tally()
         if mode in POLICY_MODES:
             batch = ModeDrafter(rows, targets, modes, max_new)
             wrap = KnownAcceptance(targets).wrap if mode == "policy_known" else (lambda b: b)

@@ -111,7 +111,7 @@ def gap_step(spec, max_new: int, prompts: dict, pids: Int[np.ndarray, "N"], resp
       responses, rewards: the step's emitted ``int32[L_i]`` responses and their rewards.
       history: the history store as the trainer held it when the step ran.
       window: most tokens the oracle drafts per pass (the engine's ``shapes.MAX_DRAFT``).
-      send: ``drive``'s ``send`` (``draft_replay.EngineSteps``: the engine's cost-aware cut of
+      send: ``drive``'s ``send`` (``draft_replay.EnginePasses``: the engine's cost-aware cut of
         each pass's drafts); ``None``: every drafted token is sent.
       drafter: the run's ``Drafter`` to draft with (its store is set to this step's; its
         calibration carries over from earlier steps, as the engine's does over a run); ``None``:

@@ -8,7 +8,7 @@ accepted prefix plus one token. ``drive`` walks a group of targets live together
 passes with any ``DraftBatch`` (``rhyme_jax.spec.drafter``, the oracles of
 ``measure.oracle_drafters``); what a pass sends is either every drafted token (``send=None``: the
 pass replay of ``measure.pass_replay``, the drafting-time benchmark) or the engine's step choice
-(``EngineSteps``: ``allocation.choose_step`` under a step-cost model, or ``floor_step``).
+(``EnginePasses``: ``allocation.choose_pass`` under a pass-cost model, or ``floor_pass``).
 ``replay_targets`` replays a whole list of targets ``rows`` at a time with the engine's choice:
 ``python -m rhyme_lab replay-drafts`` (``measure.text_replay``), the HistoSpec ablations
 (``ablate.replay``) and ``benchmarks.replay_bound`` count with it. Pages are not simulated.
@@ -62,7 +62,7 @@ def drive(batch, prompts: list[np.ndarray], targets: list[np.ndarray], *, emitte
       emitted: target tokens emitted before the first pass (1: a prefill sampled the first).
       max_new: the rollout's ``max_new_tokens``: each budget is ``max_new - emitted - 1`` (the
         engine's); ``None``: the tokens left - 1.
-      send: ``send(batch, lens, left) -> int64[n]``, the draft tokens the pass sends (``EngineSteps``);
+      send: ``send(batch, lens, left) -> int64[n]``, the draft tokens the pass sends (``EnginePasses``);
         ``None``: every drafted token.
       tally: adds each pass's figures (``Tally.add``).
       rebatch: ``rebatch(reqs, lens, accepted, done)`` after each pass; a batch it returns
@@ -112,12 +112,12 @@ class Tally:
         self.draft_hist += np.bincount(lens, minlength=shapes.MAX_DRAFT + 1)[: shapes.MAX_DRAFT + 1]
 
 
-def floor_step(lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] | None, floor: float, rows: int):
+def floor_pass(lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] | None, floor: float, rows: int):
     """The unshaped step of ``--accept-floor``: row i sends its first ``d_i`` draft tokens, those
     whose cumulative acceptance estimate ``prod_{k <= j} estimates[i, k]`` is at least ``floor``
     (a prefix: the product only falls). ``lens int64[n]``: the drafts' lengths; ``estimates
     float32[n, K]``: the goodput drafter's; ``rows``: the step's row bucket (what the step
-    costs). Returns ``(StepChoice, curve)`` as ``allocation.choose_step`` (tokens = rows + sum d,
+    costs). Returns ``(PassChoice, curve)`` as ``allocation.choose_pass`` (tokens = rows + sum d,
     the n rows' exact packed tokens plus the bucket's padding rows; q_len = 1 + max d).
 
     Raises:
@@ -128,13 +128,13 @@ def floor_step(lens: Int[np.ndarray, "n"], estimates: Float[np.ndarray, "n K"] |
     curve = allocation.accept_curve(np.asarray(estimates)[:, : int(np.max(lens, initial=0))], lens)
     take = (curve >= floor) & (curve > 0)  # the curve is 0 past each draft's length
     sent = take.sum(axis=1).astype(np.int64)
-    return allocation.StepChoice(rows, rows + int(sent.sum()), 1 + int(sent.max(initial=0)), sent,
+    return allocation.PassChoice(rows, rows + int(sent.sum()), 1 + int(sent.max(initial=0)), sent,
                                  lens.size + float(curve[take].sum())), curve
 
 
-class EngineSteps:
-    """``drive``'s ``send``: the engine's step for the pass's drafts (``allocation.choose_step``
-    with the batch's ``estimates`` / ``priorities`` under ``cost``; with ``floor``, ``floor_step``
+class EnginePasses:
+    """``drive``'s ``send``: the engine's step for the pass's drafts (``allocation.choose_pass``
+    with the batch's ``estimates`` / ``priorities`` under ``cost``; with ``floor``, ``floor_pass``
     in the row bucket of ``plan``). Sums ``seconds`` (the chosen steps under ``cost``: seconds of a
     profile, units of the prior) and ``predicted`` (expected accepted tokens under the estimates)."""
 
@@ -146,10 +146,10 @@ class EngineSteps:
         """``int64[n]`` draft tokens sent of ``lens`` (already capped by budget and ``MAX_DRAFT``)."""
         estimates = getattr(batch, "estimates", None)
         if self.floor is None:
-            choice, curve = allocation.choose_step(self.plan, lens, estimates, self.cost,
+            choice, curve = allocation.choose_pass(self.plan, lens, estimates, self.cost,
                                                    getattr(batch, "priorities", None))
         else:
-            choice, curve = floor_step(lens, estimates, self.floor, shapes.seq_bucket(lens.size, self.plan.max_slots))
+            choice, curve = floor_pass(lens, estimates, self.floor, shapes.seq_bucket(lens.size, self.plan.max_slots))
         self.predicted += allocation.expected_accepted(curve, choice.draft_lens)
         self.seconds += self.cost(choice.rows, choice.tokens, choice.q_len)
         return np.asarray(choice.draft_lens, np.int64)
@@ -169,13 +169,13 @@ def plain_seconds(lengths: list[int], plan, cost: Callable[[int, int, int], floa
 
 def replay_targets(drafter, prompts: list[np.ndarray], targets: list[np.ndarray], pids: list[int], plan,
                    rows: int, cost: Callable[[int, int, int], float],
-                   floor: float | None = None) -> tuple[Tally, EngineSteps, float]:
+                   floor: float | None = None) -> tuple[Tally, EnginePasses, float]:
     """Draft along every target, ``rows`` consecutive targets live at a time (one
-    ``drafter.batch(pids of the group)`` each), each pass sized by ``EngineSteps(plan, cost,
+    ``drafter.batch(pids of the group)`` each), each pass sized by ``EnginePasses(plan, cost,
     floor)``. ``prompts`` / ``targets``: ``int32`` tokens per target; ``pids``: its prompt id.
-    Returns the pass ``Tally``, the ``EngineSteps`` (modelled seconds, predicted acceptances) and
+    Returns the pass ``Tally``, the ``EnginePasses`` (modelled seconds, predicted acceptances) and
     plain decode's modelled seconds of the same groups."""
-    tally, steps, plain = Tally(), EngineSteps(plan, cost, floor), 0.0
+    tally, steps, plain = Tally(), EnginePasses(plan, cost, floor), 0.0
     for start in range(0, len(targets), rows):
         group = slice(start, min(start + rows, len(targets)))
         drive(drafter.batch(list(pids[group])), prompts[group], targets[group], send=steps, tally=tally)

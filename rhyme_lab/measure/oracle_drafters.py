@@ -1,7 +1,7 @@
 """Oracle drafters: drafters that know the tokens a sequence will emit, for upper bounds.
 
 * ``AlwaysRightDrafter`` drafts each row's known next tokens, estimates 1: every draft token is
-  accepted and the engine's allocation sizes each step under its step-cost model alone, so no
+  accepted and the engine's allocation sizes each step under its pass-cost model alone, so no
   drafter through that engine beats it (``benchmarks.rollout --oracle`` live, with the plain
   rollout's tokens; ``benchmarks.replay_bound`` along target texts).
 * ``SourceBoundDrafter`` cuts those drafts to the longest run a draft source holds
@@ -35,7 +35,7 @@ class AlwaysRightDrafter:
     per-position draws the drafted rollout emits those, unless a near tie rounds the other way in
     another step program; in a replay: the targets). ``max_new_tokens``: the longest response.
     Every draft token is accepted and its estimate is 1, so the engine's goodput allocation sizes
-    each step under its step-cost model alone: the rollout's speed bounds any drafter's through
+    each step under its pass-cost model alone: the rollout's speed bounds any drafter's through
     this engine on this machine (live, prefill included). ``rank``: also give ``priorities``
     (``float32[n]`` tokens each row has left), so the allocation weighs long rows as it does the
     real drafter's predictions (``benchmarks.replay_bound``)."""

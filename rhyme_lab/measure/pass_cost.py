@@ -2,12 +2,12 @@
 
 HistoSpec's rollout speed-up is ``(fewer batch passes) x (plain pass cost / verify pass cost)``.
 ``benchmarks.rollout`` measures the first factor on real rollouts; ``pass_costs`` the second: the
-rollout engine's jitted step (``StepRunner.run``: host inputs -> forward -> sampling / lossless
+rollout engine's jitted step (``PassRunner.run``: host inputs -> forward -> sampling / lossless
 verification -> tokens back on the host) for ``rows`` live sequences of ``context`` cached tokens
 each (distinct pages per sequence, as in a rollout), with K draft tokens per row for each K
 (K = 0 is plain decode). Weights are random (the cost does not depend on them). Per K: the median
 wall-clock milliseconds per pass after a warm-up, tokens per pass, compile seconds and the cost
-relative to the first K. ``python -m benchmarks.step_cost`` is the command line.
+relative to the first K. ``python -m benchmarks.pass_cost`` is the command line.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def pass_inputs(eng, rows: int, context: int, k: int, rng: np.random.Generator):
     drafts = rng.integers(0, eng.model_cfg.vocab_size, (rows, k)).astype(np.int32)
     lens = np.full(rows, k, np.int64)
     n_rows = batching.seq_bucket(rows, eng.max_slots)
-    t, q = eng.plan.step_pair(n_rows, rows * (k + 1))  # the bucket the engine would pick
+    t, q = eng.plan.pass_pair(n_rows, rows * (k + 1))  # the bucket the engine would pick
     width = eng.plan.width(int(alloc.num_held[ids].max()))
     return batching.verify_inputs(ids, slot_len, slot_last, drafts, np.minimum(lens, q - 1), alloc.page_table,
                                   eng.page_size, n_rows, t, q, width), t
@@ -77,14 +77,14 @@ def pass_engine(cfg: ModelConfig, dtype: str, rows: int, context: int, max_k: in
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.parallel.reshard import create_sharded
-    from rhyme_jax.rollout.engine import RolloutEngine
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine
 
     dt = jnp.dtype(dtype)
     graphdef, state, _ = create_sharded(lambda: Decoder(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0)),
                                         train_mesh(1, 1, 1))
-    eng = RolloutEngine(graphdef, cfg, max_slots=rows, page_size=RolloutSection.page_size, num_pages=0,
-                        max_prompt_len=context, max_new_tokens=max_k + 2, eos_ids=[],
-                        attention_impl=attention, max_verify_tokens=rows * (max_k + 1))
+    eng = RolloutEngine(graphdef, cfg, EngineConfig(
+        max_slots=rows, page_size=RolloutSection.page_size, num_pages=0, max_prompt_len=context,
+        max_new_tokens=max_k + 2, eos_ids=[], attention_impl=attention, max_verify_tokens=rows * (max_k + 1)))
     return eng, state
 
 
@@ -135,11 +135,11 @@ def run_meta(model: str, dtype: str, rows: int, context: int, eng, state) -> dic
 
 
 def write_cost_report(out, model: str, meta: dict, results: list[dict], table: str) -> Path:
-    """Write ``step_cost_<model name>.md`` (``table``) and ``.json`` (``meta``, ``results``)
+    """Write ``pass_cost_<model name>.md`` (``table``) and ``.json`` (``meta``, ``results``)
     under the folder ``out`` (made if missing); returns the JSON's path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "step_cost_" + Path(model).name
+    stem = "pass_cost_" + Path(model).name
     (out / f"{stem}.md").write_text(table + "\n")
     path = out / f"{stem}.json"
     path.write_text(json.dumps(dict(meta=meta, results=results), indent=1))

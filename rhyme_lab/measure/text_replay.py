@@ -8,8 +8,8 @@ draft from) with their rewards, and the response to replay. Every prompt's histo
 ``--set spec.x=y``) drafts along each target as the engine would, ``--rows`` targets live at once:
 
 * one pass of a live target = its draft (window, the tokens left, ``shapes.MAX_DRAFT``), sized
-  as the engine sizes the drafts of a step (``allocation.choose_step``): with the drafter's
-  acceptance estimates (``spec.window=goodput``) the goodput choice under the step-cost model
+  as the engine sizes the drafts of a step (``allocation.choose_pass``): with the drafter's
+  acceptance estimates (``spec.window=goodput``) the goodput choice under the pass-cost model
   (``--step-cost FILE``, else the config's ``spec.step_cost``, else the analytical prior), else
   longest first to the step's packed-token budget and the first step shape holding them;
   targets of the same prompt text share a prompt id (a GRPO group: ``spec.siblings``);
@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from rhyme_jax.io.jsonl import JsonlError, read_jsonl
-from rhyme_lab.measure.draft_replay import floor_step, replay_targets
+from rhyme_lab.measure.draft_replay import floor_pass, replay_targets
 
-__all__ = ["ReplayCase", "ReplayInputError", "accept_floor_error", "floor_step", "priced_cost", "read_cases",
+__all__ = ["ReplayCase", "ReplayInputError", "accept_floor_error", "floor_pass", "priced_cost", "read_cases",
            "replay"]
 
 
@@ -134,7 +134,7 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_draft
            accept_floor: float | None = None) -> dict[str, float]:
     """Draft along every case's target, ``rows`` at a time (see the module docstring;
     ``draft_replay.replay_targets``), with the engine's step choice under ``cost``
-    (``StepCost``; default the prior) or, with ``accept_floor``, ``floor_step`` (no step shapes;
+    (``PassCost``; default the prior) or, with ``accept_floor``, ``floor_pass`` (no step shapes;
     steps still cost ``cost``). ``make_drafter(spec, store)``: the drafter (default
     ``rhyme_jax.spec.drafter.Drafter``; ``oracle_drafters.KnownTargets`` drafts the targets
     themselves, for upper bounds).
@@ -145,10 +145,10 @@ def replay(cases: list[ReplayCase], spec, plan, rows: int, cost=None, make_draft
       ``modelled_speedup`` (modelled plain-decode seconds / modelled seconds of the replayed
       steps), ``target_tokens``, ``sequence_passes``, ``drafted_tokens``, ``accepted_tokens``.
     """
-    from rhyme_jax.rollout.step_cost import StepCost
+    from rhyme_jax.rollout.pass_cost import PassCost
     from rhyme_jax.spec.drafter import Drafter
 
-    cost = cost or StepCost.prior()
+    cost = cost or PassCost.prior()
     store, pids, with_history = _fill_store(cases)
     with (make_drafter or Drafter)(spec, store) as drafter:
         drafter.rebuild(with_history)

@@ -1,7 +1,7 @@
 """The timing harness of the benchmarks: wall-clock seconds of a call after untimed warm-up runs.
 
 A call that dispatches device work must block until its results are ready (the rollout engine's
-``StepRunner.run`` ends with tokens on the host; a jitted update needs
+``PassRunner.run`` ends with tokens on the host; a jitted update needs
 ``jax.block_until_ready``), so its wall time is the work's. Host timings on a shared machine are
 noisy: compare figures of one run, and report medians.
 """

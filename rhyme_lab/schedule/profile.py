@@ -1,6 +1,7 @@
-"""HistoPipe on a real model, the parts without a model: the cost-model profile's grid and fit
-report, the saved steps a workers run replays, and the per-step rows and medians of the workers
-mode. ``rhyme_lab.bench.schedule_real`` measures with them; ``python -m benchmarks.schedule --mode
+"""HistoPipe on a real model, the parts without a model: the cost-model profile's grid, its check
+of the model derived from the engine's pass-cost profile and the grid's own fit, the saved steps
+a workers run replays, and the per-step rows and medians of the workers mode.
+``rhyme_lab.bench.schedule_real`` measures with them; ``python -m benchmarks.schedule --mode
 profile | workers`` is the command.
 """
 
@@ -50,25 +51,35 @@ def profile_grid(max_slots: int, max_new_tokens: int, batches=PROFILE_BATCHES,
             sorted({min(int(t), int(max_new_tokens)) for t in tokens}))
 
 
-def fit_report(samples) -> tuple[CostModel, list[dict]]:
-    """Fit the cost model to ``(tokens, batch, seconds)`` samples and the fit's relative error at
-    each sample: ``(T(tokens, batch) - seconds) / seconds``.
+def check_rows(cm: CostModel, samples) -> list[dict]:
+    """``cm``'s relative error at each measured ``(tokens, batch, seconds)`` sample:
+    ``(T(tokens, batch) - seconds) / seconds``.
 
     Returns:
-      ``(CostModel, rows)``; a row is ``{"tokens", "batch", "measured_s", "fit_s", "rel_error"}``
-      (seconds; ``rel_error`` nan where the measured time is 0). ``CostModel.fit`` raises on too few
-      samples.
+      one row per sample, ``{"tokens", "batch", "measured_s", "fit_s", "rel_error"}`` (seconds;
+      ``rel_error`` nan where the measured time is 0).
+    """
+    return [{"tokens": int(t), "batch": int(b), "measured_s": float(s), "fit_s": float(cm(t, b)),
+             "rel_error": float(cm(t, b) / s - 1.0) if s > 0 else float("nan")} for t, b, s in samples]
+
+
+def fit_report(samples) -> tuple[CostModel, list[dict]]:
+    """Fit the cost model to ``(tokens, batch, seconds)`` samples (``CostModel.fit``) and its
+    relative error at each sample (``check_rows``): the grid's own fit, which the profile
+    reports beside the model derived from the engine's pass-cost profile.
+
+    Returns:
+      ``(CostModel, rows)``. ``CostModel.fit`` raises on too few samples.
     """
     cm = CostModel.fit(samples)
-    rows = [{"tokens": int(t), "batch": int(b), "measured_s": float(s), "fit_s": float(cm(t, b)),
-             "rel_error": float(cm(t, b) / s - 1.0) if s > 0 else float("nan")} for t, b, s in samples]
-    return cm, rows
+    return cm, check_rows(cm, samples)
 
 
-def format_profile_table(cm: CostModel, rows: list[dict]) -> str:
-    """Markdown table of the measured and fitted seconds per grid point."""
-    lines = [f"Fitted {FORM}: a = {cm.a:.4g} s, b = {cm.b:.4g} s, c = {cm.c:.4g} s", "",
-             "| batch | tokens | measured (s) | fit (s) | relative error |", "|---:|---:|---:|---:|---:|"]
+def format_profile_table(cm: CostModel, rows: list[dict], source: str = "Fitted") -> str:
+    """Markdown table of the measured and modelled seconds per grid point (``source`` names
+    where ``cm`` comes from: ``"Fitted"`` to the grid, or the pass-cost profile)."""
+    lines = [f"{source} {FORM}: a = {cm.a:.4g} s, b = {cm.b:.4g} s, c = {cm.c:.4g} s", "",
+             "| batch | tokens | measured (s) | model (s) | relative error |", "|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["batch"], r["tokens"])):
         lines.append(f"| {r['batch']} | {r['tokens']} | {r['measured_s']:.4f} | {r['fit_s']:.4f} | "
                      f"{r['rel_error']:+.1%} |")

@@ -1,8 +1,8 @@
-"""The engine's jitted steps: paged forward + on-device sampling, pure functions of their inputs.
+"""The engine's jitted forward passes: paged forward + on-device sampling, pure functions of their inputs.
 
-``step_fn`` (prefill: one sampled token per sequence) and ``verify_step_fn`` (decode and
+``prefill_pass`` (prefill: one sampled token per sequence) and ``verify_pass`` (decode and
 HistoSpec verification: every sequence feeds its pending token plus its draft, packed back to
-back; decode is the same step with one token per row) are jitted once at module level with
+back; decode is the same pass with one token per row) are jitted once at module level with
 ``static`` (graphdef + state treedef) and the shape-like ``max_q_len`` / sampling ``mode`` /
 ``attention_impl`` static, and the KV pool donated. No ``nnx.jit`` graph traversal happens per call: the state travels as flat leaves.
 """
@@ -42,10 +42,10 @@ class StaticModel:
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
-def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
-            logits_rows: Int[Array, "S"], streams: Int[Array, "T"], key, temperature: Float[Array, ""],
-            top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_q_len: int, mode: str,
-            attention_impl: str, mesh=None):
+def prefill_pass(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
+                 logits_rows: Int[Array, "S"], streams: Int[Array, "T"], key, temperature: Float[Array, ""],
+                 top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_q_len: int, mode: str,
+                 attention_impl: str, mesh=None):
     """One forward pass + sampling of each sequence's next token (``sampling.sample_at``: the
     draw of the token after position ``positions[r]`` of sequence ``streams[r]`` at every logits
     row ``r``, from the rollout ``key``).
@@ -64,9 +64,9 @@ def step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions:
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_q_len", "mode", "attention_impl", "mesh"),
                    donate_argnums=(2,))
-def verify_step_fn(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
-                   streams: Int[Array, "T"], key, temperature: Float[Array, ""], top_k: Int[Array, ""],
-                   top_p: Float[Array, ""], *, max_q_len: int, mode: str, attention_impl: str, mesh=None):
+def verify_pass(static: StaticModel, leaves, kv, tokens: Int[Array, "T"], positions: Int[Array, "T"], meta,
+                streams: Int[Array, "T"], key, temperature: Float[Array, ""], top_k: Int[Array, ""],
+                top_p: Float[Array, ""], *, max_q_len: int, mode: str, attention_impl: str, mesh=None):
     """One forward pass over the packed ``[pending token + draft]`` of every row, then lossless
     verification over the packed rows (``rhyme_jax.rollout.verification.verify_packed``), coupled
     to plain sampling through the per-position draws of the rollout ``key`` (``streams``: the

@@ -10,10 +10,10 @@ with ``--passes-ratio`` also the rollout speed-up it implies.
 
 Usage::
 
-    python -m benchmarks.step_cost                                  # the CPU demo model
-    python -m benchmarks.step_cost --model configs/models/qwen2.5-1.5b --dtype bfloat16   # on a GPU
+    python -m benchmarks.pass_cost                                  # the CPU demo model
+    python -m benchmarks.pass_cost --model configs/models/qwen2.5-1.5b --dtype bfloat16   # on a GPU
 
-Writes ``step_cost_<model>.json`` / ``.md`` under ``--out`` and prints the table.
+Writes ``pass_cost_<model>.json`` / ``.md`` under ``--out`` and prints the table.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     try:
         ks = parse_drafts(args.drafts)
     except ValueError as exc:
-        print(f"benchmarks.step_cost: {exc}", file=sys.stderr)
+        print(f"benchmarks.pass_cost: {exc}", file=sys.stderr)
         return 2
     eng, state = pass_engine(model_config(args.model), args.dtype, args.rows, args.context, max(ks), args.attention)
     results = pass_costs(eng, state, ks, args.rows, args.context, args.iters, args.temperature,

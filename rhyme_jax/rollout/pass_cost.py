@@ -1,4 +1,4 @@
-"""Step-cost model of the rollout engine: seconds of one decode/verify program, per shape.
+"""Pass-cost model of the rollout engine: seconds of one decode/verify program, per shape.
 
 HistoSpec's goodput allocation (``rollout/allocation.py``) weighs the tokens a draft is expected
 to add against what the bigger step costs. That trade depends on the backend (on CPU a verify
@@ -7,10 +7,10 @@ step with 2 drafts per row costs ~1.8x a decode step at 128 rows; on an H200 3 d
 
 * ``profile`` times every decode/verify program of an engine (``ShapePlan.programs``) on dummy
   inputs after compiling it (fastest of ``repeats`` runs; a few seconds on CPU for the demo);
-* ``StepCost`` holds ``seconds[(rows, tokens, max_q_len)]`` (at the widest page table) and is
+* ``PassCost`` holds ``seconds[(rows, tokens, max_q_len)]`` (at the widest page table) and is
   saved as JSON; ``cache_path`` keys the file by model, dtype, backend, device kind and the
   engine's plan, so a run profiles once per machine kind and later runs load the file;
-* ``StepCost.prior`` (no profile: tests, replays without a file) is the analytical stand-in
+* ``PassCost.prior`` (no profile: tests, replays without a file) is the analytical stand-in
   ``2 * rows + tokens`` (a step costs its packed tokens plus a per-row overhead of two tokens).
 
 The allocation only compares the programs of one row bucket, so the unit does not matter.
@@ -47,13 +47,13 @@ LIVE_WINDOW = 15  # live step times kept per program; their median replaces the 
 LIVE_MIN = 3  # ... once a program has run this many times in rollouts
 
 
-class StepCostError(ValueError):
-    """A missing, unreadable or inconsistent step-cost file (the message names path and field)."""
+class PassCostError(ValueError):
+    """A missing, unreadable or inconsistent pass-cost file (the message names path and field)."""
 
 
 @dataclass(frozen=True)
-class StepCost:
-    """Seconds of the decode/verify step programs of one engine.
+class PassCost:
+    """Seconds of the decode/verify pass programs of one engine.
 
     Attributes:
       seconds: ``{(rows, tokens, max_q_len): seconds}`` measured per program (empty = prior).
@@ -72,7 +72,7 @@ class StepCost:
     _medians: dict = field(default_factory=dict, compare=False, repr=False)  # rows -> {key: live median}
 
     @classmethod
-    def prior(cls) -> "StepCost":
+    def prior(cls) -> "PassCost":
         """The analytical stand-in (no measurements): ``2 * rows + tokens``."""
         return cls({}, {"source": "prior"})
 
@@ -158,39 +158,39 @@ class StepCost:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "StepCost":
+    def load(cls, path: str | Path) -> "PassCost":
         """Read a profile written by ``save``.
 
         Raises:
-          StepCostError: missing or unreadable file, wrong format version, or a program entry
+          PassCostError: missing or unreadable file, wrong format version, or a program entry
             without positive integer ``rows/tokens/q_len`` and positive finite ``seconds``.
         """
         path = Path(path)
         try:
             body = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise StepCostError(f"{path}: unreadable step-cost profile ({exc})") from None
+            raise PassCostError(f"{path}: unreadable pass-cost profile ({exc})") from None
         if not isinstance(body, dict) or body.get("format_version") != FORMAT_VERSION:
-            raise StepCostError(f"{path}: field format_version: expected {FORMAT_VERSION}")
+            raise PassCostError(f"{path}: field format_version: expected {FORMAT_VERSION}")
         out = {}
         for i, p in enumerate(body.get("programs", [])):
             try:
                 key = (int(p["rows"]), int(p["tokens"]), int(p["q_len"]))
                 sec = float(p["seconds"])
             except (KeyError, TypeError, ValueError):
-                raise StepCostError(f"{path}: field programs[{i}]: needs rows, tokens, q_len, seconds") from None
+                raise PassCostError(f"{path}: field programs[{i}]: needs rows, tokens, q_len, seconds") from None
             if min(key) < 1 or not 0 < sec < float("inf"):
-                raise StepCostError(f"{path}: field programs[{i}]: sizes must be >= 1 and seconds > 0")
+                raise PassCostError(f"{path}: field programs[{i}]: sizes must be >= 1 and seconds > 0")
             out[key] = sec
         if not out:
-            raise StepCostError(f"{path}: field programs: empty")
+            raise PassCostError(f"{path}: field programs: empty")
         return cls(out, dict(body.get("meta", {})))
 
 
 def bucket_scales(seconds: dict, medians: dict) -> dict[int, float]:
     """``{rows: factor}``: per row bucket, the median of live median / profiled seconds over its
     programs that have both (``seconds``, ``medians``: ``{(rows, tokens, max_q_len): seconds}``);
-    buckets without such a program are left out (``StepCost.observe``)."""
+    buckets without such a program are left out (``PassCost.observe``)."""
     ratios: dict[int, list[float]] = {}
     for k, m in medians.items():
         if k in seconds:
@@ -252,4 +252,4 @@ def monotone(seconds: dict) -> dict:
     return out
 
 
-__all__ = ["StepCost", "StepCostError", "bucket_scales", "cache_key", "cache_path", "monotone", "profile"]
+__all__ = ["PassCost", "PassCostError", "bucket_scales", "cache_key", "cache_path", "monotone", "profile"]

@@ -1,6 +1,6 @@
-"""One step program of a ``RolloutEngine`` run (or lowered) on given inputs: the public way to
-time, profile or compile a step outside a rollout (benchmarks, ``rhyme-jax compile-report``, the
-step-cost profile, warm-up), so no caller outside ``rollout/`` touches the engine's internals."""
+"""One forward-pass program of a ``RolloutEngine`` run (or lowered) on given inputs: the public way to
+time, profile or compile a pass outside a rollout (benchmarks, ``rhyme-jax compile-report``, the
+pass-cost profile, warm-up), so no caller outside ``rollout/`` touches the engine's internals."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from rhyme_jax.rollout import batching
 from rhyme_jax.rollout.types import SamplingParams
 
 
-class StepRunner:
-    """Runs ``engine``'s step programs over ``state`` with ``sampling``'s program (mode, T, top-k,
+class PassRunner:
+    """Runs ``engine``'s pass programs over ``state`` with ``sampling``'s program (mode, T, top-k,
     top-p) and a fixed key.
 
     Args:
@@ -36,21 +36,21 @@ class StepRunner:
             engine._ensure_pool(state)
         self.flat_state = engine._flat_state(state)
 
-    def inputs(self, shape, *, busy: bool = False, own_pages: int = 0) -> batching.StepInputs:
-        """Dummy inputs of the step program ``shape`` (``batching.step_inputs``; with ``busy``, a
+    def inputs(self, shape, *, busy: bool = False, own_pages: int = 0) -> batching.PassInputs:
+        """Dummy inputs of the pass program ``shape`` (``batching.pass_inputs``; with ``busy``, a
         decode/verify step whose rows are all live, ``batching.busy_verify``)."""
         e = self.engine
         if busy:
             return batching.busy_verify(shape, e.max_slots, e.pages_per_seq, e.page_size, own_pages)
-        return batching.step_inputs(shape, e.max_slots, e.pages_per_seq)
+        return batching.pass_inputs(shape, e.max_slots, e.pages_per_seq)
 
-    def run(self, inp: batching.StepInputs, *, live: bool = False) -> tuple[Any, ...]:
+    def run(self, inp: batching.PassInputs, *, live: bool = False) -> tuple[Any, ...]:
         """Run one step on ``inp`` and wait for its tokens on the host. Prefill ->
         ``(tokens int32[S], logprobs float32[S])``; decode/verify -> ``(tokens int32[T], logprobs
         float32[T], num_emitted int32[S])``. The KV pool is donated and replaced in place."""
         return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live)
 
-    def lower(self, inp: batching.StepInputs) -> jax.stages.Lowered:
+    def lower(self, inp: batching.PassInputs) -> jax.stages.Lowered:
         """The step on ``inp`` lowered for XLA (``.compile()`` it; its ``memory_analysis()`` gives
         the program's temporaries). Nothing runs."""
         fn, args, kw = self.engine._call(self.flat_state, inp, self.key, self.sampling, self.mode)

@@ -1,4 +1,4 @@
-"""Smoke check of ``rhyme_lab.measure.pass_cost`` (``python -m benchmarks.step_cost``: decode vs
+"""Smoke check of ``rhyme_lab.measure.pass_cost`` (``python -m benchmarks.pass_cost``: decode vs
 verify pass cost): it builds the passes the engine would run and writes its report. Nothing is
 timed here (timings belong in the benchmark)."""
 
@@ -13,7 +13,7 @@ from rhyme_lab.measure import pass_cost
 from rhyme_jax.rollout import batching
 
 
-def test_step_cost_passes_and_report(tmp_path):
+def test_pass_cost_passes_and_report(tmp_path):
     # the benchmark's --rows 4 --context 20 --drafts 0,2 --iters 1 --attention reference --passes-ratio 1.5
     ks = pass_cost.parse_drafts("0,2")
     eng, state = pass_cost.pass_engine(pass_cost.model_config("demo"), "float32", 4, 20, max(ks), "reference")
@@ -26,7 +26,7 @@ def test_step_cost_passes_and_report(tmp_path):
     rows = batching.seq_bucket(4, 4)
     assert [r["tokens"] for r in res] == [rows, rows * 3]  # every row: pending token + its drafts
     assert res[0]["relative"] == 1.0
-    assert report["meta"]["params"] > 0 and "implied speed-up" in (tmp_path / "step_cost_demo.md").read_text()
+    assert report["meta"]["params"] > 0 and "implied speed-up" in (tmp_path / "pass_cost_demo.md").read_text()
     with pytest.raises(ValueError, match="--drafts"):
         pass_cost.parse_drafts("0,64")  # beyond the largest draft bucket
 
@@ -34,11 +34,11 @@ def test_step_cost_passes_and_report(tmp_path):
 def test_pass_inputs_give_every_sequence_its_own_pages():
     from flax import nnx
     from rhyme_jax.model.transformer import Decoder
-    from rhyme_jax.rollout.engine import RolloutEngine
+    from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine
 
     graphdef, _ = nnx.split(Decoder(pass_cost.DEMO, rngs=nnx.Rngs(0)))
-    eng = RolloutEngine(graphdef, pass_cost.DEMO, max_slots=3, page_size=16, num_pages=0, max_prompt_len=40,
-                        max_new_tokens=4, eos_ids=[])
+    eng = RolloutEngine(graphdef, pass_cost.DEMO, EngineConfig(max_slots=3, page_size=16, num_pages=0,
+                                                                max_prompt_len=40, max_new_tokens=4, eos_ids=[]))
     inp, t = pass_cost.pass_inputs(eng, 3, 40, 1, np.random.default_rng(0))
     assert t >= 3 * 2
     held = eng.allocator.num_held[:3]
