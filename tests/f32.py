@@ -133,3 +133,14 @@ def logprobs(cfg, seq_len: int, max_abs_logit: float, temperature: float = 1.0,
     dlogit = between_programs(model_logits(cfg, seq_len, max_abs_logit, probabilistic)) / temperature
     dlogit += 2 * U * scaled
     return between_programs(log_softmax(scaled, cfg.vocab_size)) + 2 * dlogit
+
+
+def log_softmax_between_programs(logits, temperature: float = 1.0) -> float:
+    """Largest difference (nats) between two programs' ``log_softmax(logits / temperature)`` of
+    the same float32 ``logits`` array (last axis the vocabulary): ``between_programs`` of
+    ``log_softmax`` at its largest |logit| / temperature, the division one more rounding."""
+    import numpy as np
+
+    x = np.asarray(logits, np.float64)
+    scaled = float(np.abs(x).max()) / (temperature or 1.0)
+    return between_programs(log_softmax(scaled, x.shape[-1], logit_err=U * scaled))
