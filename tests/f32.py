@@ -144,3 +144,12 @@ def log_softmax_between_programs(logits, temperature: float = 1.0) -> float:
     x = np.asarray(logits, np.float64)
     scaled = float(np.abs(x).max()) / (temperature or 1.0)
     return between_programs(log_softmax(scaled, x.shape[-1], logit_err=U * scaled))
+
+
+def logits_between_programs(cfg, seq_len: int, ref, probabilistic: bool = False) -> float:
+    """Largest difference between two programs' float32 logits of a ``cfg`` model (JAX vs torch,
+    scanned vs unrolled layers, before vs after an export) over ``seq_len`` positions:
+    ``between_programs(model_logits(...))`` at the largest |logit| of ``ref``."""
+    import numpy as np
+
+    return between_programs(model_logits(cfg, seq_len, float(np.abs(np.asarray(ref)).max()), probabilistic))
