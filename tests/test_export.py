@@ -21,6 +21,8 @@ from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.checkpoint import Checkpointer, save_params
 from rhyme_jax.train.export import EXPORT_MARKER, ExportError, export_hf
+
+import f32
 from rhyme_jax.train.policy import tiny_model_config
 
 torch = pytest.importorskip("torch")
@@ -89,7 +91,8 @@ def test_export_matches_rhyme_jax_forward(tmp_path, family, tied):
 
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (2, 13))
     got = _theirs(out, tokens)
-    np.testing.assert_allclose(got, _ours(model_cfg, state, tokens), atol=1e-4, rtol=0)
+    want = _ours(model_cfg, state, tokens)  # torch vs JAX: f32's worst-case bound
+    np.testing.assert_allclose(got, want, atol=f32.logits_between_programs(model_cfg, 13, want), rtol=0)
     # Not the source weights: the test fails if export wrote the original checkpoint.
     assert np.abs(got - _theirs(src, tokens)).max() > 1e-2
     exported, original = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
@@ -159,7 +162,8 @@ def test_export_tiny_demo_model(tmp_path):
 
     tokens = np.asarray([tokenizer.encode(TEXTS[20])])
     got = _theirs(out, tokens)
-    np.testing.assert_allclose(got, _ours(model.cfg, state, tokens), atol=1e-4, rtol=0)
+    want = _ours(model.cfg, state, tokens)  # torch vs JAX: f32's worst-case bound
+    np.testing.assert_allclose(got, want, atol=f32.logits_between_programs(model.cfg, tokens.shape[1], want), rtol=0)
     assert np.abs(got - _ours(model.cfg, nnx.state(model), tokens)).max() > 1e-2
     tok = tf.AutoTokenizer.from_pretrained(str(out))
     assert tok.eos_token == "<eos>" and tok.pad_token_id == tokenizer.pad_id

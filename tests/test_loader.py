@@ -15,6 +15,8 @@ from rhyme_jax.model.config import ModelConfig, ModelConfigError
 from rhyme_jax.model.loader import CheckpointFormatError, load_hf_checkpoint, save_hf_checkpoint
 from rhyme_jax.model.transformer import Decoder
 
+import f32
+
 TINY = ModelConfig(family="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=(5,))
 
@@ -144,7 +146,8 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path):
     hf = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     tokens = np.random.default_rng(0).integers(0, 96, (1, 12))
     ours = np.asarray(model(jnp.asarray(tokens), jnp.arange(12)[None]))
-    np.testing.assert_allclose(ours, hf_logits(hf, tokens), atol=1e-5, rtol=0)
+    ref = hf_logits(hf, tokens)  # JAX vs torch: f32's worst-case bound for this depth and width
+    np.testing.assert_allclose(ours, ref, atol=f32.logits_between_programs(cfg, 12, ref), rtol=0)
 
 
 def test_bf16_checkpoint_loads(tmp_path):
@@ -164,6 +167,6 @@ def test_bf16_checkpoint_loads(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 128, (1, 10))
     ref_logits = hf_logits(hf.float(), tokens)
     got = np.asarray(model32(jnp.asarray(tokens), jnp.arange(10)[None]))
-    np.testing.assert_allclose(got, ref_logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, ref_logits, atol=f32.logits_between_programs(cfg, 10, ref_logits), rtol=0)
     got16 = np.asarray(model(jnp.asarray(tokens), jnp.arange(10)[None]))
     assert got16.dtype == np.float32 and np.abs(got16 - ref_logits).max() < 0.1
