@@ -78,6 +78,10 @@ class StepBatch:
         for grp in self.groups:
             grp.rewards, at = rewards[at: at + len(grp.tokens)], at + len(grp.tokens)
 
+    def _check_scored(self) -> None:
+        if any(grp.rewards is None for grp in self.groups):
+            raise ValueError(f"StepBatch of step {self.step}: not scored yet (set_rewards)")
+
     @property
     def rewards(self) -> np.ndarray:
         """``float32[N]`` each row's reward (``set_rewards``).
@@ -85,8 +89,7 @@ class StepBatch:
         Raises:
           ValueError: the batch is not scored yet.
         """
-        if any(grp.rewards is None for grp in self.groups):
-            raise ValueError(f"StepBatch of step {self.step}: not scored yet (set_rewards)")
+        self._check_scored()
         return np.concatenate([grp.rewards for grp in self.groups]) if self.groups else np.zeros(0, np.float32)
 
     @property
@@ -96,6 +99,5 @@ class StepBatch:
         Raises:
           ValueError: the batch is not scored yet.
         """
-        if any(grp.rewards is None for grp in self.groups):
-            raise ValueError(f"StepBatch of step {self.step}: not scored yet (set_rewards)")
+        self._check_scored()
         return np.stack([grp.rewards for grp in self.groups])
