@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rhyme_jax.io.checkpoint import Checkpointer  # noqa: E402
 from rhyme_jax.model.config import ModelConfig  # noqa: E402
 from rhyme_jax.model.loader import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rhyme_jax.model.transformer import Decoder  # noqa: E402
@@ -28,7 +29,6 @@ from rhyme_jax.parallel.mesh import rollout_meshes, train_mesh  # noqa: E402
 from rhyme_jax.parallel.reshard import create_sharded, leaf_checksums, put_global, reshard  # noqa: E402
 from rhyme_jax.parallel.rules import batch_sharding, opt_state_shardings, param_shardings  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from rhyme_jax.train.checkpoint import Checkpointer  # noqa: E402
 from rhyme_jax.train.grpo_step import TrainShardings, make_grpo_step  # noqa: E402
 from rhyme_jax.train.optim import make_optimizer  # noqa: E402
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rhyme_jax.io.checkpoint import CheckpointError, Checkpointer, load_params, save_params
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
-from rhyme_jax.train.checkpoint import CheckpointError, Checkpointer, load_params, save_params
 from rhyme_jax.train.optim import make_optimizer
 
 CFG = dict(family="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -129,7 +129,7 @@ KILL_SCRIPT = textwrap.dedent("""
     from orbax.checkpoint._src.path import atomicity
     sys.path.insert(0, {tests!r})
     from test_checkpoint import make_state
-    from rhyme_jax.train.checkpoint import Checkpointer
+    from rhyme_jax.io.checkpoint import Checkpointer
 
     state, opt = make_state(0)
     ck = Checkpointer({d!r}, keep=3)
@@ -196,7 +196,7 @@ def _per_block(nested):
 def test_per_block_checkpoint_converts_to_stacked_layers(tmp_path):
     """A checkpoint written before the layer scan (one subtree per block) restores into the
     stacked layout, params and optimizer moments exactly; a warm-start params dir too."""
-    from rhyme_jax.train.checkpoint import _to_nested
+    from rhyme_jax.io.checkpoint import _to_nested
 
     state, opt = make_state()
     old_params, old_opt = _per_block(_to_nested(state)), _per_block(_to_nested(opt))

@@ -10,8 +10,8 @@ import pytest
 
 from rhyme_jax.cli import main
 from rhyme_jax.config import ConfigError, load_config
-from rhyme_jax.train.checkpoint import Checkpointer
-from rhyme_jax.train.metrics import read_metrics
+from rhyme_jax.io.checkpoint import Checkpointer
+from rhyme_jax.io.metrics import read_metrics
 from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """docs/config.md and docs/metrics.md against the code.
 
-* docs/config.md is exactly what ``rhyme_jax.config_reference`` generates from the config
+* docs/config.md is exactly what ``rhyme_lab.config_reference`` generates from the config
   dataclasses, and every config field has a meaning (its ``# comment`` in sections.py).
 * docs/metrics.md documents every key a tiny GRPO run writes to ``metrics.jsonl`` (HistoSpec on,
   sampled evaluation, so the ``spec/`` and ``eval/`` keys are there), under the phase it is
@@ -17,7 +17,7 @@ from typing import Literal
 
 import pytest
 
-from rhyme_jax import config_reference as reference
+from rhyme_lab import config_reference as reference
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DOC = REPO / "docs" / "config.md"
@@ -109,7 +109,7 @@ def undocumented(rows: list[dict]) -> list[str]:
 def tiny_run_rows(tmp_path_factory, compile_cache):
     """Metrics rows of a 2-step tiny GRPO run with HistoSpec and sampled evaluation."""
     from rhyme_jax.config import load_config
-    from rhyme_jax.train.metrics import read_metrics
+    from rhyme_jax.io.metrics import read_metrics
     from rhyme_jax.train.trainer import GRPOTrainer
 
     cfg = load_config(TINY, [f"run.runs_dir={tmp_path_factory.mktemp('metrics_doc')}", *RUN])

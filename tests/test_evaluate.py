@@ -9,10 +9,11 @@ from flax import nnx
 
 from rhyme_jax.config import load_config
 from rhyme_jax.data import load_problems
+from rhyme_jax.io.summary import paired_gain
 from rhyme_jax.rollout.engine import SamplingParams
-from rhyme_jax.train.evaluate import encode_prompts, evaluate, paired_gain
-from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
 from rhyme_jax.train.assembly import make_engine
+from rhyme_jax.train.evaluate import encode_prompts, evaluate
+from rhyme_jax.train.policy import build_model, build_tokenizer, eos_ids
 
 
 def test_paired_gain_matches_hand_computation():
@@ -99,7 +100,7 @@ def test_evaluate_rejects_an_empty_problem_list(tiny_policy):
 
 
 def test_summary_reward_windows_and_z():
-    from rhyme_jax.train.summary import _reward_windows, _z
+    from rhyme_jax.io.summary import _reward_windows, _z
 
     w = _reward_windows([0.1] * 10 + [0.5] * 5 + [0.3] * 10)
     assert w == {"reward_window": 10, "reward_first": pytest.approx(0.1), "reward_last": pytest.approx(0.3),

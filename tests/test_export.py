@@ -15,11 +15,11 @@ from safetensors.numpy import load_file
 
 from _hf_fixtures import save_hf_model
 from rhyme_jax.config import ConfigError, load_config, to_yaml
+from rhyme_jax.io.checkpoint import Checkpointer, save_params
 from rhyme_jax.model.config import ModelConfigError
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
 from rhyme_jax.model.transformer import Decoder
-from rhyme_jax.train.checkpoint import Checkpointer, save_params
 from rhyme_jax.train.export import EXPORT_MARKER, ExportError, export_hf
 
 import f32

@@ -25,13 +25,13 @@ from flax import nnx
 from rhyme_jax.config import load_config
 from rhyme_jax.data import load_problems
 from rhyme_jax.data.synthetic import corpus
+from rhyme_jax.io.checkpoint import Checkpointer
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import train_demo_tokenizer
 from rhyme_jax.parallel.reshard import put_global
 from rhyme_jax.parallel.rules import param_shardings
 from rhyme_jax.train import assembly, losses
 from rhyme_jax.train.assembly import RolloutParts, build_learner, build_policy
-from rhyme_jax.train.checkpoint import Checkpointer
 from rhyme_jax.train.optim import PARAM_DTYPE, grpo_optimizer, grpo_schedule_steps
 from rhyme_jax.train.policy import build_model, compute_params
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from rhyme_jax.train.metrics import MetricsError, MetricsWriter, read_metrics
-from rhyme_jax.train.plots import plot_run
+from rhyme_jax.io.metrics import MetricsError, MetricsWriter, read_metrics
+from rhyme_jax.io.plots import plot_run
 from rhyme_jax.io.rollout_log import RolloutLogError, list_rollout_steps, load_rollouts, save_rollouts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -29,12 +29,12 @@ import pytest
 
 from rhyme_jax.config import load_config
 from rhyme_jax.data import DataError, load_problems
-from rhyme_jax.rollout.engine import PromptTooLongError
-from rhyme_jax.train.checkpoint import Checkpointer
-from rhyme_jax.train.metrics import read_metrics
+from rhyme_jax.io.checkpoint import Checkpointer
+from rhyme_jax.io.metrics import read_metrics
 from rhyme_jax.io.rollout_log import load_rollouts
-from rhyme_jax.train.prompts import prompt_schedule
+from rhyme_jax.rollout.engine import PromptTooLongError
 from rhyme_jax.train.callbacks import TrainerCallback
+from rhyme_jax.train.prompts import prompt_schedule
 from rhyme_jax.train.trainer import GRPOTrainer, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]

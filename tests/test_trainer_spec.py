@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rhyme_jax.io.checkpoint import Checkpointer
 from rhyme_jax.spec.history import HistoryStore
-from rhyme_jax.train.checkpoint import Checkpointer
 from rhyme_jax.train.trainer import GRPOTrainer
 from test_trainer import (STEPS, assert_trees_equal, host_copy, parity_reward, tiny_cfg, train_rows,
                           train_steps_by_hand)

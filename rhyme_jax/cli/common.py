@@ -74,7 +74,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from rhyme_jax.parallel.mesh import MeshConfigError
     from rhyme_jax.parallel.rules import ShardingRuleError
     from rhyme_jax.rollout.engine import EngineConfigError, PromptTooLongError
-    from rhyme_jax.train.checkpoint import CheckpointError
+    from rhyme_jax.io.checkpoint import CheckpointError
     from rhyme_jax.train.policy import PolicyConfigError
     from rhyme_jax.train.trainer import NonFiniteLossError, RunExistsError
 

@@ -120,8 +120,8 @@ def cmd_train(cfg: RunConfig, resume: bool, *, warm_start: bool = False, reward_
     """``rhyme-jax train`` (and ``demo`` with ``warm_start``: the SFT warm start first unless done)."""
     from rhyme_jax.compile_count import CompileCounter
     from rhyme_jax.train.assembly import run_dir_of
-    from rhyme_jax.train.plots import plot_run
-    from rhyme_jax.train.summary import build_summary, print_summary, write_summary
+    from rhyme_jax.io.plots import plot_run
+    from rhyme_jax.io.summary import build_summary, print_summary, write_summary
     from rhyme_jax.train.trainer import GRPOTrainer, RunExistsError, has_checkpoints
     from rhyme_jax.train.warm_start import run_warm_start, sft_params_dir
 
@@ -179,7 +179,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     """``rhyme-jax eval``: greedy (and, with ``run.eval_samples``, sampled pass@k) held-out
     accuracy of a checkpoint, the run's newest, or the starting model (``initial``)."""
     from rhyme_jax.parallel.mesh import train_mesh
-    from rhyme_jax.train import checkpoint as ckpt
+    from rhyme_jax.io import checkpoint as ckpt
     from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of, warm_start_dir
     from rhyme_jax.train.evaluate import evaluate_run
     from rhyme_jax.train.policy import compute_dtype, compute_params

@@ -44,6 +44,7 @@ from omegaconf import OmegaConf
 
 from rhyme_jax.config import to_dict
 from rhyme_jax.data import Problem, load_problems
+from rhyme_jax.io import checkpoint as ckpt
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.parallel import distributed
@@ -57,7 +58,6 @@ from rhyme_jax.sched import carry
 from rhyme_jax.sched.scheduler import RolloutScheduler
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
-from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback
 from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
 from rhyme_jax.train.optim import grpo_optimizer

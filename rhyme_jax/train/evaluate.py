@@ -20,9 +20,9 @@ from rhyme_jax.config import RunConfig
 from rhyme_jax.data import Problem
 from rhyme_jax.data.custom_reward import score_batch, task_reward
 from rhyme_jax.data.rewards import reward
+from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.rollout.engine import RolloutEngine, SamplingParams
-from rhyme_jax.io.atomic import atomic_write
 
 
 @dataclass(frozen=True)
@@ -134,19 +134,3 @@ def evaluate_run(engine: RolloutEngine, state, tokenizer: Tokenizer, problems: S
                     top_p=r.top_p, reward_fn=reward_fn)
 
 
-def paired_gain(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
-    """Mean and standard error of the per-problem difference ``after - before``.
-
-    Both evaluations score the same problems, so the paired standard error
-    ``std(after_i - before_i, ddof=1) / sqrt(n)`` is the right yardstick for the gain (it removes
-    the between-problem variance that the unpaired sqrt(se_a^2 + se_b^2) keeps).
-
-    Raises:
-      ValueError: the vectors differ in length or are empty.
-    """
-    before, after = np.asarray(before, np.float64), np.asarray(after, np.float64)
-    if before.shape != after.shape or before.size == 0:
-        raise ValueError(f"paired_gain: shapes {before.shape} and {after.shape} must match and be non-empty")
-    d = after - before
-    se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else 0.0
-    return float(d.mean()), se

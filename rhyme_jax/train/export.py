@@ -46,12 +46,12 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as _HFTokenizer
 
 from rhyme_jax.config import RunConfig, load_config
+from rhyme_jax.io import checkpoint as ckpt
 from rhyme_jax.model import hub
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import key_map, load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.model.transformer import Decoder
-from rhyme_jax.train import checkpoint as ckpt
 from rhyme_jax.train.optim import PARAM_DTYPE
 from rhyme_jax.train.policy import build_model, tiny_model_config, tokenizer_file
 

@@ -27,7 +27,9 @@ from tqdm.auto import tqdm
 
 from rhyme_jax.data import Problem
 from rhyme_jax.data.custom_reward import choose_reward, score_batch
+from rhyme_jax.io.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.io.rollout_log import save_rollouts
+from rhyme_jax.io.summary import eval_path
 from rhyme_jax.parallel.reshard import put_global, to_host
 from rhyme_jax.sched import carry
 from rhyme_jax.sched.timeline import write_schedule
@@ -35,9 +37,8 @@ from rhyme_jax.train.assembly import batch_shards, build_run
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback, builtin_callbacks
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
-from rhyme_jax.train.metrics import MetricsWriter, NullMetricsWriter
-from rhyme_jax.train.step_batch import StepBatch
 from rhyme_jax.train.prompts import epoch_of_step
+from rhyme_jax.train.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
@@ -59,9 +60,6 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive GRPO steps had a non-finite loss; the last good checkpoint is kept."""
 
 
-def eval_path(run_dir: Path, step: int) -> Path:
-    """Per-problem results of the held-out evaluation after ``step`` GRPO steps (0 = before)."""
-    return Path(run_dir) / "eval" / f"step_{step:06d}.npz"
 
 
 class GRPOTrainer:

@@ -12,11 +12,11 @@ from flax import nnx
 
 from rhyme_jax.config import RunConfig
 from rhyme_jax.data import load_problems, task_reward
-from rhyme_jax.train import checkpoint as ckpt
+from rhyme_jax.io import checkpoint as ckpt
+from rhyme_jax.io.metrics import MetricsWriter
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
-from rhyme_jax.train.metrics import MetricsWriter
-from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.policy import build_model, build_tokenizer, compute_dtype, compute_params, eos_ids
+from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.sft import run_sft
 
 

@@ -31,7 +31,7 @@ def run_sft_unit(cfg, progress, *, skip: int = 0, warmup: bool = True) -> dict:
     from flax import nnx
 
     from rhyme_jax.data import load_problems
-    from rhyme_jax.train import checkpoint as ckpt
+    from rhyme_jax.io import checkpoint as ckpt
     from rhyme_jax.train.assembly import make_engine, run_dir_of
     from rhyme_jax.train.evaluate import evaluate_run
     from rhyme_jax.train.policy import build_model, build_tokenizer, compute_dtype, compute_params, eos_ids

@@ -51,7 +51,7 @@ def load_policy(config: str, overrides: list[str], init_from: str, run_dir: str)
     from rhyme_jax.config import load_config
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.train.assembly import build_policy
-    from rhyme_jax.train.checkpoint import load_params
+    from rhyme_jax.io.checkpoint import load_params
     from rhyme_jax.train.policy import tokenizer_file
 
     _require_params(init_from)

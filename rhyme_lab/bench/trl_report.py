@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from rhyme_lab.bench.trl_mapping import SideBySideError
-from rhyme_jax.train.evaluate import paired_gain
+from rhyme_jax.io.summary import paired_gain
 
 
 def mean_se(units) -> tuple[float, float]:

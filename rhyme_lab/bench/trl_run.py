@@ -19,8 +19,8 @@ from rhyme_lab.bench.trl_mapping import (SideBySideError, expected_prompt_ids, o
 from rhyme_jax.config import load_config
 from rhyme_jax.data import load_problems
 from rhyme_jax.data.rewards import reward_fn as reward_fn_of
+from rhyme_jax.io.metrics import read_metrics
 from rhyme_jax.io.rollout_log import load_rollouts
-from rhyme_jax.train.metrics import read_metrics
 
 
 def rhyme_run_dir(cfg) -> Path:
@@ -72,7 +72,7 @@ def read_rhyme(run_dir: Path, cfg, eval_step: int | None = None) -> dict:
     Raises:
       RuntimeError: a training step or an evaluation is missing.
     """
-    from rhyme_jax.train.trainer import eval_path
+    from rhyme_jax.io.summary import eval_path
 
     rows = read_metrics(run_dir)
     train = {int(r["step"]): r for r in rows if r.get("phase") == "train"}

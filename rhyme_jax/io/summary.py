@@ -10,7 +10,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from rhyme_jax.train.metrics import read_metrics
+from rhyme_jax.io.metrics import read_metrics
 
 
 def build_summary(run_dir: Path, result: dict, *, wall_seconds: float, compiles: int,
@@ -89,12 +89,31 @@ def _reward_windows(rewards: list[float], window: int = 10) -> dict:
     first, last = float(np.nanmean(rewards[:w])), float(np.nanmean(rewards[-w:]))
     return {"reward_window": w, "reward_first": first, "reward_last": last, "reward_rise": last - first}
 
+def eval_path(run_dir: Path, step: int) -> Path:
+    """Per-problem results of the held-out evaluation after ``step`` GRPO steps (0 = before)."""
+    return Path(run_dir) / "eval" / f"step_{step:06d}.npz"
+
+
+def paired_gain(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
+    """Mean and standard error of the per-problem difference ``after - before``.
+
+    Both evaluations score the same problems, so the paired standard error
+    ``std(after_i - before_i, ddof=1) / sqrt(n)`` is the right yardstick for the gain (it removes
+    the between-problem variance that the unpaired sqrt(se_a^2 + se_b^2) keeps).
+
+    Raises:
+      ValueError: the vectors differ in length or are empty.
+    """
+    before, after = np.asarray(before, np.float64), np.asarray(after, np.float64)
+    if before.shape != after.shape or before.size == 0:
+        raise ValueError(f"paired_gain: shapes {before.shape} and {after.shape} must match and be non-empty")
+    d = after - before
+    se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else 0.0
+    return float(d.mean()), se
+
 
 def _paired(run_dir: Path, steps: int) -> dict:
     """Paired gains (same problems before and after) from the per-problem eval files."""
-    from rhyme_jax.train.evaluate import paired_gain
-    from rhyme_jax.train.trainer import eval_path
-
     first, last = eval_path(run_dir, 0), eval_path(run_dir, steps)
     if not (first.is_file() and last.is_file()):
         return {}

@@ -11,10 +11,9 @@ and one line of meaning. Nothing is written by hand:
 * the meaning is the field's ``# comment`` in the source: the trailing comment of its line, the
   comment lines right above it (when its line has none) and comment lines continuing it.
 
-Regenerate after changing a section: ``python -m rhyme_jax.config_reference --write``
-(``--check`` exits 1 when docs/config.md is stale; no option prints the page). The module sits
-beside ``rhyme_jax/config/``, not in it: the config package imports only what loading a YAML
-file needs (tests/test_layout.py), and this one reads source code.
+Regenerate after changing a section: ``python -m rhyme_lab.config_reference --write``
+(``--check`` exits 1 when docs/config.md is stale; no option prints the page). A developer's
+tool, so it lives in the lab, not the installed package: it reads the config package's source.
 ``tests/test_docs_reference.py`` fails when the page is stale or a field has no comment.
 """
 
@@ -39,7 +38,7 @@ from rhyme_jax.config.checks import field_types, literal_choices
 from rhyme_jax.config.run_config import RunConfig
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-REGENERATE = "python -m rhyme_jax.config_reference --write"
+REGENERATE = "python -m rhyme_lab.config_reference --write"
 _BOUND_CALLS = {"at_least": ">=", "above": ">"}
 
 
@@ -374,7 +373,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the reference, write it to docs/config.md (``--write``) or check it (``--check``)."""
-    parser = argparse.ArgumentParser(prog="python -m rhyme_jax.config_reference", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rhyme_lab.config_reference", description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help=f"write {DOC_PATH}")
     mode.add_argument("--check", action="store_true", help="exit 1 when the file differs from the generated text")

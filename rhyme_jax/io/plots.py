@@ -12,7 +12,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rhyme_jax.train.metrics import read_metrics
+from rhyme_jax.io.metrics import read_metrics
 
 PLOT_FILE = "reward_accuracy.png"
 # Accepted metric names, first present wins (the trainer's names come first).
