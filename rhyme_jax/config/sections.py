@@ -235,6 +235,7 @@ class GRPOSection:
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
+    padding_free: bool = False  # pack each minibatch's sequences into full-length rows (segment ids): memory and FLOPs follow real tokens (TRL padding_free)
     learning_rate: float = 1e-3  # AdamW peak learning rate
     warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
     schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)

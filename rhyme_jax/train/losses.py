@@ -385,7 +385,8 @@ def weighted_grpo_loss(
     metric are weighted sums, so they add up over micro-batches of one minibatch.
 
     Args:
-      logprobs, old_logprobs: f32[B, T]; advantages: f32[B]; loss_w, token_w: f32[B, T] from
+      logprobs, old_logprobs: f32[B, T]; advantages: f32[B] (or f32[B, T] per token: a packed
+      batch, ``train/packing.py``); loss_w, token_w: f32[B, T] from
       ``loss_weights``; the rest as ``grpo_loss``.
 
     Returns:
@@ -395,7 +396,8 @@ def weighted_grpo_loss(
     """
     lp = logprobs.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    adv = adv[:, None] if adv.ndim == 1 else adv  # per token in a packed batch
     log_ratio = lp - old
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * adv
