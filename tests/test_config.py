@@ -95,6 +95,9 @@ BAD_VALUES = [
     ("grpo.eps_low=-0.1", "grpo.eps_low"),
     ("grpo.eps_high=-0.1", "grpo.eps_high"),
     ("grpo.kl_coef=-1", "grpo.kl_coef"),
+    ("grpo.kl_ratio_weighted=true", "grpo.kl_ratio_weighted"),  # kl_coef is 0: nothing to weight
+    ("grpo.importance_sampling_level=row", "grpo.importance_sampling_level"),
+    ("grpo.entropy_coef=-0.01", "grpo.entropy_coef"),
     ("grpo.weight_decay=-1", "grpo.weight_decay"),
     ("sft.weight_decay=-1", "sft.weight_decay"),
     ("sft.steps=-1", "sft.steps"),
@@ -157,7 +160,8 @@ def test_cross_field_checks(overrides, key):
     "rollout.top_p=1", "rollout.top_k=1000000", "grpo.max_grad_norm=0", "grpo.kl_coef=0.01",
     "sft.steps=0", "spec.pattern_max=256", "spec.pattern_min=7", "run.eval_every=5",
     "parallel.data=-1", "parallel.rollout_tensor=2", "run.seed=4294967295",
-    "model.prompt_template='Q {question} {{a}}'",
+    "model.prompt_template='Q {question} {{a}}'", "grpo.importance_sampling_level=sequence",
+    "grpo.entropy_coef=0",
 ])
 def test_boundary_values_still_load(override):
     load_config(DEFAULT, [override])
@@ -194,3 +198,17 @@ def test_settings_that_cannot_learn_fail_at_load(overrides, key):
 ], ids=lambda o: " ".join(o))
 def test_edges_of_the_learning_signal_checks_still_load(overrides):
     load_config(DEFAULT, overrides)
+
+
+def test_trl_loss_keys_reach_the_update():
+    """grpo.kl_ratio_weighted / importance_sampling_level / entropy_coef are the keywords the GRPO
+    step gets (grpo_step.loss_options; TRL use_bias_correction_kl / importance_sampling_level /
+    entropy_coef); the defaults are today's loss: False, "token", 0.0."""
+    from rhyme_jax.train.grpo_step import loss_options
+
+    assert loss_options(load_config(DEFAULT).grpo) == {
+        "kl_ratio_weighted": False, "importance_sampling_level": "token", "entropy_coef": 0.0}
+    g = load_config(DEFAULT, ["grpo.kl_coef=0.04", "grpo.kl_ratio_weighted=true",
+                              "grpo.importance_sampling_level=sequence", "grpo.entropy_coef=0.01"]).grpo
+    assert loss_options(g) == {"kl_ratio_weighted": True, "importance_sampling_level": "sequence",
+                               "entropy_coef": 0.01}

@@ -23,6 +23,7 @@ OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean"]
 ScaleRewards = Literal["group", "batch", "none"]
+ISLevel = Literal["token", "sequence"]
 DraftBranch = Literal["reward", "count"]
 DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
@@ -224,6 +225,12 @@ class GRPOSection:
     eps_low: float = 0.2  # clip range below: ratio >= 1 - eps_low
     eps_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
+    # weight the k3 term by the policy ratio (unbiased reverse-KL gradient; TRL use_bias_correction_kl,
+    # default True there; false = DeepSeekMath's plain k3); needs kl_coef > 0
+    kl_ratio_weighted: bool = False
+    # importance ratio per token | per sequence: exp(token mean of log-ratio), clipped as one (GSPO; TRL's key)
+    importance_sampling_level: ISLevel = "token"
+    entropy_coef: float = 0.0  # loss - entropy_coef x token-mean entropy (TRL entropy_coef); 0 = off
     # advantage (r - group mean) / (std + 1e-4), sample std of: group (GRPO) | batch (all the step's rewards)
     # | none: no division (Dr.GRPO)
     scale_rewards: ScaleRewards = "group"
@@ -248,7 +255,9 @@ class GRPOSection:
                  "max_consecutive_nonfinite")
         at_least(self, 0, "num_prompts", note=" (0 = all train problems)")
         at_least(self, 0, "micro_batch_tokens", "logit_chunk", note=" (0 = off)")
-        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "weight_decay")
+        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay")
+        if self.kl_ratio_weighted and self.kl_coef == 0:
+            raise fail(self, "kl_ratio_weighted", "needs grpo.kl_coef > 0 (it weights the KL term)")
         above(self, 0.0, "learning_rate")
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
