@@ -98,6 +98,10 @@ BAD_VALUES = [
     ("grpo.kl_ratio_weighted=true", "grpo.kl_ratio_weighted"),  # kl_coef is 0: nothing to weight
     ("grpo.importance_sampling_level=row", "grpo.importance_sampling_level"),
     ("grpo.entropy_coef=-0.01", "grpo.entropy_coef"),
+    ("reward.fns=[{fn: bad}]", "reward.fns[0].fn"),
+    ("reward.fns=[{fn: 'a:b'}, {fn: 'c:d', weight: .nan}]", "reward.fns[1].weight"),
+    ("reward.fns=[{fn: 'a:b', wt: 1}]", "reward.fns"),  # unknown field of an entry
+    ("reward.fns=[{fn: 'a:b'}, {fn: 'c:b'}]", "reward.fns"),  # two functions logged as reward/b/mean
     ("grpo.weight_decay=-1", "grpo.weight_decay"),
     ("sft.weight_decay=-1", "sft.weight_decay"),
     ("sft.steps=-1", "sft.steps"),
@@ -148,7 +152,8 @@ def test_bad_values_fail_in_load_config_naming_the_key(override, key):
     (["parallel.fsdp=2", "grpo.prompts_per_step=1", "grpo.samples_per_prompt=3"], "grpo.prompts_per_step"),
     (["data.min_steps=3", "data.max_steps=2"], "data.max_steps=2 must be >= 3"),
     (["sft.steps=5", "sft.warmup_steps=6"], "sft.warmup_steps=6 must be in [0, sft.steps=5]"),
-], ids=["two-fill-axes", "rows-over-shards", "steps-order", "sft-warmup"])
+    (["reward.fn=a:b", "reward.fns=[{fn: 'c:d'}]"], "reward.fn='a:b' and reward.fns are both set"),
+], ids=["two-fill-axes", "rows-over-shards", "steps-order", "sft-warmup", "fn-and-fns"])
 def test_cross_field_checks(overrides, key):
     with pytest.raises(ConfigError, match="^" + DEFAULT) as info:
         load_config(DEFAULT, overrides)
@@ -161,7 +166,7 @@ def test_cross_field_checks(overrides, key):
     "sft.steps=0", "spec.pattern_max=256", "spec.pattern_min=7", "run.eval_every=5",
     "parallel.data=-1", "parallel.rollout_tensor=2", "run.seed=4294967295",
     "model.prompt_template='Q {question} {{a}}'", "grpo.importance_sampling_level=sequence",
-    "grpo.entropy_coef=0",
+    "grpo.entropy_coef=0", "reward.fns=[{fn: 'a:b', weight: -0.5, kwargs: {k: 1}}, {fn: 'c.d:e'}]",
 ])
 def test_boundary_values_still_load(override):
     load_config(DEFAULT, [override])

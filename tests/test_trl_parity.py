@@ -143,7 +143,7 @@ def _our_grads(graphdef, state, first, loss_agg, beta, bias_correction, micro_ba
 
 
 def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-                 is_level="token", entropy_coef=0.0):
+                 is_level="token", entropy_coef=0.0, reward_funcs=None, reward_weights=None):
     """A GRPOTrainer whose rollout is the fixed batch (``rollout_func``) and whose reward function
     returns the fixed rewards; the policy moved to ``setup.policy_sd``, the reference left at the
     checkpoint TRL loaded it from."""
@@ -166,14 +166,14 @@ def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, 
         gradient_accumulation_steps=1, num_generations=N, max_completion_length=MAX_NEW, temperature=TEMPERATURE,
         beta=beta, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, loss_type=loss_type, scale_rewards=scale_rewards,
         use_bias_correction_kl=bias_correction, importance_sampling_level=is_level, entropy_coef=entropy_coef,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        reward_weights=reward_weights, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
         shuffle_dataset=False)
     data = Dataset.from_dict({"prompt": ["t5 t6"] * GROUPS, "row": list(range(GROUPS))})
     # Loaded here (TRL's own loading wants config.architectures, which rhyme-jax's imports omit);
     # with beta > 0 TRL loads its reference from the model's directory (config._name_or_path)
     # with the model's dtype and attention implementation.
     model = AutoModelForCausalLM.from_pretrained(str(setup.ref_dir), dtype=torch.float32, attn_implementation="eager")
-    trainer = GRPOTrainer(model=model, reward_funcs=fixed_reward, args=args, train_dataset=data,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs or fixed_reward, args=args, train_dataset=data,
                           processing_class=setup.tokenizer, rollout_func=rollout)
     if setup.policy_sd is not None:
         trainer.model.load_state_dict(setup.policy_sd)
@@ -331,6 +331,60 @@ def test_micro_batched_gspo_with_entropy_bonus_matches_trl(tiny, tmp_path, monke
     seq_len = losses.sequence_batch(*_rollout_data(tiny)[:2], tiny.pad)["tokens"].shape[1]
     check_case(tiny, tmp_path, monkeypatch, "grpo", "group", BETA, True, micro_batch_tokens=2 * seq_len,
                is_level="sequence", entropy_coef=0.05)
+
+
+REWARD_MODULE = '''
+def correct(responses, problems, scale=1.0):
+    return [scale * (len(r.split()) % 3 == 0) for r in responses]
+
+def short(responses, problems):
+    # None: not applicable to this sample (TRL's convention)
+    return [None if len(r.split()) > 6 else 1.0 - len(r.split()) / 6 for r in responses]
+'''
+
+
+def test_weighted_reward_fns_match_trl(tiny, tmp_path, monkeypatch):
+    """``reward.fns`` (two functions, weights 1.0 and -0.5, one returning None for some samples)
+    against TRL's ``reward_funcs`` + ``reward_weights`` on the same completions: the combined
+    reward (NaN-aware weighted sum), the group advantages and each function's logged mean."""
+    import sys
+
+    from rhyme_jax.config import load_config
+    from rhyme_jax.data.custom_reward import load_reward, score_terms
+    from rhyme_jax.data.problems import Problem
+
+    (tmp_path / "two_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "two_rewards", raising=False)
+    cfg = load_config(None, ["reward.fns=[{fn: 'two_rewards:correct', weight: 1.0, kwargs: {scale: 2.0}, "
+                             "batched: true}, {fn: 'two_rewards:short', weight: -0.5, batched: true}]"])
+    ours = load_reward(cfg.reward)
+    mod = __import__("two_rewards")
+
+    def trl_fn(f, **kw):
+        def reward(prompts, completions, **_):
+            return f(completions, [None] * len(completions), **kw)
+        reward.__name__ = f.__name__
+        return reward
+
+    trainer = _trl_trainer(tiny, tmp_path, monkeypatch, "grpo", "group", 0.0, False,
+                           reward_funcs=[trl_fn(mod.correct, scale=2.0), trl_fn(mod.short)],
+                           reward_weights=[1.0, -0.5])
+    out = trainer._generate_and_score_completions([{"prompt": "t5 t6", "row": i} for i in range(ROWS)])
+    texts = trainer.processing_class.batch_decode(_rollout_data(tiny)[1], skip_special_tokens=True)
+    problems = [Problem(id=i, question="q", solution="#### a", answer="a") for i in range(ROWS)]
+    rewards, means = score_terms(ours, texts, problems)
+    values = ours.per_function(texts, problems)
+    assert np.isnan(values[:, 1]).any() and not np.isnan(values).all(axis=1).any()  # None exercised
+    assert len(set(rewards)) > 2
+    trl_rewards = np.nansum(values * np.array([1.0, -0.5]), axis=1)  # TRL's reward: nansum of weighted
+    np.testing.assert_allclose(rewards, trl_rewards, rtol=1e-6)
+    adv = np.asarray(losses.group_advantages(jnp.asarray(np.array(rewards, np.float32).reshape(GROUPS, N)))).reshape(-1)
+    np.testing.assert_allclose(adv, out["advantages"].numpy(), rtol=1e-5, atol=1e-6)  # TRL's advantages
+    logged = {k: np.mean(v) for k, v in trainer._metrics["train"].items()}
+    for name in ("correct", "short"):
+        np.testing.assert_allclose(means[f"reward/{name}/mean"], logged[f"rewards/{name}/mean"], rtol=1e-6)
+    np.testing.assert_allclose(np.mean(rewards), logged["reward"], rtol=1e-6)
 
 
 @pytest.mark.slow

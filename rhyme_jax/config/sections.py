@@ -8,6 +8,7 @@ reads it). ``KEY`` is the section's dotted name in the YAML files and in error m
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,18 @@ _REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-
 
 
 @dataclass(frozen=True)
+class RewardTerm:
+    """One entry of ``reward.fns`` (checked by ``RewardSection``): a reward function and its weight."""
+
+    KEY: ClassVar[str] = "reward.fns[]"  # for OmegaConf's errors about an entry (config/loader.py)
+
+    fn: str = ""  # "package.module:function", the contract of reward.fn
+    weight: float = 1.0  # its weight in the sum (TRL reward_weights)
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call
+    batched: bool = False  # as reward.batched
+
+
+@dataclass(frozen=True)
 class RewardSection:
     """The GRPO reward: the built-in verifier of ``data.answer_extraction``, or your own function
     (docs/custom_reward.md). The function is imported and its signature checked before any work
@@ -139,6 +152,9 @@ class RewardSection:
     fn: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call of fn
     batched: bool = False  # false: fn(response, problem, **kwargs) -> float; true: fn(responses, problems, **kwargs) -> floats
+    # several functions, reward = sum of weight x fn (TRL reward_funcs + reward_weights): a list of
+    # {fn, weight, kwargs, batched}; instead of reward.fn; [] = off
+    fns: list[RewardTerm] = field(default_factory=list, hash=False)
 
     def __post_init__(self):
         check_fields(self)
@@ -147,6 +163,32 @@ class RewardSection:
         if not self.fn and (self.kwargs or self.batched):
             name = "kwargs" if self.kwargs else "batched"
             raise fail(self, name, "needs reward.fn (the built-in reward takes no options)")
+        if self.fns and self.fn:
+            raise fail(self, "fn", "and reward.fns are both set: use one (reward.fns takes a list of functions)")
+        for i, term in enumerate(self.fns):
+            _check_term(i, term)
+        names = [term_name(t.fn) for t in self.fns]
+        if len(set(names)) < len(names):
+            raise ConfigError(f"reward.fns names a function twice ({names}): merge them, or weight it once")
+
+
+def term_name(spec: str) -> str:
+    """The metrics name of a ``reward.fns`` entry: its function's name (``pkg.mod:a.b`` -> ``b``)."""
+    return spec.rpartition(":")[2].rpartition(".")[2]
+
+
+def _check_term(i: int, term: RewardTerm) -> None:
+    """``reward.fns[i]``: a ``package.module:function`` spec and a finite weight.
+
+    Raises:
+      ConfigError: naming ``reward.fns[i].<field>``.
+    """
+    if not isinstance(term, RewardTerm):
+        raise ConfigError(f"reward.fns[{i}]={term!r} must be a mapping {{fn: 'module:function', weight: 1.0}}")
+    if not _REWARD_SPEC.fullmatch(term.fn):
+        raise ConfigError(f"reward.fns[{i}].fn={term.fn!r} must be 'package.module:function' (e.g. 'my_reward:reward')")
+    if not math.isfinite(term.weight):
+        raise ConfigError(f"reward.fns[{i}].weight={term.weight!r} must be a finite number")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from rhyme_jax.data import Problem
-from rhyme_jax.data.custom_reward import choose_reward, score_batch
+from rhyme_jax.data.custom_reward import choose_reward, score_terms
 from rhyme_jax.io.metrics import MetricsWriter, NullMetricsWriter
 from rhyme_jax.io.rollout_log import save_rollouts
 from rhyme_jax.io.summary import eval_path
@@ -127,7 +127,8 @@ class GRPOTrainer:
         ``on_step_end`` (``train/callbacks.py``).
         """
         sb, t_wait = self.pipeline.take(step, self.state)
-        sb.set_rewards(self._score(sb))
+        rewards, per_fn = self._score(sb)
+        sb.set_rewards(rewards)
         self.callbacks.fire("on_rollout_end", self, step, sb)
         self._write_back(step, sb)
         if sb.groups:
@@ -142,22 +143,23 @@ class GRPOTrainer:
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
         self.nonfinite_total += 0 if finite else 1
         epoch = epoch_of_step(self.cfg, len(self.train_problems), step)
-        metrics = _step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total)
+        metrics = {**_step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total), **per_fn}
         self.callbacks.fire("on_step_end", self, step, metrics)
         return metrics
 
-    def _score(self, sb: StepBatch) -> np.ndarray:
-        """``float32[N]`` rewards of the step's rows. Prompts over rollout.max_prompt_len
-        (on_overlong_prompt=skip) come back with an empty response: reward 0 without asking the
-        verifier, and no loss (their loss_mask is all 0). The others are scored in one call (a
-        batched reward.fn sees the step's responses at once)."""
+    def _score(self, sb: StepBatch) -> tuple[np.ndarray, dict[str, float]]:
+        """``float32[N]`` rewards of the step's rows, and with ``reward.fns`` each function's
+        ``reward/<name>/mean`` over the scored rows (``{}`` with a single reward). Prompts over
+        rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty response: reward 0
+        without asking the verifier, and no loss (their loss_mask is all 0). The others are scored
+        in one call (a batched reward.fn sees the step's responses at once)."""
         texts = [self.tokenizer.decode(t) for t in sb.tokens]
         scored = [k for k, skip in enumerate(sb.skipped) if not skip]
-        rewards = np.zeros(len(texts), np.float32)
+        rewards, per_fn = np.zeros(len(texts), np.float32), {}
         if scored:
-            rewards[scored] = score_batch(self.reward_fn, [texts[k] for k in scored],
-                                          [self.train_problems[int(sb.ids[k])] for k in scored])
-        return rewards
+            rewards[scored], per_fn = score_terms(self.reward_fn, [texts[k] for k in scored],
+                                                  [self.train_problems[int(sb.ids[k])] for k in scored])
+        return rewards, per_fn
 
     def _write_back(self, step: int, sb: StepBatch) -> None:
         """The step's rollouts and schedule on disk, its responses into the history store (then
