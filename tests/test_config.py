@@ -98,6 +98,7 @@ BAD_VALUES = [
     ("grpo.kl_ratio_weighted=true", "grpo.kl_ratio_weighted"),  # kl_coef is 0: nothing to weight
     ("grpo.importance_sampling_level=row", "grpo.importance_sampling_level"),
     ("grpo.entropy_coef=-0.01", "grpo.entropy_coef"),
+    ("grpo.num_iterations=0", "grpo.num_iterations"),
     ("reward.fns=[{fn: bad}]", "reward.fns[0].fn"),
     ("reward.fns=[{fn: 'a:b'}, {fn: 'c:d', weight: .nan}]", "reward.fns[1].weight"),
     ("reward.fns=[{fn: 'a:b', wt: 1}]", "reward.fns"),  # unknown field of an entry
@@ -197,6 +198,7 @@ def test_settings_that_cannot_learn_fail_at_load(overrides, key):
 @pytest.mark.parametrize("overrides", [
     ["grpo.samples_per_prompt=2"], ["rollout.top_k=2"], ["grpo.steps=1", "grpo.warmup_steps=0"],
     ["grpo.steps=1", "grpo.warmup_steps=1", "grpo.minibatches=2"],  # update 1 runs at half the peak
+    ["grpo.steps=1", "grpo.warmup_steps=1", "grpo.num_iterations=2"],  # likewise: two passes
     ["grpo.steps=2", "grpo.warmup_steps=2"], ["sft.steps=2", "sft.warmup_steps=2"],
     ["sft.steps=1", "sft.warmup_steps=0"],
     ["grpo.eps_low=0", "grpo.eps_high=0"],  # still a gradient: -min(r A, A) at r = 1 flows through r A

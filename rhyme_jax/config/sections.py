@@ -281,6 +281,9 @@ class GRPOSection:
     # step_token_mean (sum / (the step's tokens / minibatches); TRL dapo). docs/trl_mapping.md
     loss_agg: LossAgg = "token_mean"
     minibatches: int = 1  # optimizer steps per GRPO step (PPO minibatches); divides the rollout batch
+    # passes over the minibatches per GRPO step, all against the rollout's behaviour logprobs
+    # (TRL num_iterations, PPO epochs): num_iterations x minibatches optimizer steps a step
+    num_iterations: int = 1
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
@@ -293,7 +296,7 @@ class GRPOSection:
 
     def __post_init__(self):
         check_fields(self)
-        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches",
+        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches", "num_iterations",
                  "max_consecutive_nonfinite")
         at_least(self, 0, "num_prompts", note=" (0 = all train problems)")
         at_least(self, 0, "micro_batch_tokens", "logit_chunk", note=" (0 = off)")

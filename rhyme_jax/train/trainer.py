@@ -2,7 +2,7 @@
 
 One step (docs/architecture.md, "Data flow of one GRPO step"): ``prompts_per_step`` prompts, each sampled
 ``samples_per_prompt`` times by the paged rollout engine; rewards from the task verifier; group
-advantages; ``minibatches`` clipped-surrogate updates; metrics, the step's rollouts and (every
+advantages; ``num_iterations`` x ``minibatches`` clipped-surrogate updates; metrics, the step's rollouts and (every
 ``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state, step and RNG.
 The run's parts (policy, rollout workers, learner, checkpoint, pipeline) come from
 ``train/assembly.py``.
@@ -177,8 +177,9 @@ class GRPOTrainer:
         self.pipeline.after_write_back(step, self.state)
 
     def _update(self, sb: StepBatch) -> list[dict]:
-        """``grpo.minibatches`` clipped-surrogate updates on the scored batch's complete groups (n
-        consecutive rows each); returns each minibatch's metrics. Rows are padded to a multiple of
+        """``grpo.num_iterations`` passes of ``grpo.minibatches`` clipped-surrogate updates on the
+        scored batch's complete groups (n consecutive rows each), all against the rollout's
+        behaviour logprobs; returns each update's metrics. Rows are padded to a multiple of
         minibatches x (data x fsdp) with rows that carry no loss (only carried groups change the
         row count)."""
         g = self.cfg.grpo
@@ -203,7 +204,7 @@ class GRPOTrainer:
             ref = ln.ref_logprob_fn(ln.ref_state, put_global(batch, ln.layout.batch))
             batch["ref_logprobs"] = to_host(ref)
         out = []
-        for mb in np.array_split(np.arange(len(prompts) + pad), g.minibatches):
+        for mb in np.array_split(np.arange(len(prompts) + pad), g.minibatches) * g.num_iterations:  # list repeated
             sub = put_global({k: v[mb] for k, v in batch.items()}, ln.layout.batch)
             self.state, self.opt_state, m = ln.step_fn(self.state, self.opt_state, sub)
             out.append(jax.device_get(m))
