@@ -2,8 +2,9 @@
 
 One step (docs/architecture.md, "Data flow of one GRPO step"): ``prompts_per_step`` prompts, each sampled
 ``samples_per_prompt`` times by the paged rollout engine; rewards from the task verifier; group
-advantages; ``num_iterations`` x ``minibatches`` clipped-surrogate updates; metrics, the step's rollouts and (every
-``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state, step and RNG.
+advantages; ``num_iterations`` x ``minibatches`` clipped-surrogate updates; metrics, the step's
+rollouts and (every ``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state,
+step and RNG.
 The run's parts (policy, rollout workers, learner, checkpoint, pipeline) come from
 ``train/assembly.py``.
 
@@ -204,7 +205,7 @@ class GRPOTrainer:
             ref = ln.ref_logprob_fn(ln.ref_state, put_global(batch, ln.layout.batch))
             batch["ref_logprobs"] = to_host(ref)
         out = []
-        for mb in np.array_split(np.arange(len(prompts) + pad), g.minibatches) * g.num_iterations:  # list repeated
+        for mb in update_order(len(prompts) + pad, g.minibatches, g.num_iterations):
             sub = put_global({k: v[mb] for k, v in batch.items()}, ln.layout.batch)
             self.state, self.opt_state, m = ln.step_fn(self.state, self.opt_state, sub)
             out.append(jax.device_get(m))
@@ -283,9 +284,22 @@ class GRPOTrainer:
         self.metrics.close()
 
 
+def update_order(rows: int, minibatches: int, num_iterations: int) -> list[np.ndarray]:
+    """The row indexes of a GRPO step's optimizer steps, in order: ``num_iterations`` passes over
+    the same ``minibatches`` contiguous slices of ``range(rows)`` (``np.array_split``), each pass in
+    the same order (TRL ``num_iterations``: every pass reuses the generation's behaviour
+    logprobs).
+
+    Returns:
+      ``num_iterations x minibatches`` int64 arrays (``i64[rows / minibatches]`` each, the first
+      ``rows % minibatches`` one longer).
+    """
+    return np.array_split(np.arange(rows), minibatches) * num_iterations
+
+
 def _step_metrics(step: int, sb: StepBatch, mb_metrics: list[dict],
                   t_wait: float, t_train: float, epoch: int, nonfinite_total: int) -> dict[str, float]:
-    """A GRPO step's metrics row: the update's (mean over minibatches), rewards, lengths, times
+    """A GRPO step's metrics row: the update's (mean over its optimizer steps), rewards, lengths, times
     (seconds), weights version, the scheduler's ``sched/*`` and the rollout's counts and rates."""
     sr, t_rollout, rewards = sb.rollout, sb.seconds, sb.rewards
     stats = sr.result.stats
