@@ -18,7 +18,7 @@ from rhyme_jax.config.checks import ConfigError, above, at_least, check_fields, 
 
 Family = Literal["qwen2", "qwen3", "llama"]
 Dtype = Literal["float32", "bfloat16"]
-DataSource = Literal["synthetic", "gsm8k", "jsonl", "parquet"]
+DataSource = Literal["synthetic", "ledger", "gsm8k", "jsonl", "parquet"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
@@ -92,7 +92,7 @@ class DataSection:
 
     KEY: ClassVar[str] = "data"
 
-    source: DataSource = "synthetic"  # synthetic | gsm8k | jsonl / parquet: your own files (docs/custom_data.md)
+    source: DataSource = "synthetic"  # synthetic | ledger (long-tailed worked solutions) | gsm8k | jsonl / parquet: your own files (docs/custom_data.md)
     answer_extraction: AnswerExtraction = "marker"  # marker (#### / \\boxed) | last_number (marker, else the last number)
     train_path: str = ""  # gsm8k: path to train.jsonl ("" = vendored); jsonl / parquet: the train file (required)
     test_path: str = ""  # gsm8k: path to test.jsonl ("" = vendored); jsonl / parquet: the held-out file (required)
@@ -103,8 +103,9 @@ class DataSection:
     seed: int = 0  # synthetic: seed of the generated train / eval problems
     num_train: int = 20000  # synthetic: problems in the train split
     num_eval: int = 300  # held-out problems evaluated before/after RL
-    min_steps: int = 2  # synthetic: arithmetic steps per problem
-    max_steps: int = 4  # synthetic: most arithmetic steps per problem
+    min_steps: int = 2  # synthetic: arithmetic steps per problem; ledger: the entry count's scale (fewest entries)
+    max_steps: int = 4  # synthetic: most arithmetic steps per problem; ledger: the cap on entries
+    tail_index: float = 1.1  # ledger: Pareto index of the entry count (smaller = longer tail)
     max_number: int = 20  # synthetic: operands drawn from [1, max_number]
     tokenizer_vocab_size: int = 256  # demo tokenizer (trained on the task corpus)
 
@@ -113,6 +114,7 @@ class DataSection:
         at_least(self, 1, "num_train", "num_eval", "min_steps", "tokenizer_vocab_size")
         at_least(self, self.min_steps, "max_steps", note=" (data.min_steps)")
         at_least(self, 2, "max_number")
+        above(self, 0, "tail_index")
         if self.source in ("jsonl", "parquet"):
             for name in ("train_path", "test_path"):
                 if not getattr(self, name).strip():
@@ -245,10 +247,11 @@ class SFTSection:
     warmup_steps: int = 20  # steps of linear warmup from 0
     schedule: LRSchedule = "constant"  # after linear warmup
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
+    max_tokens: int = 0  # warm start only on problems whose prompt + solution fit (tokens); 0 = all (long-tailed tasks: SFT on the short ones, RL on all)
 
     def __post_init__(self):
         check_fields(self)
-        at_least(self, 0, "steps", "weight_decay")
+        at_least(self, 0, "steps", "weight_decay", "max_tokens")
         at_least(self, 1, "batch_size")
         above(self, 0.0, "learning_rate")
         _check_warmup(self)
@@ -287,6 +290,7 @@ class GRPOSection:
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
+    padding_free: bool = False  # pack each minibatch's sequences into full-length rows (segment ids): memory and FLOPs follow real tokens (TRL padding_free)
     learning_rate: float = 1e-3  # AdamW peak learning rate
     warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
     schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)

@@ -72,7 +72,8 @@ def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temp
     the entropies carry a gradient only with ``entropy_grad``.
     """
     model = nnx.merge(graphdef, state)
-    h = model.hidden(batch["tokens"], batch["positions"], batch["attn_mask"], remat=memory.remat)
+    h = model.hidden(batch["tokens"], batch["positions"], batch["attn_mask"], remat=memory.remat,
+                     segment_ids=batch.get("segment_ids"))
     return losses.chunked_token_logprobs(h[:, :-1], batch["tokens"][:, 1:], model.unembed, temperature,
                                          memory.logit_chunk, entropy_grad=entropy_grad)
 
@@ -109,7 +110,12 @@ def minibatch_loss_weights(batch: dict, loss_agg: str) -> tuple[jax.Array, jax.A
 
     Raises:
       LossInputError: unknown ``loss_agg``, or a normalised one without ``batch["loss_norm"]``.
+
+    A packed minibatch (``train/packing.pack_minibatch``) carries its weights, computed over the
+    padded layout: ``batch["loss_w"]`` and ``batch["token_w"]`` are returned as they are.
     """
+    if "loss_w" in batch:
+        return batch["loss_w"], batch["token_w"]
     norm = None
     if loss_agg in losses.NORMALISED_AGGS:
         if "loss_norm" not in batch:

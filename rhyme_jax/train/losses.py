@@ -427,7 +427,8 @@ def weighted_grpo_loss(
     is ``mask / minibatch tokens``), so it is the same whichever micro-batch holds the row.
 
     Args:
-      logprobs, old_logprobs: f32[B, T]; advantages: f32[B]; loss_w, token_w: f32[B, T] from
+      logprobs, old_logprobs: f32[B, T]; advantages: f32[B] (or f32[B, T] per token: a packed
+      batch, ``train/packing.py``); loss_w, token_w: f32[B, T] from
       ``loss_weights``; the rest as ``grpo_loss``.
 
     Returns:
@@ -442,7 +443,8 @@ def weighted_grpo_loss(
     _check_options(importance_sampling_level, entropy, entropy_coef)
     lp = logprobs.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    adv = adv[:, None] if adv.ndim == 1 else adv  # per token in a packed batch
     log_ratio = lp - old
     if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per row, [B, 1]
         mask = (token_w > 0).astype(jnp.float32)

@@ -38,6 +38,7 @@ from rhyme_jax.train.assembly import batch_shards, build_run
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback, builtin_callbacks
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
+from rhyme_jax.train.packing import pack_minibatch
 from rhyme_jax.train.prompts import epoch_of_step
 from rhyme_jax.train.step_batch import StepBatch
 
@@ -206,9 +207,13 @@ class GRPOTrainer:
             batch["ref_logprobs"] = to_host(ref)
         out = []
         for mb in update_order(len(prompts) + pad, g.minibatches, g.num_iterations):
-            sub = put_global({k: v[mb] for k, v in batch.items()}, ln.layout.batch)
+            sub = {k: v[mb] for k, v in batch.items()}
+            if g.padding_free:
+                sub = pack_minibatch(sub, g.loss_agg, multiple=self.batch_shards)
+            grid = sub["tokens"].size
+            sub = put_global(sub, ln.layout.batch)
             self.state, self.opt_state, m = ln.step_fn(self.state, self.opt_state, sub)
-            out.append(jax.device_get(m))
+            out.append(dict(jax.device_get(m), **{"update/grid_tokens": float(grid)}))
         return out
 
     # ------------------------------------------------------------------ loop
