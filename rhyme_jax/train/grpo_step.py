@@ -138,7 +138,9 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
     its share); the weights of the whole minibatch make it equal the one-pass gradient within
     float tolerance. ``kl_ratio_weighted`` weights the k3 term by the policy ratio (TRL
     ``use_bias_correction_kl``); ``importance_sampling_level`` and ``entropy_coef`` as
-    ``losses.grpo_loss`` (TRL's names; ``grpo.*`` keys of the same names).
+    ``losses.grpo_loss`` (TRL's names; ``grpo.*`` keys of the same names). In a packed minibatch
+    (``batch["segment_ids"]``) target t belongs to token t's segment, so the sequence-level ratio
+    is each segment's, not each row's.
 
     Metrics (f32 scalars, gradient-stopped): ``pg_loss``, ``clip_fraction``, ``ratio_mean``,
     ``approx_kl``, ``kl``, ``entropy`` (token means).
@@ -156,7 +158,8 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
             eps_low=eps_low, eps_high=eps_high,
             ref_logprobs=mb.get("ref_logprobs") if kl_coef > 0 else None, kl_coef=kl_coef,
             kl_ratio_weighted=kl_ratio_weighted, importance_sampling_level=importance_sampling_level,
-            entropy=entropy if bonus else None, entropy_coef=entropy_coef)
+            entropy=entropy if bonus else None, entropy_coef=entropy_coef,
+            segment_ids=mb["segment_ids"][:, :-1] if "segment_ids" in mb else None)
         metrics.pop("entropy_bonus", None)  # the same value as "entropy", gradient-stopped below
         return loss, dict(metrics, entropy=jnp.sum(jax.lax.stop_gradient(entropy) * token_w))
 

@@ -38,7 +38,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean")
 NORMALISED_AGGS = ("seq_mean_token_sum_norm", "step_token_mean")  # need ``loss_normaliser``
@@ -418,18 +418,20 @@ def weighted_grpo_loss(
     loss_w: Float[Array, "B T"], token_w: Float[Array, "B T"], *, eps_low: float, eps_high: float,
     ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0, kl_ratio_weighted: bool = False,
     importance_sampling_level: str = "token", entropy: Float[Array, "B T"] | None = None,
-    entropy_coef: float = 0.0,
+    entropy_coef: float = 0.0, segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``grpo_loss`` with the aggregation given as weights (``loss_weights``): the loss and every
     metric are weighted sums, so they add up over micro-batches of one minibatch.
 
-    The sequence-level ratio reads each row's tokens from ``token_w > 0`` (the mask: ``token_w``
-    is ``mask / minibatch tokens``), so it is the same whichever micro-batch holds the row.
+    The sequence-level ratio reads each sequence's tokens from ``token_w > 0`` (the mask:
+    ``token_w`` is ``mask / minibatch tokens``), so it is the same whichever micro-batch holds the
+    row; in a packed batch a sequence is a segment of a row (``segment_ids``).
 
     Args:
       logprobs, old_logprobs: f32[B, T]; advantages: f32[B] (or f32[B, T] per token: a packed
       batch, ``train/packing.py``); loss_w, token_w: f32[B, T] from
-      ``loss_weights``; the rest as ``grpo_loss``.
+      ``loss_weights``; segment_ids: i32[B, T] on the target grid of a packed batch (target t
+      belongs to the segment of token t; None = one sequence per row); the rest as ``grpo_loss``.
 
     Returns:
       (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` weighted by ``loss_w``;
@@ -446,10 +448,8 @@ def weighted_grpo_loss(
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     adv = adv[:, None] if adv.ndim == 1 else adv  # per token in a packed batch
     log_ratio = lp - old
-    if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per row, [B, 1]
-        mask = (token_w > 0).astype(jnp.float32)
-        log_iw = jnp.sum(log_ratio * mask, axis=1, keepdims=True) / jnp.maximum(
-            jnp.sum(mask, axis=1, keepdims=True), 1.0)
+    if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
+        log_iw = sequence_log_ratio(log_ratio, token_w > 0, segment_ids)
     else:
         log_iw = log_ratio
     ratio = jnp.exp(log_iw)
@@ -478,6 +478,32 @@ def weighted_grpo_loss(
         loss = loss - entropy_coef * bonus
         metrics["entropy_bonus"] = sg(bonus)
     return loss, metrics
+
+
+def sequence_log_ratio(log_ratio: Float[Array, "B T"], mask: Bool[Array, "B T"],
+                       segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B 1"] | Float[Array, "B T"]:
+    """GSPO's log importance weight (Zheng et al., arXiv 2507.18071, eq. 7; TRL
+    ``importance_sampling_level="sequence"``): each sequence's mean of ``log_ratio`` over its
+    ``mask`` tokens, differentiable.
+
+    Args:
+      log_ratio: f32[B, T] ``log p_new - log p_behaviour`` per target token (nats).
+      mask: bool[B, T] the loss tokens.
+      segment_ids: i32[B, T] a packed batch's segment of each target (``train/packing.py``);
+        None = each row is one sequence.
+
+    Returns:
+      f32[B, 1] (one sequence per row) or f32[B, T] (each target carries its segment's mean); a
+      sequence without mask tokens gets 0.
+    """
+    m = mask.astype(jnp.float32)
+    if segment_ids is None:
+        return jnp.sum(log_ratio * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+    B, T = log_ratio.shape
+    ids = (jnp.arange(B, dtype=jnp.int32)[:, None] * (T + 1) + segment_ids.astype(jnp.int32)).reshape(-1)
+    num = jax.ops.segment_sum((log_ratio * m).reshape(-1), ids, num_segments=B * (T + 1))
+    den = jax.ops.segment_sum(m.reshape(-1), ids, num_segments=B * (T + 1))
+    return (num / jnp.maximum(den, 1.0))[ids].reshape(B, T)
 
 
 class SequenceBatchError(ValueError):
