@@ -292,8 +292,8 @@ class GRPOSection:
     remat: bool = False  # recompute each decoder block in the backward pass
     padding_free: bool = False  # pack each minibatch's sequences into full-length rows (segment ids): memory and FLOPs follow real tokens (TRL padding_free)
     learning_rate: float = 1e-3  # AdamW peak learning rate
-    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
-    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)
+    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x num_iterations x minibatches optimizer steps)
+    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x num_iterations x minibatches)
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_grad_norm: float = 1.0  # <= 0 = no clipping
     max_consecutive_nonfinite: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
