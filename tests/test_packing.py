@@ -115,3 +115,50 @@ def test_packed_loss_and_gradients_equal_padded(loss_agg):
     flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
     d, n = np.linalg.norm(flat(g1) - flat(g0)), np.linalg.norm(flat(g0))
     assert n > 1e-3 and d <= rel * n, (d / n, rel)
+
+
+@pytest.mark.slow  # two compiles of the update (~14 s on 2 cores); test_losses checks the segment means
+def test_packed_sequence_level_ratio_equals_padded():
+    """GSPO (``grpo.importance_sampling_level=sequence``) under ``grpo.padding_free``: the ratio is
+    each segment's, not each packed row's, so the packed loss and gradients equal the padded ones.
+
+    Tolerance: each sequence's log-ratio is a mean of per-token log-ratios, each within
+    ``f32.logprobs`` of the other layout's, plus the two programs' rounding of that mean (a sum of
+    at most T terms in another order: ``2 gamma(T) max |log-ratio|``); the sequence ratio, which
+    is at most the largest token ratio, moves by ``expm1`` of that. The gradient's bound is
+    ``test_packed_loss_and_gradients_equal_padded``'s, plus the same relative move of the ratio
+    that scales each sequence's upstream gradient."""
+    graphdef, state = nnx.split(Decoder(CFG, rngs=nnx.Rngs(4)))
+    b = _long_tail_batch(seed=1)
+    p = pack_minibatch(b, "seq_mean_token_mean")
+    assert p["tokens"].shape[0] < b["tokens"].shape[0] and p["segment_ids"].max() > 1  # rows hold several
+    T = b["tokens"].shape[1]
+    kw = dict(eps_low=0.2, eps_high=0.28, kl_coef=0.0, loss_agg="seq_mean_token_mean", temperature=1.0,
+              importance_sampling_level="sequence")
+    grads = jax.jit(make_grads_fn(graphdef, **kw))
+    (loss0, m0), g0 = grads(state, {k: jnp.asarray(v) for k, v in b.items()})
+    (loss1, m1), g1 = grads(state, {k: jnp.asarray(v) for k, v in p.items()})
+
+    lp0, _ = _target_logprobs(graphdef, state, {k: jnp.asarray(v) for k, v in b.items()}, 1.0)
+    logits = nnx.merge(graphdef, state)(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]),
+                                        jnp.asarray(b["attn_mask"]))
+    sel0 = b["loss_mask"][:, :-1] > 0
+    log_ratio = np.asarray(lp0)[sel0] - b["old_logprobs"][sel0]
+    dlog = f32.logprobs(CFG, T, float(jnp.max(jnp.abs(logits)))) + 2 * f32.gamma(T) * float(np.max(np.abs(log_ratio)))
+    ratio_max = float(np.exp(np.max(log_ratio)))
+    w0 = np.asarray(losses.loss_weights(b["loss_mask"][:, :-1], "seq_mean_token_mean")[0])
+    loss_bound = float(np.sum(np.abs(w0 * b["advantages"][:, None]))) * ratio_max * 1.28 * math.expm1(dlog)
+    assert abs(float(loss1) - float(loss0)) <= loss_bound + f32.dot(int(sel0.sum()), abs(float(loss0)))
+    assert abs(float(loss0)) > 1e-3
+    # the padded layout's sequence ratio is the row's: it is what the packed one must reproduce
+    row_mean = (np.asarray(lp0) - b["old_logprobs"]) * sel0
+    want_ratio = np.exp(row_mean.sum(1) / np.maximum(sel0.sum(1), 1))
+    want = (want_ratio[:, None] * sel0).sum() / sel0.sum()
+    assert abs(float(m1["ratio_mean"]) - want) <= want * math.expm1(dlog) + f32.dot(int(sel0.sum()), want)
+
+    widths = f32.decoder_widths(CFG.num_layers, CFG.hidden_size, CFG.intermediate_size, CFG.num_heads,
+                                CFG.head_dim, T)
+    rel = f32.between_programs(2 * f32.forward(widths, 1.0)) + math.expm1(dlog)
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])  # noqa: E731
+    d, n = np.linalg.norm(flat(g1) - flat(g0)), np.linalg.norm(flat(g0))
+    assert n > 1e-3 and d <= rel * n, (d / n, rel)

@@ -8,6 +8,7 @@ reads it). ``KEY`` is the section's dotted name in the YAML files and in error m
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean"]
 ScaleRewards = Literal["group", "batch", "none"]
+ISLevel = Literal["token", "sequence"]
 DraftBranch = Literal["reward", "count"]
 DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
@@ -128,6 +130,18 @@ _REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-
 
 
 @dataclass(frozen=True)
+class RewardTerm:
+    """One entry of ``reward.fns`` (checked by ``RewardSection``): a reward function and its weight."""
+
+    KEY: ClassVar[str] = "reward.fns[]"  # for OmegaConf's errors about an entry (config/loader.py)
+
+    fn: str = ""  # "package.module:function", the contract of reward.fn
+    weight: float = 1.0  # its weight in the sum (TRL reward_weights)
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call
+    batched: bool = False  # as reward.batched
+
+
+@dataclass(frozen=True)
 class RewardSection:
     """The GRPO reward: the built-in verifier of ``data.answer_extraction``, or your own function
     (docs/custom_reward.md). The function is imported and its signature checked before any work
@@ -140,6 +154,9 @@ class RewardSection:
     fn: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call of fn
     batched: bool = False  # false: fn(response, problem, **kwargs) -> float; true: fn(responses, problems, **kwargs) -> floats
+    # several functions, reward = sum of weight x fn (TRL reward_funcs + reward_weights): a list of
+    # {fn, weight, kwargs, batched}; instead of reward.fn; [] = off
+    fns: list[RewardTerm] = field(default_factory=list, hash=False)
 
     def __post_init__(self):
         check_fields(self)
@@ -148,6 +165,32 @@ class RewardSection:
         if not self.fn and (self.kwargs or self.batched):
             name = "kwargs" if self.kwargs else "batched"
             raise fail(self, name, "needs reward.fn (the built-in reward takes no options)")
+        if self.fns and self.fn:
+            raise fail(self, "fn", "and reward.fns are both set: use one (reward.fns takes a list of functions)")
+        for i, term in enumerate(self.fns):
+            _check_term(i, term)
+        names = [term_name(t.fn) for t in self.fns]
+        if len(set(names)) < len(names):
+            raise ConfigError(f"reward.fns names a function twice ({names}): merge them, or weight it once")
+
+
+def term_name(spec: str) -> str:
+    """The metrics name of a ``reward.fns`` entry: its function's name (``pkg.mod:a.b`` -> ``b``)."""
+    return spec.rpartition(":")[2].rpartition(".")[2]
+
+
+def _check_term(i: int, term: RewardTerm) -> None:
+    """``reward.fns[i]``: a ``package.module:function`` spec and a finite weight.
+
+    Raises:
+      ConfigError: naming ``reward.fns[i].<field>``.
+    """
+    if not isinstance(term, RewardTerm):
+        raise ConfigError(f"reward.fns[{i}]={term!r} must be a mapping {{fn: 'module:function', weight: 1.0}}")
+    if not _REWARD_SPEC.fullmatch(term.fn):
+        raise ConfigError(f"reward.fns[{i}].fn={term.fn!r} must be 'package.module:function' (e.g. 'my_reward:reward')")
+    if not math.isfinite(term.weight):
+        raise ConfigError(f"reward.fns[{i}].weight={term.weight!r} must be a finite number")
 
 
 @dataclass(frozen=True)
@@ -227,6 +270,12 @@ class GRPOSection:
     eps_low: float = 0.2  # clip range below: ratio >= 1 - eps_low
     eps_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
+    # weight the k3 term by the policy ratio (unbiased reverse-KL gradient; TRL use_bias_correction_kl,
+    # default True there; false = DeepSeekMath's plain k3); needs kl_coef > 0
+    kl_ratio_weighted: bool = False
+    # importance ratio per token | per sequence: exp(token mean of log-ratio), clipped as one (GSPO; TRL's key)
+    importance_sampling_level: ISLevel = "token"
+    entropy_coef: float = 0.0  # loss - entropy_coef x token-mean entropy (TRL entropy_coef); 0 = off
     # advantage (r - group mean) / (std + 1e-4), sample std of: group (GRPO) | batch (all the step's rewards)
     # | none: no division (Dr.GRPO)
     scale_rewards: ScaleRewards = "group"
@@ -235,24 +284,29 @@ class GRPOSection:
     # step_token_mean (sum / (the step's tokens / minibatches); TRL dapo). docs/trl_mapping.md
     loss_agg: LossAgg = "token_mean"
     minibatches: int = 1  # optimizer steps per GRPO step (PPO minibatches); divides the rollout batch
+    # passes over the minibatches per GRPO step, all against the rollout's behaviour logprobs
+    # (TRL num_iterations, PPO epochs): num_iterations x minibatches optimizer steps a step
+    num_iterations: int = 1
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
     padding_free: bool = False  # pack each minibatch's sequences into full-length rows (segment ids): memory and FLOPs follow real tokens (TRL padding_free)
     learning_rate: float = 1e-3  # AdamW peak learning rate
-    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
-    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)
+    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x num_iterations x minibatches optimizer steps)
+    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x num_iterations x minibatches)
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_grad_norm: float = 1.0  # <= 0 = no clipping
     max_consecutive_nonfinite: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
 
     def __post_init__(self):
         check_fields(self)
-        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches",
+        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches", "num_iterations",
                  "max_consecutive_nonfinite")
         at_least(self, 0, "num_prompts", note=" (0 = all train problems)")
         at_least(self, 0, "micro_batch_tokens", "logit_chunk", note=" (0 = off)")
-        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "weight_decay")
+        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay")
+        if self.kl_ratio_weighted and self.kl_coef == 0:
+            raise fail(self, "kl_ratio_weighted", "needs grpo.kl_coef > 0 (it weights the KL term)")
         above(self, 0.0, "learning_rate")
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
