@@ -9,6 +9,7 @@ with the same one-line ``ConfigError`` naming the key.
 from __future__ import annotations
 
 from rhyme_jax.config import ConfigError, RunConfig
+from rhyme_jax.io.wandb_sink import WandbMissingError, require_wandb
 
 
 def prepare(cfg: RunConfig) -> RunConfig:
@@ -17,6 +18,8 @@ def prepare(cfg: RunConfig) -> RunConfig:
     * multi-host settings (``parallel.coordinator_address`` and friends, or the environment they
       come from) are complete (``parallel.distributed.settings``);
     * ``reward.fn`` imports and has the documented signature (``data.custom_reward.task_reward``);
+    * ``wandb`` imports when ``run.report_to`` lists it (``io.wandb_sink.require_wandb``; not
+      imported otherwise);
     * single process only (a multi-host run must not touch the backend before
       ``jax.distributed.initialize``; its engines check instead): ``rollout.attention_impl``
       names an implementation that runs on this backend, and for the Triton kernels
@@ -29,6 +32,11 @@ def prepare(cfg: RunConfig) -> RunConfig:
     from rhyme_jax.parallel import distributed
 
     task_reward(cfg)
+    if "wandb" in cfg.run.report_to:
+        try:
+            require_wandb()
+        except WandbMissingError as exc:
+            raise ConfigError(str(exc)) from None
 
     try:
         multi_host = distributed.settings(cfg.parallel)
