@@ -73,11 +73,19 @@ class ModelSection:
     dtype: Dtype = "float32"  # compute dtype; parameters and AdamW moments stay float32 (master weights)
     scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
+    # none: prompt_template | auto: the tokenizer's chat template, else prompt_template | tokenizer: the tokenizer's
+    # (required) | a .jinja file; renders [system_prompt,] question as a user turn + generation prompt (docs/chat_template.md)
+    chat_template: str = "none"
+    system_prompt: str = ""  # with a chat template: a system turn before the question; "" = none (the template's default)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
         check_fields(self)
         at_least(self, 1, "scan_unroll")
+        if self.chat_template not in ("none", "auto", "tokenizer") and not Path(self.chat_template).is_file():
+            raise fail(self, "chat_template", "must be none, auto, tokenizer or an existing jinja file")
+        if self.system_prompt and self.chat_template == "none":
+            raise fail(self, "system_prompt", "needs a model.chat_template (put the instructions in model.prompt_template)")
         try:
             self.prompt_template.format(question="")
         except (KeyError, IndexError, ValueError) as exc:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from rhyme_jax.model.chat_template import ChatTemplate
 
 # Conventional end-of-text tokens, most specific first (chat end before document end).
 EOS_CANDIDATES = ("<eos>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
@@ -33,6 +36,9 @@ class Tokenizer:
       eos_id: the id that ends a generation (first of ``eos_ids``).
       eos_ids: every id that ends a generation.
       pad_id: padding id (EOS when the tokenizer has no pad token).
+      chat_template: the chat template prompts are rendered with (``model.chat_template``), or
+        ``None``: ``format_prompt`` uses the string template.
+      system_prompt: the system turn before each question under a chat template ("" = none).
     """
 
     def __init__(self, tok: _HFTokenizer, *, eos_ids: Sequence[int], pad_id: int | None = None,
@@ -50,6 +56,8 @@ class Tokenizer:
         self.pad_id = self.eos_id if pad_id is None else int(pad_id)
         unk = getattr(tok.model, "unk_token", None)
         self._unk_id = tok.token_to_id(unk) if unk else None
+        self.chat_template: ChatTemplate | None = None  # set by use_chat_template
+        self.system_prompt = ""
 
     @classmethod
     def from_file(cls, path, *, eos_ids: Sequence[int] | None = None) -> "Tokenizer":
@@ -100,12 +108,24 @@ class Tokenizer:
         """Id of a vocabulary entry, or None."""
         return self._tok.token_to_id(token)
 
+    def use_chat_template(self, chat: ChatTemplate | None, system_prompt: str = "") -> "Tokenizer":
+        """Render prompts with ``chat`` from now on (``format_prompt``; ``model.chat_template``),
+        after a system turn ``system_prompt`` when it is not empty; ``None`` = the string template.
+        Returns ``self``."""
+        self.chat_template, self.system_prompt = chat, system_prompt
+        return self
+
     def format_prompt(self, template: str, question: str) -> str:
-        """``template.format(question=question)``.
+        """The prompt text of ``question``: ``template.format(question=question)``, or, when a
+        chat template is in use (``use_chat_template``), that template rendered on the user turn
+        ``question`` with the generation prompt (``template`` is then unused).
 
         Raises:
-          TokenizerError: the template has other fields or bad braces.
+          TokenizerError: the template has other fields or bad braces, or the chat template
+            fails to render (``ChatTemplateError``).
         """
+        if self.chat_template is not None:
+            return self.chat_template.prompt(question, self.system_prompt)
         try:
             return template.format(question=question)
         except (KeyError, IndexError, ValueError) as exc:
