@@ -16,6 +16,7 @@ import json
 import math
 import struct
 import sys
+import time
 
 import pytest
 
@@ -45,7 +46,7 @@ def _wandb_records(path):
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:  # zero-filled rest of the last block
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):  # zero fill, or still being written
             break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
@@ -55,11 +56,18 @@ def _wandb_records(path):
     return out
 
 
-def _offline_run(directory):
+def _offline_run(directory, wait_s=60.0):
     """(run record, history rows {key: value} with ``_step``, config {key: value}) of the only
-    offline run under ``directory/wandb``."""
+    offline run under ``directory/wandb``. ``run.finish()`` can return before wandb's service has
+    written the file (seen with wandb 0.31: only the 7-byte header yet), so this waits up to
+    ``wait_s`` for the run's closing ``exit`` record."""
     (path,) = (directory / "wandb").glob("offline-run-*/run-*.wandb")
-    records = _wandb_records(path)
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     history = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-if TYPE_CHECKING:
-    from rhyme_jax.model.chat_template import ChatTemplate
 
 # Conventional end-of-text tokens, most specific first (chat end before document end).
 EOS_CANDIDATES = ("<eos>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
@@ -25,6 +22,13 @@ DEMO_SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2 in a demo tokenizer
 
 class TokenizerError(ValueError):
     """A tokenizer file is missing/invalid, has no EOS, or text cannot be represented."""
+
+
+class ChatPrompt(Protocol):
+    """What ``Tokenizer.format_prompt`` needs of a chat template (``model.chat_template.ChatTemplate``)."""
+
+    def prompt(self, question: str, system_prompt: str = "") -> str:
+        """The rendered prompt of one user turn (after a system turn when ``system_prompt``)."""
 
 
 class Tokenizer:
@@ -56,7 +60,7 @@ class Tokenizer:
         self.pad_id = self.eos_id if pad_id is None else int(pad_id)
         unk = getattr(tok.model, "unk_token", None)
         self._unk_id = tok.token_to_id(unk) if unk else None
-        self.chat_template: ChatTemplate | None = None  # set by use_chat_template
+        self.chat_template: ChatPrompt | None = None  # set by use_chat_template
         self.system_prompt = ""
 
     @classmethod
@@ -108,7 +112,7 @@ class Tokenizer:
         """Id of a vocabulary entry, or None."""
         return self._tok.token_to_id(token)
 
-    def use_chat_template(self, chat: ChatTemplate | None, system_prompt: str = "") -> "Tokenizer":
+    def use_chat_template(self, chat: ChatPrompt | None, system_prompt: str = "") -> "Tokenizer":
         """Render prompts with ``chat`` from now on (``format_prompt``; ``model.chat_template``),
         after a system turn ``system_prompt`` when it is not empty; ``None`` = the string template.
         Returns ``self``."""
