@@ -30,6 +30,7 @@ DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
 SchedPipeline = Literal["sync", "one_step_off"]
 LengthStat = Literal["mean", "max", "p90"]
+REPORT_SINKS = ("tensorboard", "wandb")  # run.report_to
 
 MAX_DRAFT = 32  # longest draft of one row in one step: the single source (rollout.shapes, spec.window, spec.drafter)
 MAX_PATTERN = 256  # longest matched suffix: the drafter's self-lookup context (spec/drafter.py)
@@ -74,11 +75,19 @@ class ModelSection:
     dtype: Dtype = "float32"  # compute dtype; parameters and AdamW moments stay float32 (master weights)
     scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
+    # none: prompt_template | auto: the tokenizer's chat template, else prompt_template | tokenizer: the tokenizer's
+    # (required) | a .jinja file; renders [system_prompt,] question as a user turn + generation prompt (docs/chat_template.md)
+    chat_template: str = "none"
+    system_prompt: str = ""  # with a chat template: a system turn before the question; "" = none (the template's default)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
         check_fields(self)
         at_least(self, 1, "scan_unroll")
+        if self.chat_template not in ("none", "auto", "tokenizer") and not Path(self.chat_template).is_file():
+            raise fail(self, "chat_template", "must be none, auto, tokenizer or an existing jinja file")
+        if self.system_prompt and self.chat_template == "none":
+            raise fail(self, "system_prompt", "needs a model.chat_template (put the instructions in model.prompt_template)")
         try:
             self.prompt_template.format(question="")
         except (KeyError, IndexError, ValueError) as exc:
@@ -335,9 +344,16 @@ class RunSection:
     # persistent XLA cache: "" = <user cache>/compile_cache, a directory, or "off"
     # (env RHYME_JAX_COMPILE_CACHE overrides; rhyme_jax/compile_cache.py)
     compile_cache: str = ""
+    # metric sinks beside metrics.jsonl: tensorboard (<run>/tb) and/or wandb (pip install 'rhyme-jax[wandb]'; docs/metrics.md)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"], hash=False)
+    wandb_project: str = ""  # W&B project; "" = $WANDB_PROJECT, else rhyme-jax
+    wandb_name: str = ""  # W&B run name; "" = $WANDB_NAME, else run.name (the SFT warm start: <name>-sft)
+    wandb_dir: str = ""  # wandb's files go to <wandb_dir>/wandb; "" = $WANDB_DIR, else the run directory
 
     def __post_init__(self):
         check_fields(self)
+        if any(sink not in REPORT_SINKS for sink in self.report_to) or len(set(self.report_to)) < len(self.report_to):
+            raise fail(self, "report_to", f"must list distinct sinks out of {list(REPORT_SINKS)} ([] = metrics.jsonl only)")
         if not self.name.strip():
             raise fail(self, "name", "must name the run's directory under run.runs_dir")
         if not 0 <= self.seed < SEED_LIMIT:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from rhyme_jax.data import Problem
 from rhyme_jax.data.custom_reward import choose_reward, score_terms
-from rhyme_jax.io.metrics import MetricsWriter, NullMetricsWriter
+from rhyme_jax.io.metrics import NullMetricsWriter
 from rhyme_jax.io.rollout_log import save_rollouts
 from rhyme_jax.io.summary import eval_path
 from rhyme_jax.parallel.reshard import put_global, to_host
@@ -40,6 +40,7 @@ from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
 from rhyme_jax.train.packing import pack_minibatch
 from rhyme_jax.train.prompts import epoch_of_step
+from rhyme_jax.train.reporting import metrics_writer
 from rhyme_jax.train.step_batch import StepBatch
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class GRPOTrainer:
         self.step, self.nonfinite_total, self.nonfinite_run, self.eval_before = (
             st.step, st.nonfinite_total, st.nonfinite_run, st.eval_before)
         truncate = self.step + 1 if resume else None
-        self.metrics = (MetricsWriter(self.run_dir, truncate_from=truncate) if self.primary
+        self.metrics = (metrics_writer(cfg, self.run_dir, truncate_from=truncate) if self.primary
                         else NullMetricsWriter())
 
     @property
