@@ -114,6 +114,7 @@ def test_bf16_checkpoint_loads_as_float32_master_weights(bf16_run):
     np.testing.assert_array_equal(np.asarray(model(tokens, pos)), np.asarray(model16(tokens, pos)))
 
 
+@pytest.mark.slow  # CI time (60 s): the bf16 run's other checks stay in the default set
 def test_one_update_at_lr_1e6_moves_the_float32_weights(bf16_run, monkeypatch):
     """The real update (``build_learner``: bf16 compute, f32 params) equals an eager float32
     AdamW step on the same gradients; its first Adam step moves every weight with a gradient by

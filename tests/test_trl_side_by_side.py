@@ -72,6 +72,7 @@ def side_by_side(tmp_path_factory):
     return run.returncode, root, load_config(CONFIG, sets + ["run.seed=3"]), run
 
 
+@pytest.mark.slow  # CI time (50 s, a whole side-by-side run): the mapping and schedule tests stay
 def test_report_files_and_structure(side_by_side):
     rc, root, cfg, _ = side_by_side
     assert rc == 0
@@ -107,6 +108,7 @@ def test_report_files_and_structure(side_by_side):
         assert heading in md
 
 
+@pytest.mark.slow  # shares the side-by-side run above
 def test_both_sides_saw_the_same_prompts_in_the_same_order(side_by_side):
     rc, root, cfg, _ = side_by_side
     run = json.loads((root / "out" / "report.json").read_text())["runs"][0]
