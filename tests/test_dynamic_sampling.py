@@ -1,7 +1,8 @@
 """DAPO dynamic sampling (``train/dynamic_sampling.py``) on constructed groups: which groups are
 dropped, how large each refill round is, how many extra rows it costs, and that the round bound
 and the prompt set bound hold. Rewards are set by hand per group; the fake refill rollout records
-the prompts it was asked for. The config checks of ``grpo.dynamic_sampling`` are at the end."""
+the prompts it was asked for. Then the config checks of ``grpo.dynamic_sampling``, and one GRPO
+step of the tiny config (``configs/tiny_test.yaml``) with it on."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import numpy as np
 import pytest
 
 from rhyme_jax.config import ConfigError, load_config
+from rhyme_jax.io.rollout_log import load_rollouts
 from rhyme_jax.sched.step_group import StepGroup
+from rhyme_jax.train.callbacks import TrainerCallback
 from rhyme_jax.train.dynamic_sampling import fill_batch, has_signal, refill_prompts, refill_size
+from rhyme_jax.train.prompts import prompt_schedule
 from rhyme_jax.train.step_batch import StepBatch
+from rhyme_jax.train.trainer import GRPOTrainer
 
 N = 2  # samples per prompt
 SEED, STEP, PROMPT_SET = 7, 3, 20
@@ -132,3 +137,53 @@ def test_dynamic_sampling_config():
         load_config(CONFIG, ["grpo.dynamic_sampling=true", "sched.pipeline=one_step_off"])
     with pytest.raises(ConfigError, match=r": grpo.refill_rounds"):
         load_config(CONFIG, ["grpo.refill_rounds=-1"])
+
+
+def signal_on_even_ids(text, problem):
+    """The parity reward (tests/test_trainer.py) on problems of even id, 0 on the others: the
+    groups of odd ids are flat."""
+    return float(len(text) % 2) if problem.id % 2 == 0 else 0.0
+
+
+class Batches(TrainerCallback):
+    """The scored batch (``on_rollout_end``) and the trained one (``on_before_update``)."""
+
+    def on_rollout_end(self, trainer, step, batch):
+        self.scored = batch.ids.copy()
+
+    def on_before_update(self, trainer, step, state, batch):
+        self.ids, self.rewards, self.truncated = batch.ids.copy(), batch.group_rewards.copy(), batch.truncated.copy()
+
+
+def test_a_step_with_dynamic_sampling_trains_groups_with_a_signal_only(compile_cache, tmp_path):
+    """Step 1 of the tiny run (2 prompts x 4 samples; prompt 105 of the step is odd, so flat):
+    the saved rollouts hold the step's own groups then the refill rounds'; the update gets the
+    first 2 groups with a signal; the metrics count them; truncated rows are masked."""
+    cb, (P, n) = Batches(), (2, 4)
+    cfg = load_config(CONFIG, [f"run.runs_dir={tmp_path}", "grpo.dynamic_sampling=true",
+                               "grpo.mask_truncated_completions=true"])
+    trainer = GRPOTrainer(cfg, reward_fn=signal_on_even_ids, callbacks=[cb])
+    try:
+        m = trainer.train_step(1)
+    finally:
+        trainer.close()
+    roll = load_rollouts(trainer.run_dir, 1)
+    ids, rewards = roll["prompt_ids"][::n], roll["rewards"].reshape(-1, n)
+    own = prompt_schedule(cfg.run.seed, 200, 1, P)
+    assert ids[:P].tolist() == own.tolist() and own[0] % 2 == 1  # the step's own groups first; one flat
+    signal = has_signal(rewards)
+    assert not signal[0] and not signal[ids % 2 == 1].any()
+    kept0 = int(signal[:P].sum())
+    first = refill_prompts(cfg.run.seed, 1, 1, 200, refill_size(P - kept0, kept0, P, P), set(own.tolist()))
+    assert ids[P:P + len(first)].tolist() == first.tolist()  # round 1's prompts
+    trained = ids[signal][:P]
+    np.testing.assert_array_equal(cb.scored, roll["prompt_ids"])
+    np.testing.assert_array_equal(cb.ids, np.repeat(trained, n))
+    assert has_signal(cb.rewards).all()
+    assert m["rollout/trained_groups"] == len(trained) == P - m["dynamic_sampling/missing_groups"]
+    assert m["dynamic_sampling/refill_rounds"] >= 1.0
+    assert m["dynamic_sampling/extra_rows"] == (len(ids) - P) * n
+    assert m["dynamic_sampling/filtered_share"] == pytest.approx(1 - signal.sum() / len(ids))
+    assert m["dynamic_sampling/unused_groups"] == max(int(signal.sum()) - P, 0)
+    assert m["rollout/truncated_masked"] == cb.truncated.sum()
+    assert m["finite"] == 1.0 and m["grad_norm"] > 0.0
