@@ -261,7 +261,7 @@ def _type_name(annotation: Any) -> str:
     if choices is not None:
         return type(choices[0]).__name__
     if typing.get_origin(annotation) is not None:  # list[str], dict[str, Any]
-        return str(annotation).replace("typing.", "")
+        return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", str(annotation).replace("typing.", ""))  # list[RewardTerm]
     return getattr(annotation, "__name__", str(annotation))
 
 

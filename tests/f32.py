@@ -153,3 +153,17 @@ def logits_between_programs(cfg, seq_len: int, ref, probabilistic: bool = False)
     import numpy as np
 
     return between_programs(model_logits(cfg, seq_len, float(np.abs(np.asarray(ref)).max()), probabilistic))
+
+
+def short(roundings: int, transcendentals: int = 0) -> float:
+    """Relative error bound of one float32 result of a short computation against its exact value:
+    ``roundings`` basic operations (each <= U relative) and ``transcendentals`` exp / log / rsqrt
+    calls (each <= ``TRANSCENDENTAL_ULPS`` U); to first order the bounds add (Higham 2002,
+    Lemma 3.3: ``prod (1 + d_i)^{+-1} = 1 + theta_n`` with ``|theta_n| <= gamma(n)``)."""
+    return (roundings + TRANSCENDENTAL_ULPS * transcendentals) * U
+
+
+def cancellation(abs_terms: float, result: float) -> float:
+    """Condition number of a sum: ``sum |x_i| / |sum x_i|``; a relative bound of the terms
+    becomes this many times larger on the result (Higham 2002, eq. 4.3)."""
+    return abs_terms / max(abs(result), 1e-300)

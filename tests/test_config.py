@@ -95,6 +95,14 @@ BAD_VALUES = [
     ("grpo.eps_low=-0.1", "grpo.eps_low"),
     ("grpo.eps_high=-0.1", "grpo.eps_high"),
     ("grpo.kl_coef=-1", "grpo.kl_coef"),
+    ("grpo.kl_ratio_weighted=true", "grpo.kl_ratio_weighted"),  # kl_coef is 0: nothing to weight
+    ("grpo.importance_sampling_level=row", "grpo.importance_sampling_level"),
+    ("grpo.entropy_coef=-0.01", "grpo.entropy_coef"),
+    ("grpo.num_iterations=0", "grpo.num_iterations"),
+    ("reward.fns=[{fn: bad}]", "reward.fns[0].fn"),
+    ("reward.fns=[{fn: 'a:b'}, {fn: 'c:d', weight: .nan}]", "reward.fns[1].weight"),
+    ("reward.fns=[{fn: 'a:b', wt: 1}]", "reward.fns"),  # unknown field of an entry
+    ("reward.fns=[{fn: 'a:b'}, {fn: 'c:b'}]", "reward.fns"),  # two functions logged as reward/b/mean
     ("grpo.weight_decay=-1", "grpo.weight_decay"),
     ("sft.weight_decay=-1", "sft.weight_decay"),
     ("sft.steps=-1", "sft.steps"),
@@ -145,7 +153,8 @@ def test_bad_values_fail_in_load_config_naming_the_key(override, key):
     (["parallel.fsdp=2", "grpo.prompts_per_step=1", "grpo.samples_per_prompt=3"], "grpo.prompts_per_step"),
     (["data.min_steps=3", "data.max_steps=2"], "data.max_steps=2 must be >= 3"),
     (["sft.steps=5", "sft.warmup_steps=6"], "sft.warmup_steps=6 must be in [0, sft.steps=5]"),
-], ids=["two-fill-axes", "rows-over-shards", "steps-order", "sft-warmup"])
+    (["reward.fn=a:b", "reward.fns=[{fn: 'c:d'}]"], "reward.fn='a:b' and reward.fns are both set"),
+], ids=["two-fill-axes", "rows-over-shards", "steps-order", "sft-warmup", "fn-and-fns"])
 def test_cross_field_checks(overrides, key):
     with pytest.raises(ConfigError, match="^" + DEFAULT) as info:
         load_config(DEFAULT, overrides)
@@ -157,7 +166,8 @@ def test_cross_field_checks(overrides, key):
     "rollout.top_p=1", "rollout.top_k=1000000", "grpo.max_grad_norm=0", "grpo.kl_coef=0.01",
     "sft.steps=0", "spec.pattern_max=256", "spec.pattern_min=7", "run.eval_every=5",
     "parallel.data=-1", "parallel.rollout_tensor=2", "run.seed=4294967295",
-    "model.prompt_template='Q {question} {{a}}'",
+    "model.prompt_template='Q {question} {{a}}'", "grpo.importance_sampling_level=sequence",
+    "grpo.entropy_coef=0", "reward.fns=[{fn: 'a:b', weight: -0.5, kwargs: {k: 1}}, {fn: 'c.d:e'}]",
 ])
 def test_boundary_values_still_load(override):
     load_config(DEFAULT, [override])
@@ -188,9 +198,24 @@ def test_settings_that_cannot_learn_fail_at_load(overrides, key):
 @pytest.mark.parametrize("overrides", [
     ["grpo.samples_per_prompt=2"], ["rollout.top_k=2"], ["grpo.steps=1", "grpo.warmup_steps=0"],
     ["grpo.steps=1", "grpo.warmup_steps=1", "grpo.minibatches=2"],  # update 1 runs at half the peak
+    ["grpo.steps=1", "grpo.warmup_steps=1", "grpo.num_iterations=2"],  # likewise: two passes
     ["grpo.steps=2", "grpo.warmup_steps=2"], ["sft.steps=2", "sft.warmup_steps=2"],
     ["sft.steps=1", "sft.warmup_steps=0"],
     ["grpo.eps_low=0", "grpo.eps_high=0"],  # still a gradient: -min(r A, A) at r = 1 flows through r A
 ], ids=lambda o: " ".join(o))
 def test_edges_of_the_learning_signal_checks_still_load(overrides):
     load_config(DEFAULT, overrides)
+
+
+def test_trl_loss_keys_reach_the_update():
+    """grpo.kl_ratio_weighted / importance_sampling_level / entropy_coef are the keywords the GRPO
+    step gets (grpo_step.loss_options; TRL use_bias_correction_kl / importance_sampling_level /
+    entropy_coef); the defaults are today's loss: False, "token", 0.0."""
+    from rhyme_jax.train.grpo_step import loss_options
+
+    assert loss_options(load_config(DEFAULT).grpo) == {
+        "kl_ratio_weighted": False, "importance_sampling_level": "token", "entropy_coef": 0.0}
+    g = load_config(DEFAULT, ["grpo.kl_coef=0.04", "grpo.kl_ratio_weighted=true",
+                              "grpo.importance_sampling_level=sequence", "grpo.entropy_coef=0.01"]).grpo
+    assert loss_options(g) == {"kl_ratio_weighted": True, "importance_sampling_level": "sequence",
+                               "entropy_coef": 0.01}

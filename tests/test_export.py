@@ -205,3 +205,20 @@ def test_errors_name_the_path_and_write_nothing(tmp_path):
         export_hf(run, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging left behind
+
+
+def test_export_carries_the_runs_chat_template_file(tmp_path):
+    src = _source_dir(tmp_path, "llama", tied=True)
+    _, model = load_hf_checkpoint(src)
+    jinja = tmp_path / "mine.jinja"
+    jinja.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                     "{% if add_generation_prompt %}<a>{% endif %}")
+    run = _run_dir(tmp_path, str(src), f"model.chat_template={jinja}", "model.system_prompt=Be brief.")
+    _save_step(run, 1, nnx.state(model))
+    out = export_hf(run, tmp_path / "out")
+    assert (out / "chat_template.jinja").read_text() == jinja.read_text()  # replaces the source's
+    meta = json.loads((out / EXPORT_MARKER).read_text())
+    assert (meta["chat_template"], meta["system_prompt"]) == (str(jinja), "Be brief.")
+    tok = tf.AutoTokenizer.from_pretrained(str(out))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "<system>Be brief.<user>2+3?<a>"

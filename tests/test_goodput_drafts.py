@@ -1,6 +1,11 @@
 """Goodput drafting (spec.window = goodput): history candidates at every match length against a
 brute-force reference, the prompt head at response start, self-lookup and siblings scored against
-the history, online calibration, estimates, and the window policies left as they were."""
+the history, online calibration, estimates, and the window policies left as they were.
+
+Tolerances: acceptance estimates are stored as float32 and compared with the python floats
+they were computed from: one rounding (``rtol=1e-6`` = 16.8 U); ``pytest.approx`` compares
+float64 host arithmetic.
+"""
 
 import threading
 from types import SimpleNamespace

@@ -3,6 +3,13 @@
 Every kernel run starts from a NaN-filled output buffer (aliased to the kernel output), so a row
 the kernel forgets to write shows up as NaN. A lowering test also lowers the kernel to Triton IR
 for CUDA (no GPU needed), which applies Triton's shape rules (power-of-two tiles, dot shapes).
+
+Tolerances (``cases.TOLERANCE``): float32 ``2e-5`` is twice (``f32.between_programs``) the
+float32 bound of one attention program on these cases (``tests/test_attention_reference.py``: scores of
+head_dim-term dot products, a softmax over at most a few dozen keys, a convex combination of
+values of |v| < 4), with one more rounding per KV block for the online softmax; bfloat16
+``2e-2`` is ``4 x 2**-8`` on values of magnitude ~1 (bf16's unit roundoff 2**-8 on inputs and
+output). A misplaced page or a missed mask changes outputs by O(1).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Every kernel run uses the TPU interpreter with ``detect_races=True`` and NaN-poi
 uninitialised memory: a row the kernel forgets to write, or a read of a VMEM buffer before its
 DMA landed, shows up as NaN; a DMA racing a read of the same buffer is reported by the race
 detector, which the tests check after each run.
+
+Tolerances (``cases.TOLERANCE``): as tests/test_kernel_pallas_gpu.py: twice one float32
+attention program's error bound on these cases (``2e-5``), ``4 x 2**-8`` in bfloat16.
 """
 
 from __future__ import annotations

@@ -305,3 +305,21 @@ def test_no_private_engine_name_outside_rollout():
                     isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} .{node.attr}")
     assert not bad, "\n".join(bad)
+
+
+def test_architecture_doc_shows_the_product_in_200_lines_and_the_lab_apart():
+    """docs/architecture.md: the product's part (before "## The lab") is at most 200 lines and
+    names every package and top-level module of ``rhyme_jax``; the lab's section names every
+    package of ``rhyme_lab``."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    product, sep, lab = text.partition("\n## The lab: `rhyme_lab/`")
+    assert sep, "docs/architecture.md has no '## The lab: `rhyme_lab/`' section"
+    assert len(product.splitlines()) <= 200, len(product.splitlines())
+    for path in sorted(PKG.iterdir()):
+        if path.name.startswith("_") or path.name == "__pycache__":
+            continue
+        name = path.name + "/" if path.is_dir() else path.name
+        assert f"`{name}" in product or f"`rhyme_jax/{name}" in product, name
+    for path in sorted(LAB.iterdir()):
+        if path.is_dir() and not path.name.startswith("_"):
+            assert f"rhyme_lab/{path.name}/" in lab, path.name

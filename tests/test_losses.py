@@ -1,4 +1,18 @@
-"""GRPO math vs independent numpy implementations; batching alignment; optimizer."""
+"""GRPO math vs independent numpy implementations; batching alignment; optimizer.
+
+Tolerances (float32 JAX against float64 numpy references; U = 2**-24, tests/f32.py): every
+input is O(1) and every reduction has at most 54 terms (the 6 x 9 fixture). ``rtol=1e-6``
+(16.8 U) bounds a value of at most 8 roundings and one exp or log (``f32.short(8, 1)`` = 16 U):
+advantages, gradients of one term, schedule values. ``rtol=1e-5`` (168 U) bounds a mean or sum
+of up to 54 such terms of one sign (``f32.gamma(54) + f32.short(8, 1)`` = 70 U; the
+log-sum-exp of 11 logits less). The surrogate loss sums terms of both signs, so its bound is
+computed in the test from the same aggregation of the terms' absolute values (``f32.dot``). ``rtol=1e-4``
+(1,678 U) is for the k3 terms ``exp(d) - d - 1`` (d ~ N(0, 0.3) here): each has an absolute
+error of about ``(e^|d| + |d| + 1 + 8) U`` = 11 U (the exp's 8 ulps included) while the terms
+average ``d**2 / 2`` = 0.045, so the mean's relative error is at most ~250 U plus ``gamma(54)``;
+their gradient ``1 - exp(-d)`` likewise (``f32.cancellation``). Each still fails on a wrong
+formula: a sign, a missing clip or a wrong normaliser moves the value by percent, not by ulps.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,12 +20,15 @@ import numpy as np
 import optax
 import pytest
 
+import f32 as f32_bounds
+
 from rhyme_jax.train.losses import (
     LOSS_AGGS,
     SCALE_REWARDS,
     LossInputError,
     SequenceBatchError,
     aggregate,
+    chunked_token_logprobs,
     grpo_loss,
     group_advantages,
     loss_normaliser,
@@ -19,6 +36,7 @@ from rhyme_jax.train.losses import (
     response_grid,
     sequence_batch,
     token_logprobs,
+    weighted_grpo_loss,
 )
 from rhyme_jax.train.optim import OptimizerConfigError, make_optimizer, make_schedule
 
@@ -173,7 +191,15 @@ def test_grpo_loss_matches_numpy(grpo_inputs, agg, with_ref):
         f32(lp), f32(old), f32(adv), f32(mask), eps_low=eps_low, eps_high=eps_high,
         ref_logprobs=f32(ref) if with_ref else None, kl_coef=kl_coef, loss_agg=agg, loss_norm=norm,
     )
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+    # the loss sums terms of both signs: its float32 error is relative to the same aggregation of
+    # the terms' absolute values (f32.dot), each term within f32.short(8, 1) (an exp, a clip, products)
+    r, a = np.exp(lp - old), adv[:, None]
+    terms = np.abs(np.minimum(r * a, np.clip(r, 1 - eps_low, 1 + eps_high) * a))
+    if with_ref:
+        terms = terms + kl_coef * (np.exp(ref - lp) - (ref - lp) - 1)
+    abs_sum = np_aggregate(terms, mask, agg, norm)
+    bound = f32_bounds.between_programs((f32_bounds.gamma(lp.size) + f32_bounds.short(8, 1)) * abs_sum)
+    assert abs(float(loss) - want) <= bound, (float(loss), want, bound)
     np.testing.assert_allclose(float(m["clip_fraction"]), want_cf, rtol=1e-6)
     assert 0.0 < want_cf < 1.0  # the fixture exercises clipping
     ratio = np.exp(lp - old)
@@ -239,6 +265,79 @@ def test_kl_ratio_weighted_term_value_and_gradient():
     np.testing.assert_allclose(np.asarray(jax.grad(kl_only)(lp)), r * np.asarray(lp - ref), rtol=1e-4, atol=1e-6)
 
 
+def test_sequence_level_ratio_matches_hand_computation():
+    """GSPO: every token of a row carries r_b = exp(masked mean of lp - old), clipped as one number;
+    the gradient of row b's token t is -A_b r_b / |y_b| when unclipped, 0 when clipped."""
+    lp = jnp.log(jnp.array([[1.2, 1.2, 1.0], [2.0, 1.0, 1.0], [0.9, 1.0, 1.0]]))
+    old = jnp.zeros((3, 3))
+    mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # padding ignored in the mean
+    adv = jnp.array([1.0, 1.0, -1.0])
+    f = lambda x: grpo_loss(x, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq_mean_token_mean",  # noqa: E731
+                            importance_sampling_level="sequence")
+    loss, m = f(lp)
+    r = np.array([1.2, 2.0 ** (1 / 3), 0.9])  # 1.26 (in range), 1.26 (in range), 0.9
+    np.testing.assert_allclose(float(loss), -(r[0] + r[1] - r[2]) / 3, rtol=1e-6)
+    np.testing.assert_allclose(float(m["ratio_mean"]), (2 * r[0] + 3 * r[1] + r[2]) / 6, rtol=1e-6)
+    assert float(m["clip_fraction"]) == 0.0
+    g = np.asarray(jax.grad(lambda x: f(x)[0])(lp))
+    np.testing.assert_allclose(g[0], [-r[0] / 2 / 3, -r[0] / 2 / 3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(g[1], np.full(3, -r[1] / 3 / 3), rtol=1e-6)
+    np.testing.assert_allclose(g[2], [r[2] / 3, 0.0, 0.0], rtol=1e-6)
+    # row 1 at 2^(2/3) = 1.59 > 1.28 with A > 0: clipped as a whole, no gradient on any token
+    lp2 = lp.at[1, 1].set(jnp.log(2.0))
+    g2 = np.asarray(jax.grad(lambda x: f(x)[0])(lp2))
+    np.testing.assert_allclose(g2[1], 0.0)
+    assert float(f(lp2)[1]["clip_fraction"]) == 3 / 6
+    token, _ = grpo_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq_mean_token_mean")
+    assert abs(float(token) - float(loss)) > 1e-3  # the level changes the loss
+
+
+def test_sequence_level_ratio_adds_up_over_micro_batches(grpo_inputs):
+    """The row mean reads the mask from token_w > 0, so a split over rows sums to the whole."""
+    lp, old, adv, mask, ref = (jnp.asarray(x, jnp.float32) for x in grpo_inputs)
+    loss_w, token_w = loss_weights(mask, "token_mean")
+    kw = dict(eps_low=0.2, eps_high=0.28, ref_logprobs=ref, kl_coef=0.1, kl_ratio_weighted=True,
+              importance_sampling_level="sequence")
+    whole = weighted_grpo_loss(lp, old, adv, loss_w, token_w, **kw)[0]
+    h = lp.shape[0] // 2
+    parts = sum(float(weighted_grpo_loss(lp[s], old[s], adv[s], loss_w[s], token_w[s],
+                                         ref_logprobs=ref[s], **{k: v for k, v in kw.items() if k != "ref_logprobs"})[0])
+                for s in (slice(0, h), slice(h, None)))
+    np.testing.assert_allclose(parts, float(whole), rtol=1e-5)
+
+
+def test_entropy_bonus_is_the_token_mean_whatever_the_aggregation(grpo_inputs):
+    """loss - coef x sum(H mask) / sum(mask) (TRL entropy_coef), gradient -coef mask / sum(mask)."""
+    lp, old, adv, mask, _ = (jnp.asarray(x, jnp.float32) for x in grpo_inputs)
+    ent = jnp.asarray(np.random.default_rng(2).uniform(0.1, 2.0, lp.shape), jnp.float32)
+    for agg in LOSS_AGGS:
+        kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=agg, loss_norm=37.5)
+        base = float(grpo_loss(lp, old, adv, mask, **kw)[0])
+        f = lambda e: grpo_loss(lp, old, adv, mask, entropy=e, entropy_coef=0.3, **kw)  # noqa: E731
+        loss, m = f(ent)
+        mean_h = float((np.asarray(ent) * np.asarray(mask)).sum() / np.asarray(mask).sum())
+        np.testing.assert_allclose(float(loss), base - 0.3 * mean_h, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(m["entropy_bonus"]), mean_h, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(jax.grad(lambda e: f(e)[0])(ent)),
+                                   -0.3 * np.asarray(mask) / np.asarray(mask).sum(), rtol=1e-6)
+    assert "entropy_bonus" not in grpo_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28)[1]
+
+
+def test_differentiable_chunked_entropy_matches_token_logprobs():
+    """entropy_grad=True: the same entropies as token_logprobs, and the same gradient."""
+    rng = np.random.default_rng(4)
+    h = jnp.asarray(rng.normal(size=(2, 5, 3)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 7)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, 7, (2, 5)), jnp.int32)
+    ours = lambda h: chunked_token_logprobs(h, t, lambda x: x @ w, 0.7, 4, entropy_grad=True)[1]  # noqa: E731
+    ref = lambda h: token_logprobs(h @ w, t, 0.7)[1]  # noqa: E731
+    np.testing.assert_allclose(np.asarray(ours(h)), np.asarray(ref(h)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda h: ours(h).sum())(h)),
+                               np.asarray(jax.grad(lambda h: ref(h).sum())(h)), rtol=1e-4, atol=1e-6)
+    stopped = jax.grad(lambda h: chunked_token_logprobs(h, t, lambda x: x @ w, 0.7)[1].sum())(h)
+    assert float(jnp.abs(stopped).max()) == 0.0
+
+
 def test_grpo_loss_bad_inputs():
     x = jnp.zeros((2, 3))
     with pytest.raises(LossInputError, match="advantages"):
@@ -247,6 +346,12 @@ def test_grpo_loss_bad_inputs():
         grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, loss_agg="sum")
     with pytest.raises(LossInputError, match="share shape"):
         grpo_loss(x, jnp.zeros((2, 4)), jnp.zeros(2), x, eps_low=0.2, eps_high=0.2)
+    with pytest.raises(LossInputError, match="importance_sampling_level"):
+        grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, importance_sampling_level="row")
+    with pytest.raises(LossInputError, match="entropy_coef"):
+        grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, entropy=x, entropy_coef=-0.1)
+    with pytest.raises(LossInputError, match="entropy"):
+        grpo_loss(x, x, jnp.zeros(2), x, eps_low=0.2, eps_high=0.2, entropy_coef=0.1)
 
 
 @pytest.mark.parametrize("agg", LOSS_AGGS)
@@ -377,3 +482,20 @@ def test_weight_decay_and_clipping():
         adam = [x for x in jax.tree.leaves(st, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
                 if isinstance(x, optax.ScaleByAdamState)][0]
         np.testing.assert_allclose(float(optax.tree.norm(adam.mu)), 0.1 * want_norm, rtol=1e-5)
+
+
+def test_sequence_log_ratio_per_segment_of_a_packed_row():
+    """In a packed row (segment ids 1, 1, 2, 2, 2, 0) each target carries its own segment's masked
+    mean of the log-ratio, not the row's; without segment ids the row is one sequence. Exact
+    in float32: means of at most 3 small dyadic numbers."""
+    from rhyme_jax.train.losses import sequence_log_ratio
+
+    lr = jnp.array([[0.5, 0.25, -1.0, 0.5, 2.0, 7.0]])
+    mask = jnp.array([[True, True, True, False, True, False]])  # padding (segment 0) carries no loss
+    seg = jnp.array([[1, 1, 2, 2, 2, 0]])
+    got = np.asarray(sequence_log_ratio(lr, mask, seg))
+    np.testing.assert_array_equal(got, [[0.375, 0.375, 0.5, 0.5, 0.5, 0.0]])
+    np.testing.assert_array_equal(np.asarray(sequence_log_ratio(lr, mask)), [[1.75 / 4]])
+    g = np.asarray(jax.grad(lambda x: sequence_log_ratio(x, mask, seg).sum())(lr))
+    # segment 1: 2 copies of its mean of 2 tokens; segment 2: 3 copies (the unmasked target too) of 2
+    np.testing.assert_array_equal(g, [[1.0, 1.0, 1.5, 0.0, 1.5, 0.0]])

@@ -9,6 +9,10 @@
 * The schedule counts optimizer steps: ``grpo.steps x grpo.minibatches`` in all, warmup
   ``grpo.warmup_steps x grpo.minibatches`` (Micikevicius et al. 2018, arXiv 1710.03740, for the
   first; the second was a cosine run reaching 0 after 1 / minibatches of the run).
+
+Tolerances: learning-rate schedule values are float32 (``rtol=1e-5`` = 168 U covers the few
+roundings of warmup and cosine); ``rtol=0.02`` on the median update size is a statistical
+bound, not rounding (Adam's first steps move each weight by about the learning rate).
 """
 
 from __future__ import annotations

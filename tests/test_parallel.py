@@ -209,14 +209,14 @@ def test_memory_json_reads_the_compiled_update(capsys):
 
     from rhyme_jax.cli import main
 
-    def temp(*sets):
+    def temp(*sets, rows=8):
         args = ["memory", "--config", str(ROOT / "configs" / "tiny_test.yaml"), "--rows", "8", "--tokens", "128",
-                "--set", "data.tokenizer_vocab_size=4096", "--json"]
+                "--set", "data.tokenizer_vocab_size=4096", "--json", "--mean-tokens", "40"]
         for s in sets:
             args += ["--set", s]
         assert main(args) == 0
         report = json.loads(capsys.readouterr().out)
-        assert report["rows"] == 8 and report["tokens"] == 128
+        assert report["rows"] == rows and report["tokens"] == 128
         assert report["peak_bytes_per_device"] == (report["param_bytes_per_device"] + report["opt_bytes_per_device"]
                                                    + report["update_temp_bytes"])
         return report["update_temp_bytes"]
@@ -224,3 +224,5 @@ def test_memory_json_reads_the_compiled_update(capsys):
     plain = temp()
     bounded = temp("grpo.remat=true", "grpo.logit_chunk=128")
     assert plain > 2 * bounded > 0
+    packed = temp("grpo.padding_free=true", rows=3)  # 8 rows of 40 real tokens in rows of 128
+    assert plain > 2 * packed > 0

@@ -288,3 +288,28 @@ def test_replay_synthetic_runs():
     for a in res["configs"].values():
         assert 0.0 <= a["bubble_fraction"] < 1.0 and 0.0 <= a["migrated_share"] <= 1.0
     assert res["configs"]["fifo"]["migrated_share"] == 0.0
+
+
+def test_long_tail_row_is_migrated_and_bounds_the_makespan():
+    """A long-tailed step (the ledger task's shape: prompts predicted at 80..3,200 tokens, one
+    sample running on to 4,000): with migration the long row is stopped once it is 1.5x past its
+    prediction and among its worker's last 10% and continued on an idle worker; no placement
+    finishes before that row's own serial decode (``a`` per token at batch 1): the bound
+    HistoPipe's sync placement cannot beat."""
+    bench = replay_bench
+    pred, n = np.array([80.0, 82, 90, 100, 120, 380, 900, 3200]), 8
+    cost = CostModel(a=1e-3, b=2e-5, c=1e-3)
+    lengths = np.repeat(pred, n).astype(np.int64)
+    lengths[5 * n] = 4000
+    bound = 4000 * (cost.a + cost.b)
+    for mode in ("fifo", "histopipe"):
+        plan = plan_step(1, pred, n, 4, cost, mode=mode)
+        check_plan(plan, 8)
+        still, moved0 = bench.simulate(plan, lengths, np.repeat(pred, n), cost, migrate=False)
+        ivs, moved = bench.simulate(plan, lengths, np.repeat(pred, n), cost, migrate=True)
+        assert moved0 == 0 and moved == 1
+        mig = [iv for iv in ivs if iv.kind == "migrated"]
+        src = next(iv for iv in ivs if iv.kind == "rollout" and iv.end == mig[0].start)
+        assert len(mig) == 1 and mig[0].worker != src.worker
+        for run in (still, ivs):
+            assert max(iv.end for iv in run) >= bound

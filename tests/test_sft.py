@@ -1,4 +1,10 @@
-"""SFT warm start on a tiny Decoder: loss, learning a copy task, no recompilation."""
+"""SFT warm start on a tiny Decoder: loss, learning a copy task, no recompilation.
+
+Tolerances: the SFT loss (float32, a token mean over 5 tokens of a log-sum-exp over the
+vocabulary) against a float64 recomputation from the same float32 logits: per token
+``f32.log_softmax`` (a log and a sum of ``vocab`` exps: ``gamma(V) + 16 U`` relative on
+values ~ln V), so ``rtol=1e-5`` for V <= 64.
+"""
 
 from types import SimpleNamespace
 
@@ -133,3 +139,20 @@ def test_run_sft_errors():
     bad = [SimpleNamespace(question="12", solution="", answer="")]
     with pytest.raises(SFTError, match="empty solution"):
         run_sft(tiny_model(), CharTokenizer(), bad, cfg, prompt_template="{question}", seed=0, progress=False)
+
+
+def test_run_sft_max_tokens_trains_on_the_problems_that_fit():
+    """``sft.max_tokens``: only problems with prompt + solution + eos within it are batched (every
+    token counted of a step is of a short problem), and none fitting is an error."""
+    tok = CharTokenizer()
+    short = [SimpleNamespace(question="12", solution="12", answer="")] * 4
+    long = [SimpleNamespace(question="1234567", solution="1234567", answer="")] * 4
+    cfg = SimpleNamespace(steps=2, batch_size=4, learning_rate=1e-2, warmup_steps=0, weight_decay=0.0,
+                          max_tokens=6)  # "12=" + "12" + eos = 6 tokens; the long ones need 16
+    log = []
+    run_sft(tiny_model(), tok, short + long, cfg, prompt_template="{question}=", seed=0, progress=False,
+            log_fn=lambda step, m: log.append(m))
+    assert [m["num_tokens"] for m in log] == [4 * 3.0, 4 * 3.0]  # "12" + eos scored per problem
+    with pytest.raises(SFTError, match="sft.max_tokens=3"):
+        run_sft(tiny_model(), tok, short, SimpleNamespace(**{**vars(cfg), "max_tokens": 3}),
+                prompt_template="{question}=", seed=0, progress=False)

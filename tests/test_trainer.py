@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 
+import f32
 from rhyme_jax.config import load_config
 from rhyme_jax.data import DataError, load_problems
 from rhyme_jax.io.checkpoint import Checkpointer
@@ -458,3 +459,36 @@ def test_malformed_gsm8k_line_fails_naming_file_and_line(tmp_path, bad_line, why
     assert str(err.value).startswith(f"{train}:3:")
     assert why in str(err.value)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no half-made run
+
+
+def test_padding_free_step_trains_like_the_padded_one(reference, compile_cache, tmp_path, monkeypatch):
+    """``grpo.padding_free``: step 1 (same weights, so the same rollouts) gives the reference
+    run's update on fewer token slots; loss and gradient norm agree within the bound of
+    tests/test_packing.py: twice the float32 forward bound of the model's reduction path,
+    doubled for two programs (``f32.between_programs(2 f32.forward(widths, 1))``, 2.3e-4
+    relative for tiny_test's model at 64 tokens); a wrong mask or position changes them by
+    percent."""
+    from rhyme_jax.train import trainer as trainer_module
+    packed, pack = [], trainer_module.pack_minibatch
+
+    def spy(batch, loss_agg, *, multiple):
+        out = pack(batch, loss_agg, multiple=multiple)
+        packed.append((int(batch["attn_mask"].sum()), int(out["attn_mask"].sum()), out["segment_ids"].max()))
+        return out
+
+    monkeypatch.setattr(trainer_module, "pack_minibatch", spy)
+    trainer = GRPOTrainer(tiny_cfg(tmp_path, "grpo.padding_free=true", "grpo.steps=1"),
+                          reward_fn=parity_reward)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    got, ref = train_rows(trainer.run_dir)[1], reference.rows[1]
+    assert got["reward/mean"] == ref["reward/mean"] and got["response_length/mean"] == ref["response_length/mean"]
+    assert packed and all(a == b for a, b, _ in packed)  # every minibatch packed, no token lost
+    assert got["update/grid_tokens"] <= ref["update/grid_tokens"]
+    m = trainer.cfg.model.tiny
+    rel = f32.between_programs(2 * f32.forward(f32.decoder_widths(
+        m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads, m.head_dim, 64), 1.0))
+    for k in ("loss", "grad_norm", "entropy"):
+        assert abs(got[k] - ref[k]) <= rel * max(abs(ref[k]), 1e-3), (k, got[k], ref[k])

@@ -20,6 +20,18 @@ completions ending in EOS, one cut at ``max_completion_length``) goes through bo
 Asserted: advantages, current and reference logprobs; the loss within 1e-5 relative; every
 parameter's gradient within 1e-4 relative (``max |ours - TRL| / max |TRL|`` per tensor, HF
 tensors mapped to ours with ``loader.key_map``: layer stacking and the Linear transpose).
+
+Tolerances (tests/f32.py): TRL computes in torch and rhyme-jax in XLA, two float32 programs
+over the same weights and tokens, so every comparison is ``f32.between_programs`` of one
+program's bound. Logprobs of the tiny Llama (2 layers, width <= 64, |logit| < 5): ``f32.logprobs``
+is below 2e-5 (``logprob_atol``). The loss is a token aggregate of at most 36 terms of O(1):
+``gamma(36) + short(8, 1)`` = 52 U relative per program on sums of one sign, ~2e-6 for two
+(``LOSS_RTOL = 1e-5`` leaves room for the advantage-weighted cancellation). Gradients run the
+same reductions backwards through the same depth: normwise relative error within twice the
+forward bound of that path (``f32.forward`` of the model's widths, ~3e-5 here), so
+``GRAD_RTOL = 1e-4``; advantages are a few operations per value (``rtol=1e-5``, ``atol=1e-6`` for
+zero-mean groups). Measured: loss within 2.1e-6, gradients within 1.2e-6 over 45 cases. A wrong
+aggregation, clip or KL term moves them by percent.
 """
 
 from __future__ import annotations
@@ -115,10 +127,12 @@ def _ours(policy_dir: Path, ref_dir: Path):
 
 
 @functools.lru_cache(maxsize=None)
-def _weighted_grads_fn(graphdef, kl_coef: float, kl_ratio_weighted: bool):
+def _weighted_grads_fn(graphdef, kl_coef: float, kl_ratio_weighted: bool, is_level: str = "token",
+                       entropy_coef: float = 0.0):
     """The update's gradient under given loss weights (one compile serves every aggregation)."""
     return jax.jit(grpo_step.make_weighted_grads_fn(graphdef, eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=kl_coef,
-                                                    temperature=TEMPERATURE, kl_ratio_weighted=kl_ratio_weighted))
+                                                    temperature=TEMPERATURE, kl_ratio_weighted=kl_ratio_weighted,
+                                                    importance_sampling_level=is_level, entropy_coef=entropy_coef))
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,21 +140,23 @@ def _logprob_fn(graphdef):
     return grpo_step.make_logprob_fn(graphdef, TEMPERATURE)
 
 
-def _our_grads(graphdef, state, first, loss_agg, beta, bias_correction, micro_batch_tokens=0):
+def _our_grads(graphdef, state, first, loss_agg, beta, bias_correction, micro_batch_tokens=0, is_level="token",
+               entropy_coef=0.0):
     """Our minibatch loss and gradient: ``make_grads_fn`` (weights and gradient in one jitted
     program, micro-batched) or, to share one compile over the aggregations, its two halves
     ``minibatch_loss_weights`` + ``make_weighted_grads_fn``."""
     if micro_batch_tokens:
         memory = grpo_step.UpdateMemory(micro_batch_tokens=micro_batch_tokens)
         fn = grpo_step.make_grads_fn(graphdef, eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=beta, loss_agg=loss_agg,
-                                     temperature=TEMPERATURE, memory=memory, kl_ratio_weighted=bias_correction)
+                                     temperature=TEMPERATURE, memory=memory, kl_ratio_weighted=bias_correction,
+                                     importance_sampling_level=is_level, entropy_coef=entropy_coef)
         return jax.jit(fn)(state, first)
     weights = grpo_step.minibatch_loss_weights(first, loss_agg)
-    return _weighted_grads_fn(graphdef, beta, bias_correction)(state, first, *weights)
+    return _weighted_grads_fn(graphdef, beta, bias_correction, is_level, entropy_coef)(state, first, *weights)
 
 
 def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-                 mask_truncated=False):
+                 is_level="token", entropy_coef=0.0, reward_funcs=None, reward_weights=None, mask_truncated=False):
     """A GRPOTrainer whose rollout is the fixed batch (``rollout_func``) and whose reward function
     returns the fixed rewards; the policy moved to ``setup.policy_sd``, the reference left at the
     checkpoint TRL loaded it from."""
@@ -162,14 +178,16 @@ def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, 
         output_dir=str(tmp_path), per_device_train_batch_size=ROWS // MINIBATCHES, steps_per_generation=MINIBATCHES,
         gradient_accumulation_steps=1, num_generations=N, max_completion_length=MAX_NEW, temperature=TEMPERATURE,
         beta=beta, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, loss_type=loss_type, scale_rewards=scale_rewards,
-        use_bias_correction_kl=bias_correction, mask_truncated_completions=mask_truncated, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        use_bias_correction_kl=bias_correction, importance_sampling_level=is_level, entropy_coef=entropy_coef,
+        reward_weights=reward_weights, mask_truncated_completions=mask_truncated, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no",
         shuffle_dataset=False)
     data = Dataset.from_dict({"prompt": ["t5 t6"] * GROUPS, "row": list(range(GROUPS))})
     # Loaded here (TRL's own loading wants config.architectures, which rhyme-jax's imports omit);
     # with beta > 0 TRL loads its reference from the model's directory (config._name_or_path)
     # with the model's dtype and attention implementation.
     model = AutoModelForCausalLM.from_pretrained(str(setup.ref_dir), dtype=torch.float32, attn_implementation="eager")
-    trainer = GRPOTrainer(model=model, reward_funcs=fixed_reward, args=args, train_dataset=data,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs or fixed_reward, args=args, train_dataset=data,
                           processing_class=setup.tokenizer, rollout_func=rollout)
     if setup.policy_sd is not None:
         trainer.model.load_state_dict(setup.policy_sd)
@@ -178,12 +196,12 @@ def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, 
     return trainer
 
 
-def _trl_step(trainer, noise_seed: int = 3):
+def _trl_step(trainer, noise_seed: int = 3, noise_std: float = 0.3):
     """TRL's generation batch (with behaviour logprobs = current + noise), the current logprobs
     and the first slice's loss and gradients (HF parameter name -> numpy)."""
     out = trainer._generate_and_score_completions([{"prompt": "t5 t6", "row": i} for i in range(ROWS)])
     current = out["old_per_token_logps"]  # GA=1 < steps_per_generation: TRL scores the batch itself
-    noise = torch.from_numpy(np.random.default_rng(noise_seed).normal(0.0, 0.3, tuple(current.shape)))
+    noise = torch.from_numpy(np.random.default_rng(noise_seed).normal(0.0, noise_std, tuple(current.shape)))
     out["old_per_token_logps"] = current + noise.float() * out["completion_mask"]
     first = {k: (v[: ROWS // MINIBATCHES] if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in out.items()}
     trainer.model.zero_grad()
@@ -254,12 +272,25 @@ def _assert_clipping_on_both_sides(batch, current_grid):
     assert np.any(mask & (adv > 0) & (ratio > 1 + EPS_HIGH)) and np.any(mask & (adv < 0) & (ratio < 1 - EPS_LOW))
 
 
+def _assert_sequence_clipping(batch, current_grid):
+    """GSPO: some row of the first minibatch has its sequence ratio outside the clip range."""
+    rows = ROWS // MINIBATCHES
+    mask = batch["loss_mask"][:rows, :-1]
+    log_iw = np.sum((current_grid[:rows] - batch["old_logprobs"][:rows]) * mask, 1) / np.maximum(mask.sum(1), 1)
+    ratio, adv = np.exp(log_iw), batch["advantages"][:rows]
+    assert np.any(((adv > 0) & (ratio > 1 + EPS_HIGH)) | ((adv < 0) & (ratio < 1 - EPS_LOW))), ratio
+
+
 def check_case(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-               micro_batch_tokens=0, logprob_atol=2e-5, grad_rtol=GRAD_RTOL, mask_truncated=False):
-    """One TRL configuration against ours; returns (loss rel. error, worst gradient rel. error)."""
+               micro_batch_tokens=0, logprob_atol=2e-5, grad_rtol=GRAD_RTOL, is_level="token", entropy_coef=0.0,
+               mask_truncated=False):
+    """One TRL configuration against ours; returns (loss rel. error, worst gradient rel. error).
+    ``is_level`` / ``entropy_coef`` / ``mask_truncated``: TRL ``importance_sampling_level`` /
+    ``entropy_coef`` / ``mask_truncated_completions``."""
     trainer = _trl_trainer(setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-                           mask_truncated)
-    out, current_trl, trl_loss, trl_grads = _trl_step(trainer)
+                           is_level, entropy_coef, mask_truncated=mask_truncated)
+    # a sequence ratio averages the noise over the row's tokens: more of it to clip some rows
+    out, current_trl, trl_loss, trl_grads = _trl_step(trainer, noise_std=0.3 if is_level == "token" else 1.0)
     cfg, graphdef, state, _ = _ours(setup.policy_dir, setup.ref_dir)
     loss_agg = LOSS_TYPES[loss_type]
     batch, adv, current = _our_batch(setup, out, current_trl, loss_agg, scale_rewards, beta, logprob_atol,
@@ -267,14 +298,16 @@ def check_case(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, be
     np.testing.assert_allclose(adv, out["advantages"].numpy(), rtol=1e-5, atol=1e-6)  # TRL's advantages
     assert np.any(adv > 0) and np.any(adv < 0)
     _assert_clipping_on_both_sides(batch, current)
+    if is_level == "sequence":
+        _assert_sequence_clipping(batch, current)
     first = {k: v[: ROWS // MINIBATCHES] for k, v in batch.items()}  # minibatch 0 (np.array_split)
-    (loss, _), grads = _our_grads(graphdef, state, first, loss_agg, beta, bias_correction, micro_batch_tokens)
+    (loss, _), grads = _our_grads(graphdef, state, first, loss_agg, beta, bias_correction, micro_batch_tokens,
+                                  is_level, entropy_coef)
     loss_rel = abs(float(loss) - trl_loss) / abs(trl_loss)
     assert loss_rel < LOSS_RTOL, (float(loss), trl_loss)
     worst = _compare_grads(cfg, grads, trl_grads, grad_rtol)
     MEASURED[f"{setup.policy_dir.name}-{loss_type}-{scale_rewards}-{beta}-{bias_correction}-{micro_batch_tokens}"
-             f"{'-masked' if mask_truncated else ''}"] = (
-        loss_rel, worst)
+             f"-{is_level}-{entropy_coef}{'-masked' if mask_truncated else ''}"] = (loss_rel, worst)
     return loss_rel, worst
 
 
@@ -303,6 +336,85 @@ def test_masked_truncated_completions_match_trl(tiny, tmp_path, monkeypatch, los
     averages its row means over all rows, the masked one as 0; ``seq_mean_token_mean`` leaves
     rows without loss tokens out of the mean: docs/trl_mapping.md.)"""
     check_case(tiny, tmp_path, monkeypatch, loss_type, "group", BETA, False, mask_truncated=True)
+
+
+# GSPO (importance_sampling_level="sequence") and the entropy bonus: (loss_type, scale_rewards, beta,
+# use_bias_correction_kl, importance_sampling_level, entropy_coef)
+OPTION_CASES = [("grpo", "group", 0.0, False, "sequence", 0.0), ("grpo", "group", BETA, True, "sequence", 0.0),
+                ("dapo", "batch", BETA, False, "sequence", 0.0), ("bnpo", "none", 0.0, False, "sequence", 0.0),
+                ("grpo", "group", 0.0, False, "token", 0.05), ("dr_grpo", "group", BETA, True, "token", 0.05),
+                ("dapo", "group", BETA, True, "sequence", 0.05)]
+
+
+@pytest.mark.parametrize("loss_type,scale_rewards,beta,bias_correction,is_level,entropy_coef", OPTION_CASES,
+                         ids=[f"{c[0]}-{c[1]}-beta{c[2]}-{'iskl' if c[3] else 'k3'}-{c[4]}-ent{c[5]}"
+                              for c in OPTION_CASES])
+def test_gspo_and_entropy_bonus_match_trl(tiny, tmp_path, monkeypatch, loss_type, scale_rewards, beta,
+                                          bias_correction, is_level, entropy_coef):
+    """``grpo.importance_sampling_level`` / ``grpo.entropy_coef`` against TRL's keys of the same names."""
+    check_case(tiny, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction, is_level=is_level,
+               entropy_coef=entropy_coef)
+
+
+def test_micro_batched_gspo_with_entropy_bonus_matches_trl(tiny, tmp_path, monkeypatch):
+    """The sequence ratio and the entropy bonus through ``make_grads_fn`` over 3 micro-batches."""
+    seq_len = losses.sequence_batch(*_rollout_data(tiny)[:2], tiny.pad)["tokens"].shape[1]
+    check_case(tiny, tmp_path, monkeypatch, "grpo", "group", BETA, True, micro_batch_tokens=2 * seq_len,
+               is_level="sequence", entropy_coef=0.05)
+
+
+REWARD_MODULE = '''
+def correct(responses, problems, scale=1.0):
+    return [scale * (len(r.split()) % 3 == 0) for r in responses]
+
+def short(responses, problems):
+    # None: not applicable to this sample (TRL's convention)
+    return [None if len(r.split()) > 6 else 1.0 - len(r.split()) / 6 for r in responses]
+'''
+
+
+def test_weighted_reward_fns_match_trl(tiny, tmp_path, monkeypatch):
+    """``reward.fns`` (two functions, weights 1.0 and -0.5, one returning None for some samples)
+    against TRL's ``reward_funcs`` + ``reward_weights`` on the same completions: the combined
+    reward (NaN-aware weighted sum), the group advantages and each function's logged mean."""
+    import sys
+
+    from rhyme_jax.config import load_config
+    from rhyme_jax.data.custom_reward import load_reward, score_terms
+    from rhyme_jax.data.problems import Problem
+
+    (tmp_path / "two_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "two_rewards", raising=False)
+    cfg = load_config(None, ["reward.fns=[{fn: 'two_rewards:correct', weight: 1.0, kwargs: {scale: 2.0}, "
+                             "batched: true}, {fn: 'two_rewards:short', weight: -0.5, batched: true}]"])
+    ours = load_reward(cfg.reward)
+    mod = __import__("two_rewards")
+
+    def trl_fn(f, **kw):
+        def reward(prompts, completions, **_):
+            return f(completions, [None] * len(completions), **kw)
+        reward.__name__ = f.__name__
+        return reward
+
+    trainer = _trl_trainer(tiny, tmp_path, monkeypatch, "grpo", "group", 0.0, False,
+                           reward_funcs=[trl_fn(mod.correct, scale=2.0), trl_fn(mod.short)],
+                           reward_weights=[1.0, -0.5])
+    out = trainer._generate_and_score_completions([{"prompt": "t5 t6", "row": i} for i in range(ROWS)])
+    texts = trainer.processing_class.batch_decode(_rollout_data(tiny)[1], skip_special_tokens=True)
+    problems = [Problem(id=i, question="q", solution="#### a", answer="a") for i in range(ROWS)]
+    rewards, means = score_terms(ours, texts, problems)
+    values = ours.per_function(texts, problems)
+    assert np.isnan(values[:, 1]).any() and not np.isnan(values).all(axis=1).any()  # None exercised
+    assert len(set(rewards)) > 2
+    trl_rewards = np.nansum(values * np.array([1.0, -0.5]), axis=1)  # TRL's reward: nansum of weighted
+    np.testing.assert_allclose(rewards, trl_rewards, rtol=1e-6)
+    adv = np.asarray(losses.group_advantages(jnp.asarray(np.array(rewards, np.float32).reshape(GROUPS, N)))).reshape(-1)
+    np.testing.assert_allclose(adv, out["advantages"].numpy(), rtol=1e-5, atol=1e-6)  # TRL's advantages
+    logged = {k: np.mean(v) for k, v in trainer._metrics["train"].items()}
+    for name in ("correct", "short"):
+        np.testing.assert_allclose(means[f"reward/{name}/mean"], logged[f"rewards/{name}/mean"], rtol=1e-6)
+    np.testing.assert_allclose(np.mean(rewards), logged["reward"], rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ def register(sub) -> None:
                     "(default: the config's minibatch rows per device under grpo.micro_batch_tokens)")
     sp.add_argument("--tokens", type=int, default=0, help="padded tokens per row (default: "
                     "rollout.max_prompt_len + rollout.max_new_tokens)")
+    sp.add_argument("--mean-tokens", type=int, default=0, help="mean real tokens per sequence; with "
+                    "grpo.padding_free the update packs rows and is planned over the packed rows")
     sp.add_argument("--no-update", action="store_true", help="skip compiling the update (state only)")
     sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         rep = memory_report(cfg, model_config=args.model_config, devices=args.devices, rows=args.rows,
-                            tokens=args.tokens, update=not args.no_update)
+                            tokens=args.tokens, update=not args.no_update, mean_tokens=args.mean_tokens)
     except user_errors() as exc:
         return report("memory", exc)
     if args.json:

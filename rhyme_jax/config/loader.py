@@ -142,6 +142,9 @@ def _one_line(exc: OmegaConfBaseException) -> str:
     """OmegaConf's error as ``key: problem`` (``key=value must be one of [...]`` for a
     ``Literal`` field, worded like the sections' own checks), without its type noise."""
     key = getattr(exc, "full_key", None) or ""
+    prefix = getattr(getattr(exc, "object_type", None), "KEY", None)  # an entry of a list: OmegaConf drops its path
+    if key and "." not in key and prefix and not key.startswith(prefix):
+        key = f"{prefix}.{key}"
     choices = literal_choices(_annotation(key)) if key else None
     if isinstance(exc, ValidationError) and choices is not None:
         return f"{key}={exc.value!r} must be one of {list(choices)}"

@@ -70,7 +70,7 @@ def _check_learning_signal(cfg: RunConfig) -> None:
       are one response n times, get one reward, and every advantage is 0.
     * a run of one optimizer step that warms up: warmup ramps linearly from rate 0
       (``optim.make_schedule``), so update 0 runs at rate 0; with ``grpo.steps x
-      grpo.minibatches = 1`` (or ``sft.steps = 1``) it is the only update.
+      grpo.minibatches x grpo.num_iterations = 1`` (or ``sft.steps = 1``) it is the only update.
 
     Raises:
       ConfigError: one line starting with the key.
@@ -83,9 +83,9 @@ def _check_learning_signal(cfg: RunConfig) -> None:
     if r.top_k == 1:
         raise ConfigError("rollout.top_k=1 samples greedily: the grpo.samples_per_prompt responses of a prompt "
                           "are the same tokens with the same reward, so every advantage is 0 (0 = top-k off)")
-    if g.steps * g.minibatches == 1 and g.warmup_steps > 0:
+    if g.steps * g.minibatches * g.num_iterations == 1 and g.warmup_steps > 0:
         raise ConfigError(f"grpo.warmup_steps={g.warmup_steps} leaves a run of one optimizer step (grpo.steps x "
-                          f"grpo.minibatches = 1) at learning rate 0: warmup starts at 0 (use 0)")
+                          f"grpo.minibatches x grpo.num_iterations = 1) at learning rate 0: warmup starts at 0 (use 0)")
     if sft.steps == 1 and sft.warmup_steps > 0:
         raise ConfigError(f"sft.warmup_steps={sft.warmup_steps} leaves a warm start of one step (sft.steps=1) at "
                           f"learning rate 0: warmup starts at 0 (use 0)")

@@ -8,6 +8,7 @@ reads it). ``KEY`` is the section's dotted name in the YAML files and in error m
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,17 +18,19 @@ from rhyme_jax.config.checks import ConfigError, above, at_least, check_fields, 
 
 Family = Literal["qwen2", "qwen3", "llama"]
 Dtype = Literal["float32", "bfloat16"]
-DataSource = Literal["synthetic", "gsm8k", "jsonl", "parquet"]
+DataSource = Literal["synthetic", "ledger", "gsm8k", "jsonl", "parquet"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
 LRSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean"]
 ScaleRewards = Literal["group", "batch", "none"]
+ISLevel = Literal["token", "sequence"]
 DraftBranch = Literal["reward", "count"]
 DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
 SchedPipeline = Literal["sync", "one_step_off"]
 LengthStat = Literal["mean", "max", "p90"]
+REPORT_SINKS = ("tensorboard", "wandb")  # run.report_to
 
 MAX_DRAFT = 32  # longest draft of one row in one step: the single source (rollout.shapes, spec.window, spec.drafter)
 MAX_PATTERN = 256  # longest matched suffix: the drafter's self-lookup context (spec/drafter.py)
@@ -72,11 +75,19 @@ class ModelSection:
     dtype: Dtype = "float32"  # compute dtype; parameters and AdamW moments stay float32 (master weights)
     scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
+    # none: prompt_template | auto: the tokenizer's chat template, else prompt_template | tokenizer: the tokenizer's
+    # (required) | a .jinja file; renders [system_prompt,] question as a user turn + generation prompt (docs/chat_template.md)
+    chat_template: str = "none"
+    system_prompt: str = ""  # with a chat template: a system turn before the question; "" = none (the template's default)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self):
         check_fields(self)
         at_least(self, 1, "scan_unroll")
+        if self.chat_template not in ("none", "auto", "tokenizer") and not Path(self.chat_template).is_file():
+            raise fail(self, "chat_template", "must be none, auto, tokenizer or an existing jinja file")
+        if self.system_prompt and self.chat_template == "none":
+            raise fail(self, "system_prompt", "needs a model.chat_template (put the instructions in model.prompt_template)")
         try:
             self.prompt_template.format(question="")
         except (KeyError, IndexError, ValueError) as exc:
@@ -90,7 +101,7 @@ class DataSection:
 
     KEY: ClassVar[str] = "data"
 
-    source: DataSource = "synthetic"  # synthetic | gsm8k | jsonl / parquet: your own files (docs/custom_data.md)
+    source: DataSource = "synthetic"  # synthetic | ledger (long-tailed worked solutions) | gsm8k | jsonl / parquet: your own files (docs/custom_data.md)
     answer_extraction: AnswerExtraction = "marker"  # marker (#### / \\boxed) | last_number (marker, else the last number)
     train_path: str = ""  # gsm8k: path to train.jsonl ("" = vendored); jsonl / parquet: the train file (required)
     test_path: str = ""  # gsm8k: path to test.jsonl ("" = vendored); jsonl / parquet: the held-out file (required)
@@ -101,8 +112,9 @@ class DataSection:
     seed: int = 0  # synthetic: seed of the generated train / eval problems
     num_train: int = 20000  # synthetic: problems in the train split
     num_eval: int = 300  # held-out problems evaluated before/after RL
-    min_steps: int = 2  # synthetic: arithmetic steps per problem
-    max_steps: int = 4  # synthetic: most arithmetic steps per problem
+    min_steps: int = 2  # synthetic: arithmetic steps per problem; ledger: the entry count's scale (fewest entries)
+    max_steps: int = 4  # synthetic: most arithmetic steps per problem; ledger: the cap on entries
+    tail_index: float = 1.1  # ledger: Pareto index of the entry count (smaller = longer tail)
     max_number: int = 20  # synthetic: operands drawn from [1, max_number]
     tokenizer_vocab_size: int = 256  # demo tokenizer (trained on the task corpus)
 
@@ -111,6 +123,7 @@ class DataSection:
         at_least(self, 1, "num_train", "num_eval", "min_steps", "tokenizer_vocab_size")
         at_least(self, self.min_steps, "max_steps", note=" (data.min_steps)")
         at_least(self, 2, "max_number")
+        above(self, 0, "tail_index")
         if self.source in ("jsonl", "parquet"):
             for name in ("train_path", "test_path"):
                 if not getattr(self, name).strip():
@@ -126,6 +139,18 @@ _REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-
 
 
 @dataclass(frozen=True)
+class RewardTerm:
+    """One entry of ``reward.fns`` (checked by ``RewardSection``): a reward function and its weight."""
+
+    KEY: ClassVar[str] = "reward.fns[]"  # for OmegaConf's errors about an entry (config/loader.py)
+
+    fn: str = ""  # "package.module:function", the contract of reward.fn
+    weight: float = 1.0  # its weight in the sum (TRL reward_weights)
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call
+    batched: bool = False  # as reward.batched
+
+
+@dataclass(frozen=True)
 class RewardSection:
     """The GRPO reward: the built-in verifier of ``data.answer_extraction``, or your own function
     (docs/custom_reward.md). The function is imported and its signature checked before any work
@@ -138,6 +163,9 @@ class RewardSection:
     fn: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keyword arguments of every call of fn
     batched: bool = False  # false: fn(response, problem, **kwargs) -> float; true: fn(responses, problems, **kwargs) -> floats
+    # several functions, reward = sum of weight x fn (TRL reward_funcs + reward_weights): a list of
+    # {fn, weight, kwargs, batched}; instead of reward.fn; [] = off
+    fns: list[RewardTerm] = field(default_factory=list, hash=False)
     # DAPO soft overlong punishment (eq. 13; TRL soft_punish_cache, verl overlong_buffer.len): a response over
     # rollout.max_new_tokens - this many tokens gets a penalty falling linearly to -soft_overlong_factor; 0 = off
     soft_overlong_cache: int = 0
@@ -152,6 +180,32 @@ class RewardSection:
         if not self.fn and (self.kwargs or self.batched):
             name = "kwargs" if self.kwargs else "batched"
             raise fail(self, name, "needs reward.fn (the built-in reward takes no options)")
+        if self.fns and self.fn:
+            raise fail(self, "fn", "and reward.fns are both set: use one (reward.fns takes a list of functions)")
+        for i, term in enumerate(self.fns):
+            _check_term(i, term)
+        names = [term_name(t.fn) for t in self.fns]
+        if len(set(names)) < len(names):
+            raise ConfigError(f"reward.fns names a function twice ({names}): merge them, or weight it once")
+
+
+def term_name(spec: str) -> str:
+    """The metrics name of a ``reward.fns`` entry: its function's name (``pkg.mod:a.b`` -> ``b``)."""
+    return spec.rpartition(":")[2].rpartition(".")[2]
+
+
+def _check_term(i: int, term: RewardTerm) -> None:
+    """``reward.fns[i]``: a ``package.module:function`` spec and a finite weight.
+
+    Raises:
+      ConfigError: naming ``reward.fns[i].<field>``.
+    """
+    if not isinstance(term, RewardTerm):
+        raise ConfigError(f"reward.fns[{i}]={term!r} must be a mapping {{fn: 'module:function', weight: 1.0}}")
+    if not _REWARD_SPEC.fullmatch(term.fn):
+        raise ConfigError(f"reward.fns[{i}].fn={term.fn!r} must be 'package.module:function' (e.g. 'my_reward:reward')")
+    if not math.isfinite(term.weight):
+        raise ConfigError(f"reward.fns[{i}].weight={term.weight!r} must be a finite number")
 
 
 @dataclass(frozen=True)
@@ -208,10 +262,11 @@ class SFTSection:
     warmup_steps: int = 20  # steps of linear warmup from 0
     schedule: LRSchedule = "constant"  # after linear warmup
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
+    max_tokens: int = 0  # warm start only on problems whose prompt + solution fit (tokens); 0 = all (long-tailed tasks: SFT on the short ones, RL on all)
 
     def __post_init__(self):
         check_fields(self)
-        at_least(self, 0, "steps", "weight_decay")
+        at_least(self, 0, "steps", "weight_decay", "max_tokens")
         at_least(self, 1, "batch_size")
         above(self, 0.0, "learning_rate")
         _check_warmup(self)
@@ -230,6 +285,12 @@ class GRPOSection:
     eps_low: float = 0.2  # clip range below: ratio >= 1 - eps_low
     eps_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = off (no reference kept)
+    # weight the k3 term by the policy ratio (unbiased reverse-KL gradient; TRL use_bias_correction_kl,
+    # default True there; false = DeepSeekMath's plain k3); needs kl_coef > 0
+    kl_ratio_weighted: bool = False
+    # importance ratio per token | per sequence: exp(token mean of log-ratio), clipped as one (GSPO; TRL's key)
+    importance_sampling_level: ISLevel = "token"
+    entropy_coef: float = 0.0  # loss - entropy_coef x token-mean entropy (TRL entropy_coef); 0 = off
     # advantage (r - group mean) / (std + 1e-4), sample std of: group (GRPO) | batch (all the step's rewards)
     # | none: no division (Dr.GRPO)
     scale_rewards: ScaleRewards = "group"
@@ -238,12 +299,16 @@ class GRPOSection:
     # step_token_mean (sum / (the step's tokens / minibatches); TRL dapo). docs/trl_mapping.md
     loss_agg: LossAgg = "token_mean"
     minibatches: int = 1  # optimizer steps per GRPO step (PPO minibatches); divides the rollout batch
+    # passes over the minibatches per GRPO step, all against the rollout's behaviour logprobs
+    # (TRL num_iterations, PPO epochs): num_iterations x minibatches optimizer steps a step
+    num_iterations: int = 1
     micro_batch_tokens: int = 0  # gradient micro-batch per device, rows x tokens; 0 = whole minibatch
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
+    padding_free: bool = False  # pack each minibatch's sequences into full-length rows (segment ids): memory and FLOPs follow real tokens (TRL padding_free)
     learning_rate: float = 1e-3  # AdamW peak learning rate
-    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x minibatches optimizer steps)
-    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x minibatches)
+    warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x num_iterations x minibatches optimizer steps)
+    schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x num_iterations x minibatches)
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_grad_norm: float = 1.0  # <= 0 = no clipping
     max_consecutive_nonfinite: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
@@ -254,11 +319,13 @@ class GRPOSection:
     def __post_init__(self):
         check_fields(self)
         at_least(self, 0, "refill_rounds")
-        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches",
+        at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches", "num_iterations",
                  "max_consecutive_nonfinite")
         at_least(self, 0, "num_prompts", note=" (0 = all train problems)")
         at_least(self, 0, "micro_batch_tokens", "logit_chunk", note=" (0 = off)")
-        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "weight_decay")
+        at_least(self, 0, "eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay")
+        if self.kl_ratio_weighted and self.kl_coef == 0:
+            raise fail(self, "kl_ratio_weighted", "needs grpo.kl_coef > 0 (it weights the KL term)")
         above(self, 0.0, "learning_rate")
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
@@ -287,9 +354,16 @@ class RunSection:
     # persistent XLA cache: "" = <user cache>/compile_cache, a directory, or "off"
     # (env RHYME_JAX_COMPILE_CACHE overrides; rhyme_jax/compile_cache.py)
     compile_cache: str = ""
+    # metric sinks beside metrics.jsonl: tensorboard (<run>/tb) and/or wandb (pip install 'rhyme-jax[wandb]'; docs/metrics.md)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"], hash=False)
+    wandb_project: str = ""  # W&B project; "" = $WANDB_PROJECT, else rhyme-jax
+    wandb_name: str = ""  # W&B run name; "" = $WANDB_NAME, else run.name (the SFT warm start: <name>-sft)
+    wandb_dir: str = ""  # wandb's files go to <wandb_dir>/wandb; "" = $WANDB_DIR, else the run directory
 
     def __post_init__(self):
         check_fields(self)
+        if any(sink not in REPORT_SINKS for sink in self.report_to) or len(set(self.report_to)) < len(self.report_to):
+            raise fail(self, "report_to", f"must list distinct sinks out of {list(REPORT_SINKS)} ([] = metrics.jsonl only)")
         if not self.name.strip():
             raise fail(self, "name", "must name the run's directory under run.runs_dir")
         if not 0 <= self.seed < SEED_LIMIT:

@@ -24,6 +24,7 @@ Python hook) and ``reward.fn`` are exclusive: setting both is an error.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -33,7 +34,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import numpy as np
+
 from rhyme_jax.config import ConfigError, RewardSection
+from rhyme_jax.config.sections import term_name
 from rhyme_jax.data.problems import DataError, Problem
 from rhyme_jax.data.rewards import reward_fn as builtin_reward
 
@@ -61,6 +65,7 @@ class UserReward:
     fn: Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     batched: bool = False
+    none_is_nan: bool = False  # a reward.fns entry: None = not applicable to this sample (TRL's)
 
     def __call__(self, response: str, problem: Problem) -> float:
         """The reward of one response (a batched ``fn`` is called with lists of one)."""
@@ -90,16 +95,74 @@ class UserReward:
     def _checked(self, value: Any, problem: Problem) -> float:
         if isinstance(value, numbers.Real) and math.isfinite(float(value)):
             return float(value)
+        if value is None and self.none_is_nan:
+            return math.nan
         raise RewardError(f"reward.fn={self.spec!r} returned {value!r:.60} for problem id {problem.id}: "
                           f"a reward must be a finite number")
 
 
+@dataclass(frozen=True)
+class WeightedReward:
+    """``reward.fns``: the reward is ``sum_k weights[k] x parts[k]``, NaN-aware as TRL's
+    ``GRPOTrainer`` (``reward_funcs`` + ``reward_weights``, ``nansum``): a function may return
+    None for a sample it does not apply to, and the sum skips it.
+
+    Attributes:
+      names: each function's metrics name (``config.sections.term_name``; unique);
+      parts: the resolved functions (``UserReward`` with ``none_is_nan``); weights: floats.
+    """
+
+    names: tuple[str, ...]
+    parts: tuple[UserReward, ...]
+    weights: tuple[float, ...]
+
+    def __call__(self, response: str, problem: Problem) -> float:
+        """The combined reward of one response."""
+        return self.batch([response], [problem])[0]
+
+    def per_function(self, responses: Sequence[str], problems: Sequence[Problem]) -> np.ndarray:
+        """f64[N, K]: function k's reward of response i (NaN where it returned None).
+
+        Raises:
+          RewardError: a function returned a bad value, or every function returned None for a
+            sample (TRL gives such a sample advantage 0; here it is an error).
+        """
+        values = np.array([part.batch(responses, problems) for part in self.parts], np.float64).T
+        values = values.reshape(len(responses), len(self.parts))
+        for i in np.flatnonzero(np.isnan(values).all(axis=1)):
+            raise RewardError(f"reward.fns: every function returned None for problem id {problems[i].id}: "
+                              f"a sample needs at least one reward")
+        return values
+
+    def combine(self, values: np.ndarray) -> list[float]:
+        """The weighted sum of ``per_function``'s rows, None (NaN) entries skipped."""
+        return [float(v) for v in np.nansum(values * np.asarray(self.weights, np.float64), axis=1)]
+
+    def batch(self, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        """Combined rewards of ``responses[i]`` to ``problems[i]`` (raises as ``per_function``)."""
+        return self.combine(self.per_function(responses, problems))
+
+
 def score_batch(fn: RewardFn, responses: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-    """Rewards of ``responses[i]`` to ``problems[i]``: one ``fn.batch`` call for a ``UserReward``,
-    else ``fn(response, problem)`` per pair (the built-in rewards, a Python hook)."""
-    if isinstance(fn, UserReward):
+    """Rewards of ``responses[i]`` to ``problems[i]``: one ``fn.batch`` call for a ``UserReward`` or
+    ``WeightedReward``, else ``fn(response, problem)`` per pair (the built-in rewards, a Python hook)."""
+    if isinstance(fn, (UserReward, WeightedReward)):
         return fn.batch(responses, problems)
     return [float(fn(r, p)) for r, p in zip(responses, problems)]
+
+
+def score_terms(fn: RewardFn, responses: Sequence[str], problems: Sequence[Problem]
+                ) -> tuple[list[float], dict[str, float]]:
+    """``score_batch``'s rewards, and for ``reward.fns`` each function's mean over the samples it
+    scored as ``reward/<name>/mean`` (TRL ``rewards/<name>/mean``; NaN when it scored none); no
+    entries for a single reward."""
+    if not isinstance(fn, WeightedReward):
+        return score_batch(fn, responses, problems), {}
+    values = fn.per_function(responses, problems)
+    scored = ~np.isnan(values)
+    means = {f"reward/{name}/mean": float(values[scored[:, k], k].mean()) if scored[:, k].any() else math.nan
+             for k, name in enumerate(fn.names)}
+    return fn.combine(values), means
 
 
 def _import(module: str, spec: str) -> Any:
@@ -144,16 +207,27 @@ def _check_signature(fn: Callable[..., Any], section: RewardSection) -> None:
 
 
 def load_reward(section: RewardSection, extraction: str = "marker") -> RewardFn:
-    """The reward of a ``reward`` config section: ``reward.fn`` imported and checked, else the
-    built-in reward of ``data.answer_extraction`` (``extraction``).
+    """The reward of a ``reward`` config section: ``reward.fns`` (a ``WeightedReward``) or
+    ``reward.fn`` imported and checked, else the built-in reward of ``data.answer_extraction``
+    (``extraction``). Each ``reward.fns`` entry is checked as ``reward.fn`` is.
 
     Raises:
       RewardError: the module is not found or fails to import, the attribute is missing, not
         callable, or cannot take the documented arguments; one line starting with ``reward.fn=``.
       ValueError: an unknown ``extraction`` (built-in reward).
     """
+    if section.fns:
+        parts = tuple(dataclasses.replace(_load_one(RewardSection(t.fn, dict(t.kwargs), t.batched)), none_is_nan=True)
+                      for t in section.fns)
+        return WeightedReward(tuple(term_name(t.fn) for t in section.fns), parts,
+                              tuple(float(t.weight) for t in section.fns))
     if not section.fn:
         return builtin_reward(extraction)
+    return _load_one(section)
+
+
+def _load_one(section: RewardSection) -> UserReward:
+    """``section.fn`` imported and its signature checked (raises as ``load_reward``)."""
     spec = section.fn
     module_name, _, attr = spec.partition(":")
     obj = _import(module_name, spec)
@@ -179,7 +253,8 @@ def choose_reward(cfg: RunConfig, hook: RewardFn | None) -> RewardFn:
     Raises:
       RewardError: both the hook and ``reward.fn`` are set, or ``reward.fn`` cannot be used.
     """
-    if hook is not None and cfg.reward.fn:
-        raise RewardError(f"reward.fn={cfg.reward.fn!r} and the Python reward_fn= hook are both set: "
-                          f"use one (remove reward.fn from the config, or stop passing reward_fn=)")
+    if hook is not None and (cfg.reward.fn or cfg.reward.fns):
+        key = f"reward.fn={cfg.reward.fn!r}" if cfg.reward.fn else "reward.fns"
+        raise RewardError(f"{key} and the Python reward_fn= hook are both set: "
+                          f"use one (remove it from the config, or stop passing reward_fn=)")
     return hook if hook is not None else task_reward(cfg)

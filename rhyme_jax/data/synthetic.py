@@ -149,7 +149,9 @@ def _one_problem(rng: random.Random, steps: int, max_number: int) -> tuple[str, 
     return " ".join(sentences + [end]), lines, v
 
 
-def _bucket_is_eval(question: str) -> bool:
+def bucket_is_eval(question: str) -> bool:
+    """True iff ``question`` belongs to the eval split: ``sha256(question) mod EVAL_BUCKETS == 0``
+    (disjoint splits for every generated task, whatever the seed)."""
     digest = hashlib.sha256(question.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0
 
@@ -197,7 +199,7 @@ def make_problems(
                 "raise data.max_number or data.max_steps"
             )
         question, lines, value = _one_problem(rng, rng.randint(min_steps, max_steps), max_number)
-        if _bucket_is_eval(question) != want_eval or question in seen:
+        if bucket_is_eval(question) != want_eval or question in seen:
             continue
         seen.add(question)
         solution = "\n".join(lines + [f"#### {value}"])

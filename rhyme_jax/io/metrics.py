@@ -1,4 +1,5 @@
-"""Per-step run metrics: ``<run_dir>/metrics.jsonl`` plus TensorBoard events in ``<run_dir>/tb``.
+"""Per-step run metrics: ``<run_dir>/metrics.jsonl`` plus TensorBoard events in ``<run_dir>/tb``
+and, when asked, a Weights & Biases run (``io/wandb_sink.py``).
 
 Each jsonl line is one JSON object ``{"step": int, "phase": str, <name>: float, ...}``. The file
 is append-only during a run; on resume ``MetricsWriter(truncate_from=step)`` atomically rewrites
@@ -17,6 +18,7 @@ from typing import Any
 
 from rhyme_jax.io.atomic import atomic_write
 from rhyme_jax.io.jsonl import JsonlError, parse_jsonl
+from rhyme_jax.io.wandb_sink import WandbSettings, WandbSink
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -82,7 +84,7 @@ def _to_float(key: str, value: Any) -> float:
 
 
 class MetricsWriter:
-    """Writes per-step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (tensorboardX).
+    """Writes per-step metrics to ``<run_dir>/metrics.jsonl``, TensorBoard (tensorboardX) and W&B.
 
     Args:
       run_dir: run output directory (created if missing).
@@ -90,11 +92,18 @@ class MetricsWriter:
       truncate_from: on resume, the first step the resumed run will log; rows with
         ``step >= truncate_from`` are dropped (atomic rewrite) and TensorBoard events from that
         step on are purged. ``None`` keeps all rows (a truncated last line is still repaired).
+        A W&B run is never rewound: a resumed run is a new W&B run.
+      wandb: also log every row to a new W&B run made with these settings; ``None`` = no W&B
+        (wandb is not imported).
+
+    Raises:
+      WandbMissingError: ``wandb`` is given and the package is not installed.
 
     Use as a context manager or call ``close()``.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, truncate_from: int | None = None):
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, truncate_from: int | None = None,
+                 wandb: WandbSettings | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -106,6 +115,7 @@ class MetricsWriter:
                 rows = kept
             if dirty:
                 _atomic_write_rows(self.path, rows)
+        self._wandb = WandbSink(wandb) if wandb is not None else None  # before the open handles: a failure leaks none
         self._fh = self.path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -117,7 +127,8 @@ class MetricsWriter:
                                      filename_suffix=f".{time.time_ns():020d}")
 
     def log(self, step: int, metrics: dict[str, float], phase: str = "train") -> None:
-        """Append one row ``{"step", "phase", **metrics}`` and the matching TensorBoard scalars.
+        """Append one row ``{"step", "phase", **metrics}`` and the matching TensorBoard scalars
+        (and W&B history row: the same keys but ``phase``, at W&B step ``step``).
 
         Values may be Python, NumPy or JAX scalars (converted with ``float``); non-finite values
         are written as JSON ``NaN``/``Infinity``. TensorBoard tags are the key itself when it
@@ -139,14 +150,19 @@ class MetricsWriter:
                     continue
                 tag = key if "/" in key else f"{phase}/{key}"
                 self._tb.add_scalar(tag, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.log(step, {k: v for k, v in row.items() if k not in ("step", "phase")})
 
     def close(self) -> None:
-        """Flush and close the jsonl file and the TensorBoard writer (idempotent)."""
+        """Flush and close the jsonl file, the TensorBoard writer and the W&B run (idempotent)."""
         if not self._fh.closed:
             self._fh.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self

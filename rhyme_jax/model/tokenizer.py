@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -24,6 +24,13 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing/invalid, has no EOS, or text cannot be represented."""
 
 
+class ChatPrompt(Protocol):
+    """What ``Tokenizer.format_prompt`` needs of a chat template (``model.chat_template.ChatTemplate``)."""
+
+    def prompt(self, question: str, system_prompt: str = "") -> str:
+        """The rendered prompt of one user turn (after a system turn when ``system_prompt``)."""
+
+
 class Tokenizer:
     """Text <-> token ids.
 
@@ -33,6 +40,9 @@ class Tokenizer:
       eos_id: the id that ends a generation (first of ``eos_ids``).
       eos_ids: every id that ends a generation.
       pad_id: padding id (EOS when the tokenizer has no pad token).
+      chat_template: the chat template prompts are rendered with (``model.chat_template``), or
+        ``None``: ``format_prompt`` uses the string template.
+      system_prompt: the system turn before each question under a chat template ("" = none).
     """
 
     def __init__(self, tok: _HFTokenizer, *, eos_ids: Sequence[int], pad_id: int | None = None,
@@ -50,6 +60,8 @@ class Tokenizer:
         self.pad_id = self.eos_id if pad_id is None else int(pad_id)
         unk = getattr(tok.model, "unk_token", None)
         self._unk_id = tok.token_to_id(unk) if unk else None
+        self.chat_template: ChatPrompt | None = None  # set by use_chat_template
+        self.system_prompt = ""
 
     @classmethod
     def from_file(cls, path, *, eos_ids: Sequence[int] | None = None) -> "Tokenizer":
@@ -100,12 +112,24 @@ class Tokenizer:
         """Id of a vocabulary entry, or None."""
         return self._tok.token_to_id(token)
 
+    def use_chat_template(self, chat: ChatPrompt | None, system_prompt: str = "") -> "Tokenizer":
+        """Render prompts with ``chat`` from now on (``format_prompt``; ``model.chat_template``),
+        after a system turn ``system_prompt`` when it is not empty; ``None`` = the string template.
+        Returns ``self``."""
+        self.chat_template, self.system_prompt = chat, system_prompt
+        return self
+
     def format_prompt(self, template: str, question: str) -> str:
-        """``template.format(question=question)``.
+        """The prompt text of ``question``: ``template.format(question=question)``, or, when a
+        chat template is in use (``use_chat_template``), that template rendered on the user turn
+        ``question`` with the generation prompt (``template`` is then unused).
 
         Raises:
-          TokenizerError: the template has other fields or bad braces.
+          TokenizerError: the template has other fields or bad braces, or the chat template
+            fails to render (``ChatTemplateError``).
         """
+        if self.chat_template is not None:
+            return self.chat_template.prompt(question, self.system_prompt)
         try:
             return template.format(question=question)
         except (KeyError, IndexError, ValueError) as exc:

@@ -159,13 +159,16 @@ class Decoder(nnx.Module):
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
     def hidden(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-               mask: Bool[Array, "B T"] | None = None, *, remat: bool = False) -> Float[Array, "B T D"]:
+               mask: Bool[Array, "B T"] | None = None, *, remat: bool = False,
+               segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
         """Residual stream after the last block (before ``final_norm``), compute dtype.
 
         Args:
           tokens: token ids.
-          positions: RoPE positions (normally ``arange(T)`` per row).
+          positions: RoPE positions (normally ``arange(T)`` per row; per segment when packed).
           mask: True at valid tokens; padded keys are never attended. None = all valid.
+          segment_ids: packed rows (``train/packing.py``): a query attends only to earlier keys
+            of its own segment; 0 marks padding. None = one sequence per row.
           remat: recompute each block in the backward pass (activation memory: one ``[B, T, D]``
             per layer instead of every intermediate).
 
@@ -178,9 +181,11 @@ class Decoder(nnx.Module):
                 f"mask {None if mask is None else mask.shape} must all be the same [B, T]")
         t = tokens.shape[1]
         allowed = jnp.tril(jnp.ones((t, t), bool))[None]
+        if segment_ids is not None:
+            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
         if mask is not None:
             allowed = allowed & mask[:, None, :].astype(bool)
-        else:
+        elif segment_ids is None:
             allowed = jnp.broadcast_to(allowed, (tokens.shape[0], t, t))
         # Under parallel.rules.activation_mesh the residual stream stays split by rows (FSDP
         # gathers parameters, not activations); without it these are no-ops.

@@ -16,8 +16,8 @@ responses are identical with and without HistoPipe (tests/test_sched_workers.py)
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
@@ -32,38 +32,13 @@ from rhyme_jax.sched.length_predictor import predict_lengths
 from rhyme_jax.sched.migration import TailMigration
 from rhyme_jax.sched.planner import Plan, plan_step
 from rhyme_jax.sched.timeline import NEXT_STEP, TRAIN, WorkerInterval, bubble_metrics
-from rhyme_jax.sched.workers import GenerateFn, StepWork, WorkerQueues, run_now
+from rhyme_jax.sched.workers import GenerateFn, StepRollout, StepWork, WorkerQueues, run_now
 
 if TYPE_CHECKING:
     from rhyme_jax.config import SchedSection
 
 MODES = ("fifo", "histopipe")
 PIPELINES = ("sync", "one_step_off")
-
-
-@dataclass
-class StepRollout:
-    """What one scheduled rollout step returns.
-
-    Attributes:
-      result: the rows ``rows`` (ascending): every row of the step except ``deferred`` ones,
-        then the continued ``carried`` rows (numbered from ``P * n`` on).
-      metrics: ``sched/*`` floats (bubble fraction, earliest-finisher idle, makespan, migrated and
-        deferred shares, predicted makespan, tier-1 direction).
-      intervals: this process's worker busy intervals (seconds from the step's start).
-      deferred: rows stopped for a later step (one_step_off + migration; ``row`` = the step
-        row), gathered from every process.
-      plan: the planner's output (rows per worker, ranking groups).
-      group_finish_s: ``f64[G]`` completion time of each ranking group (its workers' last end).
-    """
-
-    result: RolloutResult
-    metrics: dict
-    intervals: list[WorkerInterval]
-    deferred: list[CarriedRow]
-    plan: Plan
-    group_finish_s: np.ndarray
-    rows: np.ndarray
 
 
 class RolloutScheduler:
@@ -232,8 +207,9 @@ class RolloutScheduler:
             if iv.kind not in (NEXT_STEP, TRAIN):
                 for g in plan.worker_groups[self.first + iv.worker]:
                     finish[g] = max(finish[g], iv.end)
-        return StepRollout(result, metrics, intervals, deferred, plan, finish,
-                           np.sort(gathered_rows).astype(np.int64))
+        return dataclasses.replace(out, result=result, rows=np.sort(gathered_rows).astype(np.int64),
+                                   intervals=intervals, deferred=deferred, metrics=metrics, plan=plan,
+                                   group_finish_s=finish)
 
     def _window(self, pending: "PendingRollout", intervals: list[WorkerInterval]) -> tuple[list, dict]:
         """A queued step's intervals in its timeline window (relative to the window start) and
@@ -274,7 +250,7 @@ class RolloutScheduler:
             self.queues = None
 
 
-@dataclass
+@dataclasses.dataclass
 class PendingRollout:
     """A submitted step (``RolloutScheduler.submit``): its plan, its per-worker job, the row
     counts, the submission time (seconds on the scheduler's clock) and, when queued, the workers'

@@ -33,23 +33,37 @@ GenerateFn = Callable[..., RolloutResult]
 
 
 @dataclass
-class WorkersResult:
-    """One step's rollouts over this process's workers.
+class StepRollout:
+    """One step's rollouts: the one type from the workers to the trainer's groups.
+
+    ``StepWork.result()`` fills the process-local fields; ``RolloutScheduler.collect`` returns it
+    gathered across processes (rows in step order) with the scheduler's fields set.
 
     Attributes:
-      result: ``RolloutResult`` in row order of the step (every row of every local worker).
+      result: ``RolloutResult`` of the rows ``rows`` (ascending): every row of the step except
+        ``deferred`` ones, then the continued carried rows (numbered from ``P * n`` on).
       rows: ``int64[R]`` the step rows ``result`` covers, ascending.
       intervals: busy intervals (seconds from the step's start) per worker: ``kind`` is
-        ``"batch"`` (its planned rows) or ``"migrated"`` (a continued tail).
-      migrated: rows that moved to another worker; ``deferred``: stopped rows kept for the next
-        step (one_step_off), not in ``result``.
+        ``"batch"`` (its planned rows), ``"migrated"`` (a continued tail), or, for a queued
+        step, ``"next step"`` / ``"train"``.
+      deferred: rows stopped for a later step (one_step_off + migration; ``row`` = the step row).
+      migrated: rows that moved to another worker.
+      metrics: ``sched/*`` floats (bubble fraction, earliest-finisher idle, makespan, migrated and
+        deferred shares, predicted makespan, tier-1 direction); empty before ``collect``.
+      plan: the planner's output (``sched.planner.Plan``: rows per worker, ranking groups); None
+        before ``collect``.
+      group_finish_s: ``f64[G]`` completion time of each ranking group (its workers' last end);
+        empty before ``collect``.
     """
 
     result: RolloutResult
     rows: np.ndarray
     intervals: list[WorkerInterval]
-    migrated: list[int] = field(default_factory=list)
     deferred: list[CarriedRow] = field(default_factory=list)
+    migrated: list[int] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    plan: Any = None
+    group_finish_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 class StepWork:
@@ -58,7 +72,7 @@ class StepWork:
     ``work(w)`` runs worker ``w``'s rows (then, in sync migration, continues migrated tails until
     every worker is done); ``run_now`` runs the jobs on one thread each and joins, and
     ``WorkerQueues`` runs them on per-worker queues so a worker goes on to the next step's job as
-    soon as its own part is done (cross-step). ``result()`` assembles the ``WorkersResult`` once
+    soon as its own part is done (cross-step). ``result()`` assembles the ``StepRollout`` once
     every job has finished. A migrated row continues on the idle worker with that worker's key
     folded with the row, so under greedy sampling its tokens are those it would have had.
 
@@ -161,8 +175,8 @@ class StepWork:
                 if not counted:
                     self._busy -= 1
 
-    def result(self) -> WorkersResult:
-        """The step's ``WorkersResult`` (call after every ``work(w)`` returned).
+    def result(self) -> StepRollout:
+        """This process's part of the step as a ``StepRollout`` (call after every ``work(w)`` returned).
 
         Raises:
           The first exception a worker raised.
@@ -176,8 +190,8 @@ class StepWork:
                                finish_reasons=[done[r][2] for r in rows], stats=stats)
         result.stats["workers"] = len(self.worker_rows)
         m = self.migration
-        return WorkersResult(result, rows, sorted(self.intervals, key=lambda i: (i.worker, i.start)),
-                             migrated=sorted(m.moved) if m is not None else [], deferred=self.deferred)
+        return StepRollout(result, rows, sorted(self.intervals, key=lambda i: (i.worker, i.start)),
+                           deferred=self.deferred, migrated=sorted(m.moved) if m is not None else [])
 
 
 def run_now(job: StepWork) -> None:

@@ -59,7 +59,7 @@ from rhyme_jax.sched.scheduler import RolloutScheduler
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback
-from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, make_grpo_step, make_logprob_fn
+from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options, make_grpo_step, make_logprob_fn
 from rhyme_jax.train.optim import grpo_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline, make_pipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
@@ -320,7 +320,8 @@ def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State) -> tuple[Lea
     ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
     step_fn = make_grpo_step(policy.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high,
                              kl_coef=g.kl_coef, loss_agg=g.loss_agg, temperature=cfg.rollout.temperature,
-                             shardings=layout, memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat))
+                             shardings=layout, memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat),
+                             **loss_options(g))
     ref_logprob_fn = make_logprob_fn(policy.graphdef, cfg.rollout.temperature, layout, logit_chunk=g.logit_chunk)
     return Learner(optimizer, layout, step_fn, ref_logprob_fn, ref_state), opt_state
 

@@ -16,8 +16,12 @@ checkpoint the run started from and written as one ``model.safetensors``. Beside
   ``<eos>`` / ``<pad>`` / ``<unk>`` tokens for ``PreTrainedTokenizerFast``, a chat template derived
   from ``model.prompt_template`` and a ``generation_config.json``.
 
+A run that rendered its prompts with a jinja file (``model.chat_template: <file>``) exports that
+file as ``chat_template.jinja`` (transformers reads it before ``tokenizer_config.json``'s).
+
 Every export also holds ``rhyme_jax_export.json`` (run, step, source, dtype, the run's
-``model.prompt_template``: the prompt format the policy was trained on).
+``model.prompt_template``, ``model.chat_template`` and ``model.system_prompt``: the prompt format
+the policy was trained on).
 
 Everything is checked before anything is written (run directory, ``config.yaml``, checkpoint,
 source model, tokenizer, destination); the directory is assembled in a temporary sibling and
@@ -242,9 +246,12 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, step: int | str | Non
             _copy_source_files(source, tmp)
         else:
             _write_tiny_files(source, tmp)
+        if _chat_template_file(source.cfg):
+            shutil.copyfile(_chat_template_file(source.cfg), tmp / "chat_template.jinja")
         meta = {"run_dir": str(run_dir.absolute()), "checkpoint": label, "params": str(params_dir or ""),
                 "source": str(source.model_dir or "tiny demo model"), "dtype": source.dtype,
-                "prompt_template": source.cfg.model.prompt_template}
+                "prompt_template": source.cfg.model.prompt_template,
+                "chat_template": source.cfg.model.chat_template, "system_prompt": source.cfg.model.system_prompt}
         (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=1) + "\n")
     return out_dir
 
@@ -282,6 +289,20 @@ def _write_tiny_files(source: RunSource, dest: Path) -> None:
     eos = sorted({tok.eos_id, *model_cfg.eos_token_ids})
     gen = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": tok.pad_id}
     (dest / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _chat_template_file(cfg: RunConfig) -> Path | None:
+    """The jinja file of ``model.chat_template: <file>``, else None.
+
+    Raises:
+      ExportError: the file named in the run's config is gone.
+    """
+    if cfg.model.chat_template in ("none", "auto", "tokenizer"):
+        return None
+    path = Path(cfg.model.chat_template)
+    if not path.is_file():
+        raise ExportError(f"{path}: the run's model.chat_template file is missing")
+    return path
 
 
 def chat_template(prompt_template: str) -> str:

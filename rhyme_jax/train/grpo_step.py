@@ -64,16 +64,18 @@ def num_micro_batches(rows: int, seq_len: int, shards: int, budget: int) -> int:
 
 
 def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temperature: float,
-                     memory: UpdateMemory = UpdateMemory()):
+                     memory: UpdateMemory = UpdateMemory(), entropy_grad: bool = False):
     """Log p(tokens[:, t+1] | tokens[:, :t+1]) under ``softmax(logits / temperature)``.
 
     Returns f32[B, T-1] logprobs and f32[B, T-1] entropies (aligned with ``loss_mask[:, :-1]``),
-    computed chunk by chunk from the last hidden states (``losses.chunked_token_logprobs``).
+    computed chunk by chunk from the last hidden states (``losses.chunked_token_logprobs``);
+    the entropies carry a gradient only with ``entropy_grad``.
     """
     model = nnx.merge(graphdef, state)
-    h = model.hidden(batch["tokens"], batch["positions"], batch["attn_mask"], remat=memory.remat)
+    h = model.hidden(batch["tokens"], batch["positions"], batch["attn_mask"], remat=memory.remat,
+                     segment_ids=batch.get("segment_ids"))
     return losses.chunked_token_logprobs(h[:, :-1], batch["tokens"][:, 1:], model.unembed, temperature,
-                                         memory.logit_chunk)
+                                         memory.logit_chunk, entropy_grad=entropy_grad)
 
 
 def _batch_shards(shardings: Optional[TrainShardings]) -> int:
@@ -108,7 +110,12 @@ def minibatch_loss_weights(batch: dict, loss_agg: str) -> tuple[jax.Array, jax.A
 
     Raises:
       LossInputError: unknown ``loss_agg``, or a normalised one without ``batch["loss_norm"]``.
+
+    A packed minibatch (``train/packing.pack_minibatch``) carries its weights, computed over the
+    padded layout: ``batch["loss_w"]`` and ``batch["token_w"]`` are returned as they are.
     """
+    if "loss_w" in batch:
+        return batch["loss_w"], batch["token_w"]
     norm = None
     if loss_agg in losses.NORMALISED_AGGS:
         if "loss_norm" not in batch:
@@ -120,7 +127,8 @@ def minibatch_loss_weights(batch: dict, loss_agg: str) -> tuple[jax.Array, jax.A
 
 def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: float, kl_coef: float,
                            temperature: float, shards: int = 1, memory: UpdateMemory = UpdateMemory(),
-                           kl_ratio_weighted: bool = False) -> Callable:
+                           kl_ratio_weighted: bool = False, importance_sampling_level: str = "token",
+                           entropy_coef: float = 0.0) -> Callable:
     """``grads(state, batch, loss_w, token_w) -> ((loss f32[], metrics), grads)``: the clipped
     surrogate (``losses.weighted_grpo_loss``) of a minibatch under the loss weights
     ``minibatch_loss_weights`` gives, and its gradient with respect to ``state``; not jitted.
@@ -129,19 +137,31 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
     memory.micro_batch_tokens)`` micro-batches (rows ``j, j + n, j + 2n, ...``: every device keeps
     its share); the weights of the whole minibatch make it equal the one-pass gradient within
     float tolerance. ``kl_ratio_weighted`` weights the k3 term by the policy ratio (TRL
-    ``use_bias_correction_kl``).
+    ``use_bias_correction_kl``); ``importance_sampling_level`` and ``entropy_coef`` as
+    ``losses.grpo_loss`` (TRL's names; ``grpo.*`` keys of the same names). In a packed minibatch
+    (``batch["segment_ids"]``) target t belongs to token t's segment, so the sequence-level ratio
+    is each segment's, not each row's.
 
     Metrics (f32 scalars, gradient-stopped): ``pg_loss``, ``clip_fraction``, ``ratio_mean``,
     ``approx_kl``, ``kl``, ``entropy`` (token means).
+
+    Raises:
+      LossInputError: unknown ``importance_sampling_level`` or ``entropy_coef < 0``.
     """
+    bonus = entropy_coef > 0
+    losses._check_options(importance_sampling_level, 0.0 if bonus else None, entropy_coef)
+
     def loss_fn(state, mb, loss_w, token_w):
-        logprobs, entropy = _target_logprobs(graphdef, state, mb, temperature, memory)
+        logprobs, entropy = _target_logprobs(graphdef, state, mb, temperature, memory, entropy_grad=bonus)
         loss, metrics = losses.weighted_grpo_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], loss_w, token_w,
             eps_low=eps_low, eps_high=eps_high,
             ref_logprobs=mb.get("ref_logprobs") if kl_coef > 0 else None, kl_coef=kl_coef,
-            kl_ratio_weighted=kl_ratio_weighted)
-        return loss, dict(metrics, entropy=jnp.sum(entropy * token_w))
+            kl_ratio_weighted=kl_ratio_weighted, importance_sampling_level=importance_sampling_level,
+            entropy=entropy if bonus else None, entropy_coef=entropy_coef,
+            segment_ids=mb["segment_ids"][:, :-1] if "segment_ids" in mb else None)
+        metrics.pop("entropy_bonus", None)  # the same value as "entropy", gradient-stopped below
+        return loss, dict(metrics, entropy=jnp.sum(jax.lax.stop_gradient(entropy) * token_w))
 
     def grads_of(state, batch, loss_w, token_w):
         rows, seq_len = batch["tokens"].shape
@@ -167,28 +187,41 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
 
 def make_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
                   temperature: float, shards: int = 1, memory: UpdateMemory = UpdateMemory(),
-                  kl_ratio_weighted: bool = False) -> Callable:
+                  kl_ratio_weighted: bool = False, importance_sampling_level: str = "token",
+                  entropy_coef: float = 0.0) -> Callable:
     """``grads(state, batch) -> ((loss f32[], metrics), grads)``: the minibatch's GRPO loss and its
     gradient with respect to ``state``, as the update computes them (not jitted; trace it inside
     ``jax.jit``): ``minibatch_loss_weights(batch, loss_agg)`` then ``make_weighted_grads_fn``.
     ``batch`` is the one ``make_grpo_step`` documents.
 
     Raises:
-      LossInputError: an unknown ``loss_agg``; (at trace time) a normalised one without
-        ``batch["loss_norm"]``.
+      LossInputError: an unknown ``loss_agg`` or ``importance_sampling_level``, ``entropy_coef <
+        0``; (at trace time) a normalised ``loss_agg`` without ``batch["loss_norm"]``.
     """
     if loss_agg not in losses.LOSS_AGGS:
         raise losses.LossInputError(f"grpo_step: loss_agg must be one of {losses.LOSS_AGGS}, got {loss_agg!r}")
     weighted = make_weighted_grads_fn(graphdef, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
                                       temperature=temperature, shards=shards, memory=memory,
-                                      kl_ratio_weighted=kl_ratio_weighted)
+                                      kl_ratio_weighted=kl_ratio_weighted,
+                                      importance_sampling_level=importance_sampling_level,
+                                      entropy_coef=entropy_coef)
     return lambda state, batch: weighted(state, batch, *minibatch_loss_weights(batch, loss_agg))
+
+
+def loss_options(grpo: Any) -> dict[str, Any]:
+    """The loss keywords of ``make_grpo_step`` / ``make_grads_fn`` that the ``grpo`` config
+    section sets besides the clip range, KL weight and aggregation: ``kl_ratio_weighted``,
+    ``importance_sampling_level``, ``entropy_coef`` (``grpo.*`` keys of the same names)."""
+    return {"kl_ratio_weighted": bool(grpo.kl_ratio_weighted),
+            "importance_sampling_level": str(grpo.importance_sampling_level),
+            "entropy_coef": float(grpo.entropy_coef)}
 
 
 def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
                    eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
                    temperature: float, shardings: Optional[TrainShardings] = None,
-                   memory: UpdateMemory = UpdateMemory(), kl_ratio_weighted: bool = False) -> Callable:
+                   memory: UpdateMemory = UpdateMemory(), kl_ratio_weighted: bool = False,
+                   importance_sampling_level: str = "token", entropy_coef: float = 0.0) -> Callable:
     """Build ``step(state, opt_state, batch) -> (state, opt_state, metrics)``.
 
     ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
@@ -202,7 +235,9 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     The loss and gradient are ``make_grads_fn``'s: ``memory`` bounds the update's temporaries
     (gradient accumulated over micro-batches with the whole minibatch's loss weights, so the
     result equals the one-pass update within float tolerance; logits chunked; blocks
-    rematerialised).
+    rematerialised). ``kl_ratio_weighted``, ``importance_sampling_level`` and ``entropy_coef``:
+    ``losses.grpo_loss`` (``grpo.*`` keys of the same names; TRL ``use_bias_correction_kl``,
+    ``importance_sampling_level``, ``entropy_coef``).
 
     With ``shardings`` the step is jitted with those in/out shardings (FSDP and tensor parallel
     over ``shardings.mesh``; activations constrained to rows over ``("data", "fsdp")``); the
@@ -211,7 +246,8 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     mesh = shardings.mesh if shardings is not None else None
     grads_of = make_grads_fn(graphdef, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef, loss_agg=loss_agg,
                              temperature=temperature, shards=_batch_shards(shardings), memory=memory,
-                             kl_ratio_weighted=kl_ratio_weighted)
+                             kl_ratio_weighted=kl_ratio_weighted, importance_sampling_level=importance_sampling_level,
+                             entropy_coef=entropy_coef)
 
     def step(state, opt_state, batch):
         with activation_mesh(mesh):

@@ -38,11 +38,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean")
 NORMALISED_AGGS = ("seq_mean_token_sum_norm", "step_token_mean")  # need ``loss_normaliser``
 SCALE_REWARDS = ("group", "batch", "none")
+IS_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (TRL's name and values)
 ADVANTAGE_EPS = 1e-4  # TRL GRPOTrainer's
 SEQ_LEN_MULTIPLE = 16
 
@@ -141,7 +142,7 @@ def token_logprobs(
 
 def chunked_token_logprobs(
     hidden: Float[Array, "B T D"], targets: Int[Array, "B T"], unembed: Callable[[Array], Array],
-    temperature: float = 1.0, chunk_tokens: int = 0,
+    temperature: float = 1.0, chunk_tokens: int = 0, entropy_grad: bool = False,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """``token_logprobs(unembed(hidden), targets)`` without materialising ``[B, T, V]`` logits.
 
@@ -160,9 +161,12 @@ def chunked_token_logprobs(
       temperature: the rollout's sampling temperature (> 0).
       chunk_tokens: tokens per chunk (all rows together); 0 or ``>= B * T`` = one chunk
         (still no separate log-softmax array: same values as ``token_logprobs``).
+      entropy_grad: differentiate the entropy too (the entropy bonus, ``grpo.entropy_coef``);
+        False = the entropy is a gradient-stopped metric.
 
     Returns:
-      (logprobs f32[B, T] in nats, entropy f32[B, T] in nats, gradient-stopped).
+      (logprobs f32[B, T] in nats, entropy f32[B, T] in nats, gradient-stopped unless
+      ``entropy_grad``).
 
     Raises:
       LossInputError: shapes disagree, ``temperature <= 0`` or ``chunk_tokens < 0``.
@@ -188,6 +192,8 @@ def chunked_token_logprobs(
         lse = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
         probs = jnp.exp(logits - lse[..., None])
+        if entropy_grad:
+            return target - lse, lse - jnp.sum(probs * logits, axis=-1)
         entropy = lse - jnp.sum(jax.lax.stop_gradient(probs) * jax.lax.stop_gradient(logits), axis=-1)
         return target - lse, jax.lax.stop_gradient(entropy)
 
@@ -288,8 +294,11 @@ def grpo_loss(
     loss_agg: str = "token_mean",
     loss_norm: float | Array | None = None,
     kl_ratio_weighted: bool = False,
+    importance_sampling_level: str = "token",
+    entropy: Float[Array, "B T"] | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """Clipped GRPO surrogate with DAPO clip-higher and an optional k3 KL penalty.
+    """Clipped GRPO surrogate with DAPO clip-higher, an optional k3 KL penalty and entropy bonus.
 
     Per token: ``ratio = exp(lp - old)``;
     ``pg = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``;
@@ -297,8 +306,12 @@ def grpo_loss(
     ``pg + kl_coef * kl`` (``pg + kl_coef * ratio * kl`` with ``kl_ratio_weighted``: the
     importance-weighted, unbiased reverse-KL gradient of DeepSeek-V3.2, arXiv 2512.02556; the
     ratio is not gradient-stopped). Aggregated with ``aggregate(., mask, loss_agg, loss_norm)``.
-    This is TRL ``GRPOTrainer._compute_loss`` for ``importance_sampling_level="token"``
-    (``epsilon`` / ``epsilon_high`` / ``beta`` / ``use_bias_correction_kl``).
+    With ``importance_sampling_level="sequence"`` (GSPO, Zheng et al., arXiv 2507.18071) every
+    token of a row uses the row's length-normalised ratio ``exp(masked mean of (lp - old))``,
+    clipped as one number. With ``entropy_coef > 0`` the loss is minus ``entropy_coef`` x the
+    masked token mean of ``entropy`` (whatever ``loss_agg``, as TRL). This is TRL
+    ``GRPOTrainer._compute_loss`` (``epsilon`` / ``epsilon_high`` / ``beta`` /
+    ``use_bias_correction_kl`` / ``importance_sampling_level`` / ``entropy_coef``).
 
     Args:
       logprobs: f32[B, T] log-probs of the sampled tokens under the current policy (differentiable).
@@ -311,16 +324,34 @@ def grpo_loss(
       loss_agg: one of ``LOSS_AGGS`` (module docstring).
       loss_norm: the step's normaliser (``loss_normaliser``) for the normalised aggregations.
       kl_ratio_weighted: weight the k3 term by the policy ratio (TRL ``use_bias_correction_kl``).
+      importance_sampling_level: ``token`` | ``sequence`` (``IS_LEVELS``).
+      entropy: f32[B, T] differentiable per-token entropy in nats (needed when ``entropy_coef > 0``).
+      entropy_coef: weight of the entropy bonus (>= 0; 0 = no bonus).
 
     Returns:
       (loss f32[], metrics) with masked-mean metrics (gradient-stopped): ``pg_loss``,
       ``clip_fraction`` (share of tokens where the clipped term is the active one),
       ``ratio_mean``, ``approx_kl`` (k3 estimate of KL(old || new): ``r - 1 - log r``),
-      ``kl`` (k3 to the reference; 0 without one).
+      ``kl`` (k3 to the reference; 0 without one); with an entropy bonus also ``entropy_bonus``
+      (the masked entropy mean it rewards).
 
     Raises:
-      LossInputError: shapes disagree, negative eps, unknown ``loss_agg`` or a missing ``loss_norm``.
+      LossInputError: shapes disagree, negative eps, unknown ``loss_agg``,
+        ``importance_sampling_level`` or a missing ``loss_norm`` / ``entropy``.
     """
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, eps_low, eps_high)
+    _check_agg(loss_agg, loss_norm)
+    _check_options(importance_sampling_level, entropy, entropy_coef)
+    loss_w, token_w = loss_weights(mask, loss_agg, loss_norm)
+    return weighted_grpo_loss(logprobs, old_logprobs, advantages, loss_w, token_w, eps_low=eps_low,
+                              eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+                              kl_ratio_weighted=kl_ratio_weighted,
+                              importance_sampling_level=importance_sampling_level,
+                              entropy=entropy, entropy_coef=entropy_coef)
+
+
+def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, eps_low, eps_high) -> None:
+    """``grpo_loss``'s shape and clip-range checks (raises ``LossInputError``)."""
     if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise LossInputError(
             f"losses.grpo_loss: logprobs, old_logprobs and mask must share shape [B, T], got "
@@ -336,12 +367,18 @@ def grpo_loss(
         )
     if eps_low < 0 or eps_high < 0:
         raise LossInputError(f"losses.grpo_loss: eps_low/eps_high must be >= 0, got {eps_low}, {eps_high}")
-    _check_agg(loss_agg, loss_norm)
+    if entropy is not None and entropy.shape != logprobs.shape:
+        raise LossInputError(f"losses.grpo_loss: entropy must be {logprobs.shape}, got {entropy.shape}")
 
-    loss_w, token_w = loss_weights(mask, loss_agg, loss_norm)
-    return weighted_grpo_loss(logprobs, old_logprobs, advantages, loss_w, token_w, eps_low=eps_low,
-                              eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
-                              kl_ratio_weighted=kl_ratio_weighted)
+
+def _check_options(importance_sampling_level: str, entropy, entropy_coef: float) -> None:
+    if importance_sampling_level not in IS_LEVELS:
+        raise LossInputError(f"losses: importance_sampling_level must be one of {IS_LEVELS}, got "
+                             f"{importance_sampling_level!r} (grpo.importance_sampling_level)")
+    if entropy_coef < 0:
+        raise LossInputError(f"losses: entropy_coef must be >= 0, got {entropy_coef} (grpo.entropy_coef)")
+    if entropy_coef > 0 and entropy is None:
+        raise LossInputError("losses: entropy_coef > 0 needs the differentiable per-token entropy")
 
 
 def loss_weights(mask: Float[Array, "B T"], loss_agg: str, loss_norm: float | Array | None = None
@@ -380,24 +417,42 @@ def weighted_grpo_loss(
     logprobs: Float[Array, "B T"], old_logprobs: Float[Array, "B T"], advantages: Float[Array, "B"],
     loss_w: Float[Array, "B T"], token_w: Float[Array, "B T"], *, eps_low: float, eps_high: float,
     ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0, kl_ratio_weighted: bool = False,
+    importance_sampling_level: str = "token", entropy: Float[Array, "B T"] | None = None,
+    entropy_coef: float = 0.0, segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``grpo_loss`` with the aggregation given as weights (``loss_weights``): the loss and every
     metric are weighted sums, so they add up over micro-batches of one minibatch.
 
+    The sequence-level ratio reads each sequence's tokens from ``token_w > 0`` (the mask:
+    ``token_w`` is ``mask / minibatch tokens``), so it is the same whichever micro-batch holds the
+    row; in a packed batch a sequence is a segment of a row (``segment_ids``).
+
     Args:
-      logprobs, old_logprobs: f32[B, T]; advantages: f32[B]; loss_w, token_w: f32[B, T] from
-      ``loss_weights``; the rest as ``grpo_loss``.
+      logprobs, old_logprobs: f32[B, T]; advantages: f32[B] (or f32[B, T] per token: a packed
+      batch, ``train/packing.py``); loss_w, token_w: f32[B, T] from
+      ``loss_weights``; segment_ids: i32[B, T] on the target grid of a packed batch (target t
+      belongs to the segment of token t; None = one sequence per row); the rest as ``grpo_loss``.
 
     Returns:
       (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` weighted by ``loss_w``;
-      ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` (k3, unweighted by the ratio) by
-      ``token_w``.
+      ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` (k3, unweighted by the ratio) and
+      ``entropy_bonus`` by ``token_w``.
+
+    Raises:
+      LossInputError: unknown ``importance_sampling_level``, ``entropy_coef < 0`` or a bonus
+        without ``entropy``.
     """
+    _check_options(importance_sampling_level, entropy, entropy_coef)
     lp = logprobs.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    adv = adv[:, None] if adv.ndim == 1 else adv  # per token in a packed batch
     log_ratio = lp - old
-    ratio = jnp.exp(log_ratio)
+    if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
+        log_iw = sequence_log_ratio(log_ratio, token_w > 0, segment_ids)
+    else:
+        log_iw = log_ratio
+    ratio = jnp.exp(log_iw)
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     pg = -jnp.minimum(unclipped, clipped)
@@ -407,18 +462,48 @@ def weighted_grpo_loss(
         kl = jnp.exp(d) - d - 1.0
         per_token = pg + kl_coef * (kl * ratio if kl_ratio_weighted else kl)
     else:
-        kl = jnp.zeros_like(pg)
+        kl = jnp.zeros_like(lp)
     loss = jnp.sum(per_token * loss_w)
     sg = jax.lax.stop_gradient
-    wsum = lambda x, w: sg(jnp.sum(x * w))
+    wsum = lambda x, w: sg(jnp.sum(jnp.broadcast_to(x, w.shape) * w))
     metrics = {
         "pg_loss": wsum(pg, loss_w),
         "clip_fraction": wsum((clipped < unclipped).astype(jnp.float32), token_w),
         "ratio_mean": wsum(ratio, token_w),
-        "approx_kl": wsum(ratio - 1.0 - log_ratio, token_w),
+        "approx_kl": wsum((ratio if log_iw is log_ratio else jnp.exp(log_ratio)) - 1.0 - log_ratio, token_w),
         "kl": wsum(kl, token_w),
     }
+    if entropy_coef > 0:  # TRL entropy_coef: the token mean whatever the aggregation
+        bonus = jnp.sum(entropy.astype(jnp.float32) * token_w)
+        loss = loss - entropy_coef * bonus
+        metrics["entropy_bonus"] = sg(bonus)
     return loss, metrics
+
+
+def sequence_log_ratio(log_ratio: Float[Array, "B T"], mask: Bool[Array, "B T"],
+                       segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B 1"] | Float[Array, "B T"]:
+    """GSPO's log importance weight (Zheng et al., arXiv 2507.18071, eq. 7; TRL
+    ``importance_sampling_level="sequence"``): each sequence's mean of ``log_ratio`` over its
+    ``mask`` tokens, differentiable.
+
+    Args:
+      log_ratio: f32[B, T] ``log p_new - log p_behaviour`` per target token (nats).
+      mask: bool[B, T] the loss tokens.
+      segment_ids: i32[B, T] a packed batch's segment of each target (``train/packing.py``);
+        None = each row is one sequence.
+
+    Returns:
+      f32[B, 1] (one sequence per row) or f32[B, T] (each target carries its segment's mean); a
+      sequence without mask tokens gets 0.
+    """
+    m = mask.astype(jnp.float32)
+    if segment_ids is None:
+        return jnp.sum(log_ratio * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+    B, T = log_ratio.shape
+    ids = (jnp.arange(B, dtype=jnp.int32)[:, None] * (T + 1) + segment_ids.astype(jnp.int32)).reshape(-1)
+    num = jax.ops.segment_sum((log_ratio * m).reshape(-1), ids, num_segments=B * (T + 1))
+    den = jax.ops.segment_sum(m.reshape(-1), ids, num_segments=B * (T + 1))
+    return (num / jnp.maximum(den, 1.0))[ids].reshape(B, T)
 
 
 class SequenceBatchError(ValueError):

@@ -43,7 +43,7 @@ def model_config_of(cfg: RunConfig, model_config: str) -> tuple[ModelConfig, str
 
 
 def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, rows: int = 0, tokens: int = 0,
-                  update: bool = True) -> dict[str, Any]:
+                  update: bool = True, mean_tokens: int = 0) -> dict[str, Any]:
     """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (float32 master params +
     AdamW moments per device on the train mesh, whatever ``model.dtype`` computes in),
     ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds), and unless ``--no-update``
@@ -56,6 +56,10 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
       devices: devices to plan for (fills a -1 mesh axis); 0 = this machine's.
       rows, tokens: the update's micro-batch per device; 0 = the config's.
       update: compile the update (abstract weights) and report its temporaries.
+      mean_tokens: mean real tokens per sequence (prompt + response); with ``grpo.padding_free``
+        the update packs the rows' tokens into ``packed_rows = ceil(rows x mean_tokens / tokens)``
+        full rows (``train/packing.py``; first-fit leaves a little more in practice), and that
+        is what is planned. 0 = plan the padded rows.
 
     Raises:
       ModelConfigError: the model's config.json is missing or invalid.
@@ -85,7 +89,11 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
         from rhyme_jax.train.update_memory import config_micro_batch, update_memory
 
         plan_rows, plan_tokens = config_micro_batch(cfg, d * f)
-        upd = update_memory(model_cfg, cfg, rows or plan_rows, tokens or plan_tokens)
+        rows, tokens = rows or plan_rows, tokens or plan_tokens
+        if cfg.grpo.padding_free and mean_tokens > 0:
+            out["padded_rows"] = rows
+            rows = max(1, -(-rows * min(mean_tokens, tokens) // tokens))
+        upd = update_memory(model_cfg, cfg, rows, tokens)
         out.update(upd)
         out["peak_bytes_per_device"] = (train["param_bytes_per_device"] + train["opt_bytes_per_device"]
                                         + upd["update_temp_bytes"])
@@ -107,7 +115,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"rollout worker (tensor={r['rollout_tensor']}): params "
           f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['dtype']} (plus the KV pool)")
     if "update_temp_bytes" in r:
-        print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device "
+        packed = f" (grpo.padding_free: {r['padded_rows']} padded rows packed)" if "padded_rows" in r else ""
+        print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device{packed} "
               f"(logit_chunk={r['logit_chunk']}, remat={r['remat']}; XLA compiled in {r['compile_s']} s):")
         print(f"  temporaries {r['update_temp_bytes'] / GIB:8.3f} GiB  (of which ~{r['residual_bytes'] / GIB:.3f} "
               f"GiB block inputs, {r['logits_chunk_bytes'] / GIB:.3f} GiB one logits chunk)")

@@ -11,9 +11,9 @@ Training", arXiv 1710.03740; Levanter / MaxText keep float32 params under bf16 c
 way). A bfloat16 master copy would lose the update: bf16 keeps 8 significant bits, so a step of
 1e-6 is below half the bf16 spacing of any weight above ~5e-4 and rounds away.
 
-Schedules count optimizer steps. A GRPO step makes ``grpo.minibatches`` of them, so a GRPO run's
-schedule (``grpo_optimizer``) spans ``grpo.steps x grpo.minibatches`` optimizer steps and warms up
-over ``grpo.warmup_steps x grpo.minibatches`` (``grpo.warmup_steps`` is in GRPO steps).
+Schedules count optimizer steps. A GRPO step makes ``grpo.num_iterations x grpo.minibatches`` of
+them, so a GRPO run's schedule (``grpo_optimizer``) spans ``grpo.steps x`` that many optimizer
+steps and warms up over ``grpo.warmup_steps x`` that many (``grpo.warmup_steps`` is in GRPO steps).
 """
 
 from __future__ import annotations
@@ -155,14 +155,15 @@ def make_optimizer(
 
 
 def grpo_schedule_steps(grpo: Any) -> tuple[int, int]:
-    """``(total, warmup)`` of a GRPO run's schedule in optimizer steps: ``grpo.steps x
-    grpo.minibatches`` and ``grpo.warmup_steps x grpo.minibatches`` (every GRPO step makes
-    ``grpo.minibatches`` optimizer steps; ``grpo.warmup_steps`` counts GRPO steps).
+    """``(total, warmup)`` of a GRPO run's schedule in optimizer steps: ``grpo.steps x k`` and
+    ``grpo.warmup_steps x k`` with ``k = grpo.num_iterations x grpo.minibatches`` (every GRPO step
+    makes ``k`` optimizer steps; ``grpo.warmup_steps`` counts GRPO steps).
 
     Args:
-      grpo: the ``grpo`` config section (``steps``, ``warmup_steps``, ``minibatches``: ints).
+      grpo: the ``grpo`` config section (``steps``, ``warmup_steps``, ``minibatches``,
+        ``num_iterations``: ints).
     """
-    per_step = int(grpo.minibatches)
+    per_step = int(grpo.minibatches) * int(grpo.num_iterations)
     return int(grpo.steps) * per_step, int(grpo.warmup_steps) * per_step
 
 

@@ -20,7 +20,8 @@ from flax import nnx
 from rhyme_jax.config import RunConfig
 from rhyme_jax.data import Problem
 from rhyme_jax.data.synthetic import corpus
-from rhyme_jax.model import hub
+from rhyme_jax.model import chat_template, hub
+from rhyme_jax.model.chat_template import ChatTemplate
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
@@ -90,22 +91,40 @@ def build_tokenizer(cfg: RunConfig, run_dir: Path, train_problems: Sequence[Prob
     questions and solutions (and the prompt template's text where it has characters they lack, so
     every prompt encodes) and written to ``run_dir/tokenizer.json`` (or ``model.tokenizer_path``).
 
+    The prompt format is ``model.chat_template`` (``select_chat_template``) set on the tokenizer
+    (``Tokenizer.use_chat_template``): its ``format_prompt`` renders every prompt of the run.
+
     Raises:
       PolicyConfigError: a real checkpoint directory has no tokenizer.json.
+      ChatTemplateError: ``model.chat_template`` asks for a template the tokenizer lacks, or its
+        file is not a valid template (the message starts with the key).
     """
     if cfg.model.path:
         hub.ensure(cfg.model.path)  # a known model named in the config is imported on first use
     path = tokenizer_file(cfg, run_dir)
+    chat = select_chat_template(cfg, path.parent)
     if path.is_file():
-        return Tokenizer.from_file(path)
+        return Tokenizer.from_file(path).use_chat_template(chat, cfg.model.system_prompt)
     if cfg.model.path or cfg.model.tokenizer_path:
         raise PolicyConfigError(f"model.tokenizer_path: no tokenizer file at {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     texts = corpus(train_problems)
-    template = cfg.model.prompt_template.format(question="")
+    template = (chat.prompt("", cfg.model.system_prompt) if chat is not None
+                else cfg.model.prompt_template.format(question=""))
     if not set(template) <= set("".join(texts)):  # the template's own characters (e.g. its newline)
         texts.append(template)
-    return train_demo_tokenizer(texts, cfg.data.tokenizer_vocab_size, path)
+    tok = train_demo_tokenizer(texts, cfg.data.tokenizer_vocab_size, path)
+    return tok.use_chat_template(chat, cfg.model.system_prompt)
+
+
+def select_chat_template(cfg: RunConfig, tokenizer_dir: Path) -> ChatTemplate | None:
+    """The chat template ``model.chat_template`` selects for the tokenizer in ``tokenizer_dir``
+    (``model.chat_template.select``); ``None`` = ``model.prompt_template``.
+
+    Raises:
+      ChatTemplateError: ``tokenizer`` and the tokenizer has none, or the file fails to load.
+    """
+    return chat_template.select(cfg.model.chat_template, tokenizer_dir)
 
 
 def tiny_model_config(cfg: RunConfig, tokenizer: Tokenizer) -> ModelConfig:

@@ -8,7 +8,10 @@ with the same one-line ``ConfigError`` naming the key.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rhyme_jax.config import ConfigError, RunConfig
+from rhyme_jax.io.wandb_sink import WandbMissingError, require_wandb
 
 
 def prepare(cfg: RunConfig) -> RunConfig:
@@ -17,6 +20,11 @@ def prepare(cfg: RunConfig) -> RunConfig:
     * multi-host settings (``parallel.coordinator_address`` and friends, or the environment they
       come from) are complete (``parallel.distributed.settings``);
     * ``reward.fn`` imports and has the documented signature (``data.custom_reward.task_reward``);
+    * ``wandb`` imports when ``run.report_to`` lists it (``io.wandb_sink.require_wandb``; not
+      imported otherwise);
+    * ``model.chat_template`` names a template the tokenizer has, or a valid jinja file
+      (``policy.select_chat_template``; a known model not imported yet is checked by
+      ``build_tokenizer`` right after its import);
     * single process only (a multi-host run must not touch the backend before
       ``jax.distributed.initialize``; its engines check instead): ``rollout.attention_impl``
       names an implementation that runs on this backend, and for the Triton kernels
@@ -29,6 +37,12 @@ def prepare(cfg: RunConfig) -> RunConfig:
     from rhyme_jax.parallel import distributed
 
     task_reward(cfg)
+    if "wandb" in cfg.run.report_to:
+        try:
+            require_wandb()
+        except WandbMissingError as exc:
+            raise ConfigError(str(exc)) from None
+    _check_chat_template(cfg)
 
     try:
         multi_host = distributed.settings(cfg.parallel)
@@ -37,6 +51,22 @@ def prepare(cfg: RunConfig) -> RunConfig:
     if multi_host is None:
         _check_attention(cfg)
     return cfg
+
+
+def _check_chat_template(cfg: RunConfig) -> None:
+    """``model.chat_template`` loads for the run's tokenizer directory, where that exists already."""
+    from rhyme_jax.model.chat_template import ChatTemplateError
+    from rhyme_jax.train.policy import select_chat_template, tokenizer_file
+
+    if cfg.model.chat_template == "none":
+        return
+    directory = tokenizer_file(cfg, Path(cfg.run.runs_dir) / cfg.run.name).parent
+    if cfg.model.path and not directory.is_dir():  # a known model imported on first use, or a bad path
+        return
+    try:
+        select_chat_template(cfg, directory)
+    except ChatTemplateError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_attention(cfg: RunConfig) -> None:

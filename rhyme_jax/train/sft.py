@@ -140,7 +140,8 @@ def run_sft(
 
     Problems are shuffled each epoch by ``np.random.default_rng(seed)`` and taken
     ``cfg_sft.batch_size`` at a time; every batch is padded to the longest encoded problem (one
-    compile). Optimizer: ``make_optimizer(cfg_sft.learning_rate, cfg_sft.steps,
+    compile). With ``cfg_sft.max_tokens > 0`` only problems whose prompt + solution + eos fit in
+    it are trained on. Optimizer: ``make_optimizer(cfg_sft.learning_rate, cfg_sft.steps,
     cfg_sft.warmup_steps, cfg_sft.weight_decay, max_grad_norm=1.0, schedule=cfg_sft.schedule)``
     (``constant`` or ``cosine`` after warmup; ``cosine`` when the section has no schedule field).
 
@@ -158,7 +159,8 @@ def run_sft(
       The same ``model`` with trained parameters.
 
     Raises:
-      SFTError: no problems, ``steps``/``batch_size`` < 1, or a problem encodes to nothing.
+      SFTError: no problems, ``steps``/``batch_size`` < 1, a problem encodes to nothing, or no
+        problem fits ``sft.max_tokens``.
     """
     from tqdm.auto import tqdm
 
@@ -168,6 +170,12 @@ def run_sft(
     if steps < 1 or batch_size < 1:
         raise SFTError(f"sft.run_sft: sft.steps and sft.batch_size must be >= 1, got {steps}, {batch_size}")
     prompts, responses = _encode_problems(tokenizer, problems, prompt_template)
+    limit = int(getattr(cfg_sft, "max_tokens", 0))
+    if limit > 0:
+        keep = [i for i, (p, r) in enumerate(zip(prompts, responses)) if len(p) + len(r) <= limit]
+        if not keep:
+            raise SFTError(f"sft.run_sft: no problem fits sft.max_tokens={limit}")
+        prompts, responses = [prompts[i] for i in keep], [responses[i] for i in keep]
     max_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
 
     optimizer = make_optimizer(

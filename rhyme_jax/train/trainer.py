@@ -2,8 +2,9 @@
 
 One step (docs/architecture.md, "Data flow of one GRPO step"): ``prompts_per_step`` prompts, each sampled
 ``samples_per_prompt`` times by the paged rollout engine; rewards from the task verifier; group
-advantages; ``minibatches`` clipped-surrogate updates; metrics, the step's rollouts and (every
-``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state, step and RNG.
+advantages; ``num_iterations`` x ``minibatches`` clipped-surrogate updates; metrics, the step's
+rollouts and (every ``checkpoint_every`` steps) an Orbax checkpoint with params, optimizer state,
+step and RNG.
 The run's parts (policy, rollout workers, learner, checkpoint, pipeline) come from
 ``train/assembly.py``.
 
@@ -26,8 +27,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from rhyme_jax.data import Problem
-from rhyme_jax.data.custom_reward import choose_reward, score_batch
-from rhyme_jax.io.metrics import MetricsWriter, NullMetricsWriter
+from rhyme_jax.data.custom_reward import choose_reward, score_terms
+from rhyme_jax.io.metrics import NullMetricsWriter
 from rhyme_jax.io.rollout_log import save_rollouts
 from rhyme_jax.io.summary import eval_path
 from rhyme_jax.parallel.reshard import put_global, to_host
@@ -39,7 +40,9 @@ from rhyme_jax.train.dynamic_sampling import fill_batch
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
 from rhyme_jax.train.overlong import mask_rows, soft_overlong_penalty
+from rhyme_jax.train.packing import pack_minibatch
 from rhyme_jax.train.prompts import epoch_of_step, num_grpo_prompts
+from rhyme_jax.train.reporting import metrics_writer
 from rhyme_jax.train.step_batch import StepBatch
 
 if TYPE_CHECKING:
@@ -103,7 +106,7 @@ class GRPOTrainer:
         self.step, self.nonfinite_total, self.nonfinite_run, self.eval_before = (
             st.step, st.nonfinite_total, st.nonfinite_run, st.eval_before)
         truncate = self.step + 1 if resume else None
-        self.metrics = (MetricsWriter(self.run_dir, truncate_from=truncate) if self.primary
+        self.metrics = (metrics_writer(cfg, self.run_dir, truncate_from=truncate) if self.primary
                         else NullMetricsWriter())
 
     @property
@@ -129,7 +132,8 @@ class GRPOTrainer:
         ``on_step_end`` (``train/callbacks.py``).
         """
         sb, t_wait = self.pipeline.take(step, self.state)
-        sb.set_rewards(self._rewards(sb))
+        rewards, per_fn = self._rewards(sb)
+        sb.set_rewards(rewards)
         scored, sb, ds_metrics = self._fill(step, sb)  # grpo.dynamic_sampling; off: scored is sb
         self.callbacks.fire("on_rollout_end", self, step, scored)
         self._write_back(step, scored)
@@ -145,32 +149,33 @@ class GRPOTrainer:
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
         self.nonfinite_total += 0 if finite else 1
         epoch = epoch_of_step(self.cfg, len(self.train_problems), step)
-        metrics = _step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total)
-        metrics.update({**ds_metrics, **_overlong_metrics(self.cfg, sb)})
+        metrics = {**_step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total), **per_fn,
+                   **ds_metrics, **_overlong_metrics(self.cfg, sb)}
         self.callbacks.fire("on_step_end", self, step, metrics)
         return metrics
 
-    def _score(self, sb: StepBatch) -> np.ndarray:
-        """``float32[N]`` rewards of the step's rows. Prompts over rollout.max_prompt_len
-        (on_overlong_prompt=skip) come back with an empty response: reward 0 without asking the
-        verifier, and no loss (their loss_mask is all 0). The others are scored in one call (a
-        batched reward.fn sees the step's responses at once)."""
+    def _score(self, sb: StepBatch) -> tuple[np.ndarray, dict[str, float]]:
+        """``float32[N]`` rewards of the step's rows, and with ``reward.fns`` each function's
+        ``reward/<name>/mean`` over the scored rows (``{}`` with a single reward). Prompts over
+        rollout.max_prompt_len (on_overlong_prompt=skip) come back with an empty response: reward 0
+        without asking the verifier, and no loss (their loss_mask is all 0). The others are scored
+        in one call (a batched reward.fn sees the step's responses at once)."""
         texts = [self.tokenizer.decode(t) for t in sb.tokens]
         scored = [k for k, skip in enumerate(sb.skipped) if not skip]
-        rewards = np.zeros(len(texts), np.float32)
+        rewards, per_fn = np.zeros(len(texts), np.float32), {}
         if scored:
-            rewards[scored] = score_batch(self.reward_fn, [texts[k] for k in scored],
-                                          [self.train_problems[int(sb.ids[k])] for k in scored])
-        return rewards
+            rewards[scored], per_fn = score_terms(self.reward_fn, [texts[k] for k in scored],
+                                                  [self.train_problems[int(sb.ids[k])] for k in scored])
+        return rewards, per_fn
 
-    def _rewards(self, sb: StepBatch) -> np.ndarray:
-        """``float32[N]``: ``_score`` plus, with ``reward.soft_overlong_cache``, DAPO's soft overlong
-        penalty of each row's length (``train/overlong.py``)."""
-        rewards, r = self._score(sb), self.cfg.reward
+    def _rewards(self, sb: StepBatch) -> tuple[np.ndarray, dict[str, float]]:
+        """``_score`` with, under ``reward.soft_overlong_cache``, DAPO's soft overlong penalty of
+        each row's length added to the ``float32[N]`` rewards (``train/overlong.py``)."""
+        (rewards, per_fn), r = self._score(sb), self.cfg.reward
         if r.soft_overlong_cache:
             rewards = rewards + soft_overlong_penalty([len(t) for t in sb.tokens], self.cfg.rollout.max_new_tokens,
                                                       r.soft_overlong_cache, r.soft_overlong_factor)
-        return rewards
+        return rewards, per_fn
 
     def _fill(self, step: int, sb: StepBatch) -> tuple[StepBatch, StepBatch, dict[str, float]]:
         """``(scored, trained, metrics)``: with ``grpo.dynamic_sampling`` the groups of ``sb`` and
@@ -181,7 +186,8 @@ class GRPOTrainer:
             return sb, sb, {}
         filled = fill_batch(sb, per_step=g.prompts_per_step, max_rounds=g.refill_rounds, seed=self.cfg.run.seed,
                             prompt_set=num_grpo_prompts(self.cfg, len(self.train_problems)),
-                            rollout=lambda k, idx: self.pipeline.refill(step, self.state, idx, k), score=self._rewards)
+                            rollout=lambda k, idx: self.pipeline.refill(step, self.state, idx, k),
+                            score=lambda b: self._rewards(b)[0])
         return filled.scored, filled.trained, filled.metrics
 
     def _write_back(self, step: int, sb: StepBatch) -> None:
@@ -200,8 +206,9 @@ class GRPOTrainer:
         self.pipeline.after_write_back(step, self.state)
 
     def _update(self, sb: StepBatch) -> list[dict]:
-        """``grpo.minibatches`` clipped-surrogate updates on the scored batch's complete groups (n
-        consecutive rows each); returns each minibatch's metrics. Rows are padded to a multiple of
+        """``grpo.num_iterations`` passes of ``grpo.minibatches`` clipped-surrogate updates on the
+        scored batch's complete groups (n consecutive rows each), all against the rollout's
+        behaviour logprobs; returns each update's metrics. Rows are padded to a multiple of
         minibatches x (data x fsdp) with rows that carry no loss (only carried groups change the
         row count)."""
         g = self.cfg.grpo
@@ -228,10 +235,14 @@ class GRPOTrainer:
             ref = ln.ref_logprob_fn(ln.ref_state, put_global(batch, ln.layout.batch))
             batch["ref_logprobs"] = to_host(ref)
         out = []
-        for mb in np.array_split(np.arange(len(prompts) + pad), g.minibatches):
-            sub = put_global({k: v[mb] for k, v in batch.items()}, ln.layout.batch)
+        for mb in update_order(len(prompts) + pad, g.minibatches, g.num_iterations):
+            sub = {k: v[mb] for k, v in batch.items()}
+            if g.padding_free:
+                sub = pack_minibatch(sub, g.loss_agg, multiple=self.batch_shards)
+            grid = sub["tokens"].size
+            sub = put_global(sub, ln.layout.batch)
             self.state, self.opt_state, m = ln.step_fn(self.state, self.opt_state, sub)
-            out.append(jax.device_get(m))
+            out.append(dict(jax.device_get(m), **{"update/grid_tokens": float(grid)}))
         return out
 
     # ------------------------------------------------------------------ loop
@@ -307,9 +318,22 @@ class GRPOTrainer:
         self.metrics.close()
 
 
+def update_order(rows: int, minibatches: int, num_iterations: int) -> list[np.ndarray]:
+    """The row indexes of a GRPO step's optimizer steps, in order: ``num_iterations`` passes over
+    the same ``minibatches`` contiguous slices of ``range(rows)`` (``np.array_split``), each pass in
+    the same order (TRL ``num_iterations``: every pass reuses the generation's behaviour
+    logprobs).
+
+    Returns:
+      ``num_iterations x minibatches`` int64 arrays (``i64[rows / minibatches]`` each, the first
+      ``rows % minibatches`` one longer).
+    """
+    return np.array_split(np.arange(rows), minibatches) * num_iterations
+
+
 def _step_metrics(step: int, sb: StepBatch, mb_metrics: list[dict],
                   t_wait: float, t_train: float, epoch: int, nonfinite_total: int) -> dict[str, float]:
-    """A GRPO step's metrics row: the update's (mean over minibatches), rewards, lengths, times
+    """A GRPO step's metrics row: the update's (mean over its optimizer steps), rewards, lengths, times
     (seconds), weights version, the scheduler's ``sched/*`` and the rollout's counts and rates."""
     sr, t_rollout, rewards = sb.rollout, sb.seconds, sb.rewards
     stats = sr.result.stats

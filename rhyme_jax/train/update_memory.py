@@ -22,7 +22,7 @@ from flax import nnx
 from rhyme_jax.config import RunConfig
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
-from rhyme_jax.train.grpo_step import UpdateMemory, make_grpo_step, num_micro_batches
+from rhyme_jax.train.grpo_step import UpdateMemory, loss_options, make_grpo_step, num_micro_batches
 from rhyme_jax.train.losses import SEQ_LEN_MULTIPLE
 from rhyme_jax.train.optim import PARAM_DTYPE, grpo_optimizer
 
@@ -83,7 +83,8 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     opt_state = jax.eval_shape(opt.init, state)
     memory = UpdateMemory(0, g.logit_chunk, g.remat)
     step = make_grpo_step(graphdef, opt, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=g.kl_coef,
-                          loss_agg=g.loss_agg, temperature=cfg.rollout.temperature, memory=memory)
+                          loss_agg=g.loss_agg, temperature=cfg.rollout.temperature, memory=memory,
+                          **loss_options(g))
     t0 = time.perf_counter()
     compiled = step.lower(state, opt_state, _abstract_batch(rows, tokens, g.kl_coef > 0)).compile()
     seconds = time.perf_counter() - t0

@@ -13,10 +13,10 @@ from flax import nnx
 from rhyme_jax.config import RunConfig
 from rhyme_jax.data import load_problems, task_reward
 from rhyme_jax.io import checkpoint as ckpt
-from rhyme_jax.io.metrics import MetricsWriter
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.policy import build_model, build_tokenizer, compute_dtype, compute_params, eos_ids
 from rhyme_jax.train.preflight import prepare
+from rhyme_jax.train.reporting import metrics_writer
 from rhyme_jax.train.sft import run_sft
 
 
@@ -45,7 +45,7 @@ def run_warm_start(cfg: RunConfig, run_dir: Path) -> EvalResult:
     train, held_out = load_problems(cfg.data)
     tokenizer = build_tokenizer(cfg, run_dir, train)
     model = build_model(cfg, tokenizer, cfg.run.seed)
-    writer = MetricsWriter(run_dir / "sft")
+    writer = metrics_writer(cfg, run_dir / "sft", job_type="sft")
     model = run_sft(model, tokenizer, train, cfg.sft, prompt_template=cfg.model.prompt_template,
                     seed=cfg.run.seed, progress=cfg.run.progress,
                     log_fn=lambda step, m: writer.log(step, m, phase="sft"))

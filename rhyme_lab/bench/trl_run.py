@@ -95,7 +95,7 @@ def read_rhyme(run_dir: Path, cfg, eval_step: int | None = None) -> dict:
 
 def build_dataset(cfg, train_problems, ours):
     """The TRL train dataset: one row per scheduled prompt, step after step (columns ``prompt``:
-    the question in ``model.prompt_template`` via our tokenizer's ``format_prompt``,
+    the question in the run's prompt format via our tokenizer's ``format_prompt``,
     ``problem_index``, ``grpo_step``)."""
     from datasets import Dataset
 
@@ -193,14 +193,16 @@ def run_trl(cfg, out_dir: Path, *, attn: str, cpu: bool, eval_batch: int) -> dic
 
     from rhyme_jax.model import hub
     from rhyme_jax.model.tokenizer import Tokenizer
-    from rhyme_jax.train.policy import tokenizer_file
+    from rhyme_jax.train.policy import select_chat_template, tokenizer_file
 
     if not cfg.model.path:
         raise SideBySideError("model.path is empty (the demo model): TRL needs a HF checkpoint directory or a known "
                          "model name")
     path = str(hub.ensure(cfg.model.path))
     train, held_out = load_problems(cfg.data)
-    ours = Tokenizer.from_file(tokenizer_file(cfg, out_dir))
+    tok_file = tokenizer_file(cfg, out_dir)
+    ours = Tokenizer.from_file(tok_file).use_chat_template(select_chat_template(cfg, tok_file.parent),
+                                                           cfg.model.system_prompt)
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     dataset = build_dataset(cfg, train, ours)
     tokens = prompt_token_check(cfg, dataset, tok, ours)

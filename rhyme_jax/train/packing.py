@@ -1,0 +1,122 @@
+"""Padding-free update: a minibatch's sequences packed into fixed-length token buffers.
+
+A right-padded minibatch (``losses.sequence_batch``) is ``B x T`` tokens with ``T`` the longest
+row, so with long-tailed response lengths most of an update's memory and FLOPs go to padding.
+Packing lays the sequences back to back into ``B' <= B`` buffers of the same length ``T``
+(first-fit decreasing), with per-token ``segment_ids`` (attention stays inside a segment,
+``Decoder.hidden``) and RoPE positions restarting at 0 in each segment; the projections and MLP
+then run on ``B' x T`` tokens instead of ``B x T``. verl calls this ``use_remove_padding``, TRL
+``padding_free``; here it is ``grpo.padding_free``.
+
+The loss is unchanged: the per-token loss weights of the whole minibatch are computed on the
+padded layout (``losses.loss_weights``, every aggregation) and moved with their tokens, the
+advantages become per-token values, and a segment's first target (its prompt's first token
+predicted from the previous segment's last) is never a response token, so it carries no loss.
+``tests/test_packing.py`` checks loss and gradients against the padded update.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxtyping import Float, Int
+
+from rhyme_jax.train import losses
+
+# per-token fields of the padded minibatch on the [B, T] token grid and the [B, T-1] target grid
+TOKEN_FIELDS = ("tokens", "attn_mask", "loss_mask")
+TARGET_FIELDS = ("old_logprobs", "ref_logprobs")
+
+
+def first_fit_decreasing(lengths: Int[np.ndarray, "B"], capacity: int) -> list[list[int]]:
+    """Rows into bins of ``capacity`` tokens: longest first, each into the first bin it fits.
+
+    Args:
+      lengths: i64[B] tokens of each row (0 = an empty row, left out).
+      capacity: tokens per bin (>= the longest row).
+
+    Returns:
+      the rows of each bin, in placement order.
+
+    Raises:
+      ValueError: a row is longer than ``capacity``.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and int(lengths.max()) > capacity:
+        raise ValueError(f"packing: a row of {int(lengths.max())} tokens exceeds the buffer of {capacity}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for r in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[r])
+        if n == 0:
+            continue
+        for b, free in enumerate(room):
+            if free >= n:
+                bins[b].append(int(r))
+                room[b] -= n
+                break
+        else:
+            bins.append([int(r)])
+            room.append(capacity - n)
+    return bins
+
+
+def packed_rows(bins: int, multiple: int, limit: int) -> int:
+    """Buffers of a packed minibatch: ``bins`` rounded up to a multiple of ``max(multiple,
+    limit / 8)`` (itself a multiple of ``multiple``, the batch shards), at most ``limit`` (the
+    padded minibatch's rows) and never below ``bins``: at most 8 shapes per padded length ``T``,
+    so a run compiles a bounded number of update programs."""
+    quantum = max(multiple, -(-max(limit // 8, 1) // multiple) * multiple)
+    return max(min(-(-bins // quantum) * quantum, limit), bins)
+
+
+def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int = 1
+                   ) -> dict[str, np.ndarray]:
+    """Pack a right-padded minibatch (the dict ``grpo_step.make_grpo_step`` takes).
+
+    Args:
+      batch: ``tokens`` i32[B, T], ``attn_mask`` bool[B, T], ``loss_mask`` f32[B, T],
+        ``old_logprobs`` f32[B, T-1], ``advantages`` f32[B], optional ``ref_logprobs`` f32[B, T-1]
+        and ``loss_norm`` f32[B] (padding rows: all-False ``attn_mask``).
+      loss_agg: the aggregation (``losses.LOSS_AGGS``): the loss weights are computed here, over
+        the padded minibatch, so every aggregation's loss is the padded one.
+      multiple: the packed row count is a multiple of it (the batch shards).
+
+    Returns:
+      the packed minibatch: ``tokens``, ``positions`` (per segment), ``segment_ids`` i32[B', T]
+      (1.. per buffer, 0 on padding), ``attn_mask``, ``loss_mask``, and on the target grid
+      ``old_logprobs``, ``advantages``, ``loss_w``, ``token_w`` (and ``ref_logprobs``) f32[B', T-1];
+      ``B' = packed_rows(...)`` <= B.
+
+    Raises:
+      losses.LossInputError: unknown ``loss_agg`` or a normalised one without ``loss_norm``.
+    """
+    mask = np.asarray(batch["attn_mask"], bool)
+    B, T = mask.shape
+    norm = float(np.max(batch["loss_norm"])) if "loss_norm" in batch else None
+    loss_w, token_w = (np.asarray(w) for w in losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg, norm))
+    lengths = mask.sum(axis=1)
+    bins = first_fit_decreasing(lengths, T)
+    rows = packed_rows(len(bins), multiple, max(B, 1))
+    out = {k: np.zeros((rows, T), batch[k].dtype) for k in TOKEN_FIELDS}
+    out["positions"] = np.zeros((rows, T), np.int32)
+    out["segment_ids"] = np.zeros((rows, T), np.int32)
+    grid = {k: batch[k] for k in TARGET_FIELDS if k in batch}
+    grid.update(loss_w=loss_w, token_w=token_w,
+                advantages=np.broadcast_to(np.asarray(batch["advantages"], np.float32)[:, None], (B, T - 1)))
+    for k, v in grid.items():
+        out[k] = np.zeros((rows, T - 1), np.float32)
+    for b, members in enumerate(bins):
+        start = 0
+        for seg, r in enumerate(members, 1):
+            n = int(lengths[r])
+            dst = slice(start, start + n)
+            for k in TOKEN_FIELDS:
+                out[k][b, dst] = batch[k][r, :n]
+            out["positions"][b, dst] = np.arange(n)
+            out["segment_ids"][b, dst] = seg
+            tgt = slice(start, start + n - 1)  # target t predicts token t + 1 of the same segment
+            for k, v in grid.items():
+                out[k][b, tgt] = v[r, : n - 1]
+            start += n
+    return out
+
