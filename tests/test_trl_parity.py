@@ -51,6 +51,7 @@ torch = pytest.importorskip("torch", reason="TRL parity tests need torch (the `t
 from _hf_fixtures import make_hf_model  # noqa: E402
 from rhyme_jax.model.loader import key_map, load_hf_checkpoint  # noqa: E402
 from rhyme_jax.train import grpo_step, losses  # noqa: E402
+from rhyme_jax.train.overlong import mask_rows  # noqa: E402
 
 # TRL loss_type -> our grpo.loss_agg (docs/trl_mapping.md)
 LOSS_TYPES = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm",
@@ -155,7 +156,7 @@ def _our_grads(graphdef, state, first, loss_agg, beta, bias_correction, micro_ba
 
 
 def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-                 is_level="token", entropy_coef=0.0, reward_funcs=None, reward_weights=None):
+                 is_level="token", entropy_coef=0.0, reward_funcs=None, reward_weights=None, mask_truncated=False):
     """A GRPOTrainer whose rollout is the fixed batch (``rollout_func``) and whose reward function
     returns the fixed rewards; the policy moved to ``setup.policy_sd``, the reference left at the
     checkpoint TRL loaded it from."""
@@ -178,7 +179,8 @@ def _trl_trainer(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, 
         gradient_accumulation_steps=1, num_generations=N, max_completion_length=MAX_NEW, temperature=TEMPERATURE,
         beta=beta, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, loss_type=loss_type, scale_rewards=scale_rewards,
         use_bias_correction_kl=bias_correction, importance_sampling_level=is_level, entropy_coef=entropy_coef,
-        reward_weights=reward_weights, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        reward_weights=reward_weights, mask_truncated_completions=mask_truncated, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no",
         shuffle_dataset=False)
     data = Dataset.from_dict({"prompt": ["t5 t6"] * GROUPS, "row": list(range(GROUPS))})
     # Loaded here (TRL's own loading wants config.architectures, which rhyme-jax's imports omit);
@@ -209,8 +211,9 @@ def _trl_step(trainer, noise_seed: int = 3, noise_std: float = 0.3):
     return out, current.numpy(), float(loss.detach()), grads
 
 
-def _our_batch(setup: Setup, out, current_trl, loss_agg, scale_rewards, beta, logprob_atol):
-    """The step's batch as ``trainer._update`` builds it (all ROWS rows); checks our current and
+def _our_batch(setup: Setup, out, current_trl, loss_agg, scale_rewards, beta, logprob_atol, mask_truncated=False):
+    """The step's batch as ``trainer._update`` builds it (all ROWS rows; ``mask_truncated``: the
+    rows without EOS masked, ``grpo.mask_truncated_completions``); checks our current and
     reference logprobs against TRL's."""
     cfg, graphdef, state, ref_state = _ours(setup.policy_dir, setup.ref_dir)
     prompts, completions, rewards = _rollout_data(setup)
@@ -223,7 +226,9 @@ def _our_batch(setup: Setup, out, current_trl, loss_agg, scale_rewards, beta, lo
     old = [out["old_per_token_logps"][i, : len(c)].numpy() for i, c in enumerate(completions)]
     batch["old_logprobs"] = losses.response_grid(old, prompt_lens, seq_len)
     batch["advantages"] = adv.astype(np.float32)
-    norm = losses.loss_normaliser(loss_agg, response_tokens=sum(map(len, completions)), rows=ROWS,
+    if mask_truncated:
+        batch["loss_mask"] = mask_rows(batch["loss_mask"], np.array([c[-1] != setup.eos for c in completions]))
+    norm = losses.loss_normaliser(loss_agg, response_tokens=int(np.count_nonzero(batch["loss_mask"])), rows=ROWS,
                                   minibatches=MINIBATCHES, max_new_tokens=MAX_NEW)
     batch["loss_norm"] = np.full(ROWS, norm, np.float32)
     on_grid = lambda grid: np.stack([grid[i, PROMPT_LEN - 1: PROMPT_LEN - 1 + MAX_NEW] for i in range(ROWS)])
@@ -277,16 +282,19 @@ def _assert_sequence_clipping(batch, current_grid):
 
 
 def check_case(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-               micro_batch_tokens=0, logprob_atol=2e-5, grad_rtol=GRAD_RTOL, is_level="token", entropy_coef=0.0):
+               micro_batch_tokens=0, logprob_atol=2e-5, grad_rtol=GRAD_RTOL, is_level="token", entropy_coef=0.0,
+               mask_truncated=False):
     """One TRL configuration against ours; returns (loss rel. error, worst gradient rel. error).
-    ``is_level`` / ``entropy_coef``: TRL ``importance_sampling_level`` / ``entropy_coef``."""
+    ``is_level`` / ``entropy_coef`` / ``mask_truncated``: TRL ``importance_sampling_level`` /
+    ``entropy_coef`` / ``mask_truncated_completions``."""
     trainer = _trl_trainer(setup, tmp_path, monkeypatch, loss_type, scale_rewards, beta, bias_correction,
-                           is_level, entropy_coef)
+                           is_level, entropy_coef, mask_truncated=mask_truncated)
     # a sequence ratio averages the noise over the row's tokens: more of it to clip some rows
     out, current_trl, trl_loss, trl_grads = _trl_step(trainer, noise_std=0.3 if is_level == "token" else 1.0)
     cfg, graphdef, state, _ = _ours(setup.policy_dir, setup.ref_dir)
     loss_agg = LOSS_TYPES[loss_type]
-    batch, adv, current = _our_batch(setup, out, current_trl, loss_agg, scale_rewards, beta, logprob_atol)
+    batch, adv, current = _our_batch(setup, out, current_trl, loss_agg, scale_rewards, beta, logprob_atol,
+                                     mask_truncated)
     np.testing.assert_allclose(adv, out["advantages"].numpy(), rtol=1e-5, atol=1e-6)  # TRL's advantages
     assert np.any(adv > 0) and np.any(adv < 0)
     _assert_clipping_on_both_sides(batch, current)
@@ -299,7 +307,7 @@ def check_case(setup: Setup, tmp_path, monkeypatch, loss_type, scale_rewards, be
     assert loss_rel < LOSS_RTOL, (float(loss), trl_loss)
     worst = _compare_grads(cfg, grads, trl_grads, grad_rtol)
     MEASURED[f"{setup.policy_dir.name}-{loss_type}-{scale_rewards}-{beta}-{bias_correction}-{micro_batch_tokens}"
-             f"-{is_level}-{entropy_coef}"] = (loss_rel, worst)
+             f"-{is_level}-{entropy_coef}{'-masked' if mask_truncated else ''}"] = (loss_rel, worst)
     return loss_rel, worst
 
 
@@ -318,6 +326,16 @@ def test_micro_batched_update_matches_trl(tiny, tmp_path, monkeypatch):
     the gradient accumulated over 3 micro-batches of 2 rows) against the same TRL step."""
     seq_len = losses.sequence_batch(*_rollout_data(tiny)[:2], tiny.pad)["tokens"].shape[1]
     check_case(tiny, tmp_path, monkeypatch, "dapo", "batch", BETA, True, micro_batch_tokens=2 * seq_len)
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "dr_grpo"])
+def test_masked_truncated_completions_match_trl(tiny, tmp_path, monkeypatch, loss_type):
+    """``grpo.mask_truncated_completions`` against TRL's ``mask_truncated_completions=True``: row 4
+    (cut at MAX_NEW, in minibatch 0) carries no loss; the token counts of ``token_mean`` and the
+    ``step_token_mean`` normaliser leave it out, ``dr_grpo``'s rows still count it. (TRL ``grpo``
+    averages its row means over all rows, the masked one as 0; ``seq_mean_token_mean`` leaves
+    rows without loss tokens out of the mean: docs/trl_mapping.md.)"""
+    check_case(tiny, tmp_path, monkeypatch, loss_type, "group", BETA, False, mask_truncated=True)
 
 
 # GSPO (importance_sampling_level="sequence") and the entropy bonus: (loss_type, scale_rewards, beta,

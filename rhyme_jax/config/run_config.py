@@ -41,6 +41,7 @@ class RunConfig:
         _check_batch_layout(self)
         _check_tiny_layout(self)
         _check_learning_signal(self)
+        _check_dapo(self)
 
 
 def _check_batch_layout(cfg: RunConfig) -> None:
@@ -98,3 +99,26 @@ def _check_tiny_layout(cfg: RunConfig) -> None:
     heads, tensor = cfg.model.tiny.num_kv_heads, cfg.parallel.rollout_tensor
     if heads % tensor:
         raise ConfigError(f"parallel.rollout_tensor={tensor} must divide model.tiny.num_kv_heads={heads}")
+
+
+def _check_dapo(cfg: RunConfig) -> None:
+    """DAPO's options (arXiv 2503.14476) against the rest of the run:
+
+    * ``grpo.dynamic_sampling`` refills a step with extra rollouts of the current params between
+      scoring and the update; ``sched.pipeline=one_step_off`` has the next rollout running then
+      (or queued, with ``sched.cross_step``), so the two are refused together
+      (``train/dynamic_sampling.py``).
+    * ``reward.soft_overlong_cache`` is a share of the response budget: at most
+      ``rollout.max_new_tokens``.
+
+    Raises:
+      ConfigError: one line starting with the key.
+    """
+    if cfg.grpo.dynamic_sampling and cfg.sched.pipeline != "sync":
+        raise ConfigError(f"grpo.dynamic_sampling=true needs sched.pipeline=sync (got sched.pipeline="
+                          f"{cfg.sched.pipeline!r}): its refill rollouts run between scoring and the update, "
+                          f"where one_step_off already runs the next step's rollout")
+    cache, budget = cfg.reward.soft_overlong_cache, cfg.rollout.max_new_tokens
+    if cache > budget:
+        raise ConfigError(f"reward.soft_overlong_cache={cache} exceeds rollout.max_new_tokens={budget} (the "
+                          f"penalty interval is [max_new_tokens - soft_overlong_cache, max_new_tokens])")

@@ -166,9 +166,15 @@ class RewardSection:
     # several functions, reward = sum of weight x fn (TRL reward_funcs + reward_weights): a list of
     # {fn, weight, kwargs, batched}; instead of reward.fn; [] = off
     fns: list[RewardTerm] = field(default_factory=list, hash=False)
+    # DAPO soft overlong punishment (eq. 13; TRL soft_punish_cache, verl overlong_buffer.len): a response over
+    # rollout.max_new_tokens - this many tokens gets a penalty falling linearly to -soft_overlong_factor; 0 = off
+    soft_overlong_cache: int = 0
+    soft_overlong_factor: float = 1.0  # the penalty at rollout.max_new_tokens tokens (DAPO, TRL: 1; verl penalty_factor)
 
     def __post_init__(self):
         check_fields(self)
+        at_least(self, 0, "soft_overlong_cache", note=" (0 = off)")
+        above(self, 0.0, "soft_overlong_factor")
         if self.fn and not _REWARD_SPEC.fullmatch(self.fn):
             raise fail(self, "fn", "must be 'package.module:function' (e.g. 'my_reward:reward'; '' = built-in)")
         if not self.fn and (self.kwargs or self.batched):
@@ -306,9 +312,13 @@ class GRPOSection:
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_grad_norm: float = 1.0  # <= 0 = no clipping
     max_consecutive_nonfinite: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
+    mask_truncated_completions: bool = False  # rows cut at rollout.max_new_tokens (no EOS) carry no loss (TRL's key; DAPO sec. 3.4)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill with fresh prompts (docs/dynamic_sampling.md)
+    refill_rounds: int = 3  # dynamic_sampling: most extra rollouts per step; still short after them, the step trains on what it has
 
     def __post_init__(self):
         check_fields(self)
+        at_least(self, 0, "refill_rounds")
         at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt", "minibatches", "num_iterations",
                  "max_consecutive_nonfinite")
         at_least(self, 0, "num_prompts", note=" (0 = all train problems)")

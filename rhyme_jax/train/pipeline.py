@@ -42,6 +42,8 @@ from rhyme_jax.train.step_batch import StepBatch
 if TYPE_CHECKING:
     from rhyme_jax.config import RunConfig
 
+REFILL_KEY = 0x5EED  # folded into a step's sampling key for its refill rounds (> any worker index)
+
 
 class RolloutPipeline(ABC):
     """Produces each step's ``StepBatch`` (module docstring); the shared part of the strategies:
@@ -100,21 +102,30 @@ class RolloutPipeline(ABC):
         continuing the deferred samples of ``carried``."""
         return self._finish(self._start(step, state, weights_step, carried))
 
+    def refill(self, step: int, state: Any, idx: np.ndarray, round_: int) -> StepBatch:
+        """Refill round ``round_`` >= 1 of step ``step`` (``grpo.dynamic_sampling``,
+        ``train/dynamic_sampling.py``): ``int[P']`` prompts ``idx`` rolled out now with ``state``
+        (the params after ``step - 1`` updates), its own sampling key, nothing carried or deferred."""
+        return self._finish(self._start(step, state, step - 1, [], idx=idx, round_=round_))
+
     def _start(self, step: int, state: Any, weights_step: int, carried: Sequence[StepGroup],
-               queued: bool = False) -> "_Started":
-        """Plan and submit step ``step``'s rollout (``RolloutScheduler.submit``)."""
+               queued: bool = False, idx: np.ndarray | None = None, round_: int = 0) -> "_Started":
+        """Plan and submit step ``step``'s rollout (``RolloutScheduler.submit``); ``idx`` and
+        ``round_`` > 0: a refill round's prompts (default: the step's own, ``round_`` 0)."""
         cfg, g, r = self.cfg, self.cfg.grpo, self.cfg.rollout
         n = g.samples_per_prompt
-        idx = self.schedule(step)
+        idx = self.schedule(step) if idx is None else np.asarray(idx, np.int64)
         prompts = [list(self.prompt_tokens(int(i))) for i in idx for _ in range(n)]
         key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+        if round_:  # a key no worker of the step's own rollout uses (they fold in their index)
+            key = jax.random.fold_in(jax.random.fold_in(key, REFILL_KEY), round_)
         t0 = time.perf_counter()
         pending = self.submit(
             step, self.rollout_states(state), idx, prompts, n,
             SamplingParams.from_section(r),
             key, history=self.history, drafter=self.drafter,
             carried=carry.pending_rows(carried, len(prompts)),
-            defer=self.defers(step), queued=queued)
+            defer=self.defers(step) and not round_, queued=queued)
         return _Started(step, weights_step, list(carried), idx, prompts, t0, pending)
 
     def _finish(self, st: "_Started") -> StepBatch:

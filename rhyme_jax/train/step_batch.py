@@ -65,6 +65,12 @@ class StepBatch:
         empty response, reward 0, no loss)."""
         return np.array([f == "skipped" for grp in self.groups for f in grp.finish], bool)
 
+    @cached_property
+    def truncated(self) -> np.ndarray:
+        """``bool[N]``: rows that hit ``rollout.max_new_tokens`` without EOS (finish ``"length"``;
+        ``grpo.mask_truncated_completions`` takes their loss away)."""
+        return np.array([f == "length" for grp in self.groups for f in grp.finish], bool)
+
     def set_rewards(self, rewards: np.ndarray) -> None:
         """Score the batch: ``rewards`` ``float32[N]`` (one per row) go to each group's
         ``rewards``.

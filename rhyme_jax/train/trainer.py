@@ -36,10 +36,12 @@ from rhyme_jax.sched import carry
 from rhyme_jax.sched.timeline import write_schedule
 from rhyme_jax.train.assembly import batch_shards, build_run
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback, builtin_callbacks
+from rhyme_jax.train.dynamic_sampling import fill_batch
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
+from rhyme_jax.train.overlong import mask_rows, soft_overlong_penalty
 from rhyme_jax.train.packing import pack_minibatch
-from rhyme_jax.train.prompts import epoch_of_step
+from rhyme_jax.train.prompts import epoch_of_step, num_grpo_prompts
 from rhyme_jax.train.reporting import metrics_writer
 from rhyme_jax.train.step_batch import StepBatch
 
@@ -130,10 +132,11 @@ class GRPOTrainer:
         ``on_step_end`` (``train/callbacks.py``).
         """
         sb, t_wait = self.pipeline.take(step, self.state)
-        rewards, per_fn = self._score(sb)
+        rewards, per_fn = self._rewards(sb)
         sb.set_rewards(rewards)
-        self.callbacks.fire("on_rollout_end", self, step, sb)
-        self._write_back(step, sb)
+        scored, sb, ds_metrics = self._fill(step, sb)  # grpo.dynamic_sampling; off: scored is sb
+        self.callbacks.fire("on_rollout_end", self, step, scored)
+        self._write_back(step, scored)
         if sb.groups:
             self.callbacks.fire("on_before_update", self, step, self.state, sb)
         t1 = time.perf_counter()
@@ -146,7 +149,8 @@ class GRPOTrainer:
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
         self.nonfinite_total += 0 if finite else 1
         epoch = epoch_of_step(self.cfg, len(self.train_problems), step)
-        metrics = {**_step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total), **per_fn}
+        metrics = {**_step_metrics(step, sb, mb_metrics, t_wait, t2 - t1, epoch, self.nonfinite_total), **per_fn,
+                   **ds_metrics, **_overlong_metrics(self.cfg, sb)}
         self.callbacks.fire("on_step_end", self, step, metrics)
         return metrics
 
@@ -163,6 +167,28 @@ class GRPOTrainer:
             rewards[scored], per_fn = score_terms(self.reward_fn, [texts[k] for k in scored],
                                                   [self.train_problems[int(sb.ids[k])] for k in scored])
         return rewards, per_fn
+
+    def _rewards(self, sb: StepBatch) -> tuple[np.ndarray, dict[str, float]]:
+        """``_score`` with, under ``reward.soft_overlong_cache``, DAPO's soft overlong penalty of
+        each row's length added to the ``float32[N]`` rewards (``train/overlong.py``)."""
+        (rewards, per_fn), r = self._score(sb), self.cfg.reward
+        if r.soft_overlong_cache:
+            rewards = rewards + soft_overlong_penalty([len(t) for t in sb.tokens], self.cfg.rollout.max_new_tokens,
+                                                      r.soft_overlong_cache, r.soft_overlong_factor)
+        return rewards, per_fn
+
+    def _fill(self, step: int, sb: StepBatch) -> tuple[StepBatch, StepBatch, dict[str, float]]:
+        """``(scored, trained, metrics)``: with ``grpo.dynamic_sampling`` the groups of ``sb`` and
+        its refill rounds, the ones to train and ``dynamic_sampling/*``
+        (``train/dynamic_sampling.py``); off: ``(sb, sb, {})``."""
+        g = self.cfg.grpo
+        if not g.dynamic_sampling:
+            return sb, sb, {}
+        filled = fill_batch(sb, per_step=g.prompts_per_step, max_rounds=g.refill_rounds, seed=self.cfg.run.seed,
+                            prompt_set=num_grpo_prompts(self.cfg, len(self.train_problems)),
+                            rollout=lambda k, idx: self.pipeline.refill(step, self.state, idx, k),
+                            score=lambda b: self._rewards(b)[0])
+        return filled.scored, filled.trained, filled.metrics
 
     def _write_back(self, step: int, sb: StepBatch) -> None:
         """The step's rollouts and schedule on disk, its responses into the history store (then
@@ -194,7 +220,9 @@ class GRPOTrainer:
         batch["old_logprobs"] = response_grid(logprobs, batch.pop("prompt_lens"), T)
         batch.pop("lengths")
         batch["advantages"] = adv.astype(np.float32)
-        norm = loss_normaliser(g.loss_agg, response_tokens=sum(len(t) for t in tokens), rows=len(prompts),
+        if g.mask_truncated_completions:  # no loss tokens on rows cut at max_new_tokens (train/overlong.py)
+            batch["loss_mask"] = mask_rows(batch["loss_mask"], sb.truncated)
+        norm = loss_normaliser(g.loss_agg, response_tokens=int(np.count_nonzero(batch["loss_mask"])), rows=len(prompts),
                                minibatches=g.minibatches, max_new_tokens=self.cfg.rollout.max_new_tokens)
         batch["loss_norm"] = np.full(len(prompts), norm, np.float32)  # padding rows below: 0
         multiple = g.minibatches * self.batch_shards
@@ -337,3 +365,17 @@ def _step_metrics(step: int, sb: StepBatch, mb_metrics: list[dict],
         "nonfinite/skipped_total": float(nonfinite_total),
     })
     return metrics
+
+
+def _overlong_metrics(cfg: RunConfig, sb: StepBatch) -> dict[str, float]:
+    """``rollout/truncated_masked`` (with ``grpo.mask_truncated_completions``) and
+    ``reward/overlong_penalty`` (with ``reward.soft_overlong_cache``) of the trained rows; {} when
+    both are off."""
+    out = {}
+    if cfg.grpo.mask_truncated_completions:
+        out["rollout/truncated_masked"] = float(sb.truncated.sum())
+    if cfg.reward.soft_overlong_cache:
+        pen = soft_overlong_penalty([len(t) for t in sb.tokens] or [0], cfg.rollout.max_new_tokens,
+                                    cfg.reward.soft_overlong_cache, cfg.reward.soft_overlong_factor)
+        out["reward/overlong_penalty"] = float(pen.mean())
+    return out
