@@ -34,7 +34,7 @@ from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.parallel.rules import kv_pool_sharding
-from rhyme_jax.rollout import allocation, batching, shapes
+from rhyme_jax.rollout import allocation, batching, chunk, shapes
 from rhyme_jax.rollout.allocation import PassChoice
 from rhyme_jax.rollout.pass_cost import PROFILE_VERSION, PassCost, profile
 from rhyme_jax.rollout.pass_cost import cache_path as pass_cost_cache_path
@@ -101,7 +101,8 @@ class RolloutEngine:
                 f"{self.pages_per_seq} pages of {self.page_size} plus scratch page 0)")
         self.plan = shapes.plan(max_slots=self.max_slots, page_size=self.page_size,
                                 max_prompt_len=self.max_prompt_len, max_new_tokens=self.max_new_tokens,
-                                max_prefill_tokens=c.max_prefill_tokens, max_verify_tokens=c.max_verify_tokens)
+                                max_prefill_tokens=c.max_prefill_tokens, max_verify_tokens=c.max_verify_tokens,
+                                passes_per_dispatch=c.passes_per_dispatch)
         self.prefill_budget = self.plan.prefill_budget
         self.prefill_buckets = self.plan.prefill_buckets
         self.verify_budget = self.plan.verify_budget
@@ -114,6 +115,9 @@ class RolloutEngine:
         # Seconds per decode/verify program, for the goodput allocation of estimated drafts
         # (``profile_pass_cost`` measures it; the prior until then).
         self.pass_cost: PassCost = PassCost.prior()
+        # Host seconds spent blocked fetching pass outputs after their dispatch (device time plus
+        # the transfer), summed over every pass this engine ran; ``generate`` reports its share.
+        self.device_wait_seconds = 0.0
 
     # ------------------------------------------------------------------ helpers
     def _flat_state(self, state):
@@ -243,6 +247,8 @@ class RolloutEngine:
         """``(jitted step function, positional args, keyword args)`` of one step."""
         leaves, static = flat_state
         scalars = (np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
+        if isinstance(inp, chunk.ChunkInputs):
+            return chunk.call(self, flat_state, inp, key, scalars, mode)
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
             return verify_pass, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
@@ -256,12 +262,14 @@ class RolloutEngine:
         ``live`` (a rollout's pass) a decode/verify pass's time goes to the pass-cost model
         (``PassCost.observe``: live times replace profiled ones)."""
         fn, args, kw = self._call(flat_state, inp, key, sp, mode)
-        shape = batching.shape_of(inp)
+        shape = inp.pass_shape() if isinstance(inp, chunk.ChunkInputs) else batching.shape_of(inp)
         self.programs_run.add(shape)
         t0 = time.perf_counter()
         *out, self.kv = fn(*args, **kw)
+        t1 = time.perf_counter()
         out = jax.device_get(tuple(out))
-        if live and shape.kind != "prefill":
+        self.device_wait_seconds += time.perf_counter() - t1
+        if live and shape.kind in ("decode", "verify"):
             self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
         if self.check_invariants:
             self.allocator.check()
@@ -346,6 +354,7 @@ class RolloutEngine:
         toks = batching.unpack_rows(toks, cu, ids.size, inp.max_q_len)
         lps = batching.unpack_rows(lps, cu, ids.size, inp.max_q_len)
         table.stats["decode_steps"] += 1
+        table.stats["decode_dispatches"] += 1
         table.stats["sequence_steps"] += ids.size
         accepted = n_emit[: ids.size] - 1
         table.stats["accepted_tokens"] += int(accepted.sum())
@@ -393,7 +402,7 @@ class RolloutEngine:
           EngineConfigError: empty prompt, token id outside the vocabulary, bad sampling params,
             bad prefixes.
         """
-        t0 = time.perf_counter()
+        t0, wait0 = time.perf_counter(), self.device_wait_seconds
         reqs = self._validate(prompts, sampling)
         self._ensure_pool(state)
         if getattr(drafter, "idle", False):  # nothing to draft from: plain decoding, no drafter calls
@@ -411,12 +420,14 @@ class RolloutEngine:
                 self._prefill(table, batch, run)
             if not table.any_live():
                 continue
-            table.grow_pages()  # may preempt the newest sequences
-            if not table.any_live():
-                continue
-            self._decode(table, run, drafter, backoff)
+            if not (drafter is None and self.plan.passes > 1 and chunk.decode(self, table, run)):
+                table.grow_pages()  # may preempt the newest sequences
+                if not table.any_live():
+                    continue
+                self._decode(table, run, drafter, backoff)
             if monitor is not None:
                 table.stop(monitor(table.progress()), on_stop)
+        table.stats["device_wait_seconds"] = self.device_wait_seconds - wait0
         return table.result(time.perf_counter() - t0)
 
 

@@ -44,10 +44,13 @@ class EngineConfig:
         of all rows); 0 = ``4 * max_slots``. Longest drafts are cut first to fit.
       share_prompt_prefix: samples of the same prompt (a GRPO group) share the KV pages the
         prompt fills completely (vLLM-style prefix sharing; outputs are unchanged).
+      passes_per_dispatch: plain decode passes run in one device call (``rollout/chunk.py``;
+        1 = one pass per call). Same tokens; trades host time per pass for idle rows at chunk
+        ends and pages reserved ahead.
 
     Raises:
       EngineConfigError: ``max_slots``, ``page_size``, ``max_prompt_len`` or ``max_new_tokens``
-        below 1, ``num_pages`` below 0, or an unknown ``on_overlong_prompt``; the message names
+        or ``passes_per_dispatch`` below 1, ``num_pages`` below 0, or an unknown ``on_overlong_prompt``; the message names
         the field.
     """
 
@@ -62,9 +65,10 @@ class EngineConfig:
     max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     max_verify_tokens: int = 0
     share_prompt_prefix: bool = True
+    passes_per_dispatch: int = 1
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens"):
+        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch"):
             val = getattr(self, name)
             if int(val) < 1:
                 raise EngineConfigError(f"{_WHERE}: RolloutEngine {name} must be >= 1, got {val}")
@@ -90,7 +94,8 @@ class EngineConfig:
         return cls(max_slots=r.max_slots, page_size=r.page_size, num_pages=r.num_pages,
                    max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
                    on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
-                   max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix)
+                   max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
+                   passes_per_dispatch=r.passes_per_dispatch)
 
     @classmethod
     def from_run(cls, cfg: "RunConfig", eos_ids: Sequence[int] = ()) -> "EngineConfig":

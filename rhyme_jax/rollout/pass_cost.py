@@ -224,7 +224,7 @@ def profile(run_program: Callable[[object], None], shapes: Iterable, repeats: in
     """
     widest = {}
     for s in shapes:
-        if s.kind == "prefill":
+        if s.kind not in ("decode", "verify"):  # prefill and chunk programs are not step costs
             continue
         key = (s.rows, s.tokens, s.q_len)
         if key not in widest or s.width > widest[key].width:

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from rhyme_jax.rollout import batching
+from rhyme_jax.rollout import batching, chunk
 from rhyme_jax.rollout.types import SamplingParams
 
 
@@ -38,8 +38,11 @@ class PassRunner:
 
     def inputs(self, shape, *, busy: bool = False, own_pages: int = 0) -> batching.PassInputs:
         """Dummy inputs of the pass program ``shape`` (``batching.pass_inputs``; with ``busy``, a
-        decode/verify step whose rows are all live, ``batching.busy_verify``)."""
+        decode/verify step whose rows are all live, ``batching.busy_verify``; a ``"chunk"`` program:
+        ``chunk.dummy_inputs``, no live row)."""
         e = self.engine
+        if shape.kind == "chunk":
+            return chunk.dummy_inputs(shape, e)
         if busy:
             return batching.busy_verify(shape, e.max_slots, e.pages_per_seq, e.page_size, own_pages)
         return batching.pass_inputs(shape, e.max_slots, e.pages_per_seq)
@@ -47,7 +50,8 @@ class PassRunner:
     def run(self, inp: batching.PassInputs, *, live: bool = False) -> tuple[Any, ...]:
         """Run one step on ``inp`` and wait for its tokens on the host. Prefill ->
         ``(tokens int32[S], logprobs float32[S])``; decode/verify -> ``(tokens int32[T], logprobs
-        float32[T], num_emitted int32[S])``. The KV pool is donated and replaced in place."""
+        float32[T], num_emitted int32[S])``; chunk -> ``(tokens int32[N, S], logprobs float32[N, S],
+        emitted int32[S], passes run int32)``. The KV pool is donated and replaced in place."""
         return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live)
 
     def lower(self, inp: batching.PassInputs) -> jax.stages.Lowered:

@@ -99,7 +99,8 @@ class PassShape:
     """One compiled pass program.
 
     Attributes:
-      kind: ``"prefill"``, ``"decode"`` (``Q = 1``) or ``"verify"`` (drafts packed).
+      kind: ``"prefill"``, ``"decode"`` (``Q = 1``), ``"verify"`` (drafts packed) or ``"chunk"``
+        (``ShapePlan.passes`` decode passes of ``S`` rows in one program, ``rollout/chunk.py``).
       tokens: ``T``, packed tokens (``tokens/positions i32[T]``).
       rows: ``S``, sequence rows (``kv_lens i32[S]``, ``cu_q_lens i32[S+1]``).
       q_len: static ``max_q_len`` of the attention.
@@ -122,6 +123,7 @@ class ShapePlan:
     prefill_budget: int
     q_cap: int
     verify_budget: int
+    passes: int = 1  # decode passes per dispatch (``rollout/chunk.py``); > 1 adds the "chunk" programs
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -162,16 +164,20 @@ class ShapePlan:
         raise ValueError(f"step packs {used} tokens, more than the cap {pairs[-1][0]} of {num_rows} rows")
 
     def programs(self, spec: bool = True) -> list[PassShape]:
-        """Every pass program of a run (prefill, decode and, with ``spec``, verify), sorted."""
+        """Every pass program of a run (prefill, decode, with ``spec`` verify, and with ``passes > 1``
+        the plain decode chunks of ``rollout/chunk.py``, one per row bucket and width), sorted."""
         out = [PassShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
         for s in seq_buckets(self.max_slots):
             for t, q in verify_pairs(s, self.verify_budget, spec):
                 out += [PassShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
+            if self.passes > 1:
+                out += [PassShape("chunk", s, s, 1, w) for w in self.widths]
         return sorted(set(out))
 
 
 def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens: int,
-         max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_verify_tokens: int = 0) -> ShapePlan:
+         max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_verify_tokens: int = 0,
+         passes_per_dispatch: int = 1) -> ShapePlan:
     """The buckets of an engine with these sizes (``RolloutEngine`` arguments; 0 = default)."""
     max_seq_len = int(max_prompt_len) + int(max_new_tokens)
     max_prefill_len = max_seq_len - 1  # a preempted sequence re-prefills all but its last token
@@ -180,14 +186,16 @@ def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens:
         max_slots=int(max_slots), pages_per_seq=-(-max_seq_len // int(page_size)),
         prefill_budget=max(pow2(max_prefill_tokens), pow2(max_prefill_len), MIN_PREFILL_BUCKET),
         q_cap=q_cap,
-        verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)))
+        verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)),
+        passes=max(1, int(passes_per_dispatch)))
 
 
 def plan_from_config(cfg: RunConfig) -> ShapePlan:
     """``plan`` of a run config's ``rollout`` section (the engine the trainer builds)."""
     r = cfg.rollout
     return plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
-                max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens)
+                max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens,
+                passes_per_dispatch=r.passes_per_dispatch)
 
 
 def programs_from_config(cfg: RunConfig) -> list[PassShape]:

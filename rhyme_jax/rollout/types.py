@@ -66,8 +66,11 @@ class RolloutResult:
         prefill_steps, forward_passes (both), preemptions, skipped, seconds, tokens_per_s,
         drafted_tokens, accepted_tokens, acceptance_rate, predicted_accepted and
         predicted_acceptance (from the drafter's estimates), drafting_seconds (host time inside
-        the drafter), sequence_steps (forward passes summed over the sequences in them) and
-        tokens_per_forward (generated tokens per sequence forward pass; 1.0 without drafts).
+        the drafter), sequence_steps (forward passes summed over the sequences in them),
+        tokens_per_forward (generated tokens per sequence forward pass; 1.0 without drafts),
+        decode_dispatches (device calls running decode/verify passes: ``decode_steps`` per pass,
+        fewer with ``passes_per_dispatch > 1``) and device_wait_seconds (host seconds blocked
+        fetching pass outputs after their dispatch: device time plus the transfer).
     """
 
     tokens: list[np.ndarray]
