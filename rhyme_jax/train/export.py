@@ -63,6 +63,7 @@ from rhyme_jax.model.loader import key_map, load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.lora_export import load_adapters, merged_params, write_peft_adapter
+from rhyme_jax.train.lora_state import lora_spec
 from rhyme_jax.train.optim import PARAM_DTYPE
 from rhyme_jax.train.policy import build_model, tiny_model_config, tokenizer_file
 
@@ -274,7 +275,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, step: int | str | Non
         del tensors
         if adapters is not None:  # a LoRA run: its adapters for PEFT in a subdirectory (loaders read *.safetensors)
             (tmp / ADAPTER_DIR).mkdir()
-            write_peft_adapter(tmp / ADAPTER_DIR, source.cfg, source.model_cfg, adapters,
+            write_peft_adapter(tmp / ADAPTER_DIR, lora_spec(source.cfg), source.model_cfg, adapters,
                                base_model=source.cfg.model.path)
         if source.model_dir is not None:
             _copy_source_files(source, tmp)

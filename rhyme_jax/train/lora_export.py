@@ -78,10 +78,11 @@ def peft_config(spec: LoRASpec, base_model: str) -> dict[str, Any]:
             "modules_to_save": None, "inference_mode": True}
 
 
-def write_peft_adapter(dest: Path, cfg: RunConfig, model_cfg: ModelConfig, adapters: Any, *,
+def write_peft_adapter(dest: Path, spec: LoRASpec, model_cfg: ModelConfig, adapters: Any, *,
                        base_model: str = "", dtype=np.float32) -> None:
-    """Write ``adapter_model.safetensors`` and ``adapter_config.json`` into ``dest`` (PEFT's
-    ``save_pretrained`` layout); ``base_model``: ``base_model_name_or_path`` of the config."""
+    """Write ``adapter_model.safetensors`` and ``adapter_config.json`` of ``adapters`` (``spec``'s
+    rank, alpha, dropout and targets) into ``dest`` (PEFT's ``save_pretrained`` layout);
+    ``base_model``: ``base_model_name_or_path`` of the config."""
     dest = Path(dest)
     save_file(peft_state_dict(model_cfg, adapters, dtype), str(dest / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (dest / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora_spec(cfg), base_model), indent=2) + "\n")
+    (dest / ADAPTER_CONFIG).write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")
