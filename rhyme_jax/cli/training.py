@@ -180,12 +180,12 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     accuracy of a checkpoint, the run's newest, or the starting model (``initial``)."""
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.io import checkpoint as ckpt
-    from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of, warm_start_dir
-    from rhyme_jax.train.evaluate import evaluate_run
-    from rhyme_jax.train.policy import compute_dtype, compute_params
+    from rhyme_jax.train.assembly import build_policy, run_dir_of, warm_start_dir
 
     run_dir = run_dir_of(cfg)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
+    if cfg.lora.rank > 0 and checkpoint != "initial":  # a LoRA run's checkpoints hold its adapters
+        return _eval_lora(cfg, run_dir, policy, state, checkpoint)
     if checkpoint == "initial":  # what `rhyme-jax train` would start from
         start = warm_start_dir(cfg, run_dir)
         if start is not None:
@@ -203,6 +203,33 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
         optimizer_free_state, _, _ = c.restore(step, params_like=state, opt_state_like=None)
         c.close()
         state, source = optimizer_free_state, f"{run_dir / 'checkpoints'} step {step}"
+    return _report_eval(cfg, policy, state, source)
+
+
+def _eval_lora(cfg: RunConfig, run_dir: Path, policy, base, checkpoint: str) -> int:
+    """``rhyme-jax eval`` of a LoRA run: the adapters of ``checkpoint`` (default: the newest
+    checkpoint) merged into the base the run started from (``lora_export.merged_params``)."""
+    from rhyme_jax.io import checkpoint as ckpt
+    from rhyme_jax.train.assembly import load_warm_start
+    from rhyme_jax.train.lora_export import load_adapters, merged_params
+
+    path = Path(checkpoint) if checkpoint else None
+    if path is None:
+        steps = ckpt.complete_steps(run_dir / "checkpoints")
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}; pass --checkpoint")
+        path = run_dir / "checkpoints" / str(steps[-1])
+    base = load_warm_start(cfg, run_dir, base)
+    state = merged_params(cfg, base, load_adapters(cfg, policy.model_cfg, path))
+    return _report_eval(cfg, policy, state, f"{path} (LoRA adapters merged)")
+
+
+def _report_eval(cfg: RunConfig, policy, state, source: str) -> int:
+    """Evaluate ``state`` (float32 params) on the held-out problems and print the line of ``rhyme-jax eval``."""
+    from rhyme_jax.train.assembly import make_engine
+    from rhyme_jax.train.evaluate import evaluate_run
+    from rhyme_jax.train.policy import compute_dtype, compute_params
+
     engine = make_engine(policy.graphdef, policy.model_cfg, cfg, policy.eos)
     # The float32 master weights evaluated on a model.dtype copy, as the run's evaluations are.
     state = compute_params(state, compute_dtype(cfg.model.dtype))

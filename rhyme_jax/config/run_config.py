@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rhyme_jax.config.checks import ConfigError
-from rhyme_jax.config.sections import (DataSection, GRPOSection, ModelSection, ParallelSection,
+from rhyme_jax.config.sections import (DataSection, GRPOSection, LoRASection, ModelSection, ParallelSection,
                                        RewardSection, RolloutSection, RunSection, SchedSection,
                                        SFTSection, SpecSection)
 
@@ -36,6 +36,7 @@ class RunConfig:
     spec: SpecSection = field(default_factory=SpecSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sched: SchedSection = field(default_factory=SchedSection)
+    lora: LoRASection = field(default_factory=LoRASection)
 
     def __post_init__(self):
         _check_batch_layout(self)

@@ -475,3 +475,31 @@ class SchedSection:
                               f"(got sched.pipeline={self.pipeline!r})")
         if self.cost_model and not Path(self.cost_model).is_file():
             raise fail(self, "cost_model", "is not a file (a profiled cost model JSON; '' = placeholder)")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRASection:
+    """LoRA adapters for GRPO (docs/lora.md; TRL ``peft_config`` = PEFT ``LoraConfig``): the base
+    weights stay frozen, only the adapters are trained, checkpointed and held by the optimizer."""
+
+    KEY: ClassVar[str] = "lora"
+
+    rank: int = 0  # adapter rank r (PEFT r); 0 = off: GRPO trains every weight
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (PEFT lora_alpha)
+    dropout: float = 0.0  # drop probability of the adapter's input features in the update (PEFT lora_dropout)
+    # projections of every decoder block that get an adapter (PEFT target_modules; all seven = PEFT "all-linear")
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS), hash=False)
+
+    def __post_init__(self):
+        check_fields(self)
+        at_least(self, 0, "rank", note=" (0 = off)")
+        above(self, 0.0, "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise fail(self, "dropout", "must be in [0, 1)")
+        if not self.target_modules or any(t not in LORA_TARGETS for t in self.target_modules):
+            raise fail(self, "target_modules", f"must be a non-empty list of {list(LORA_TARGETS)}")
+        if len(set(self.target_modules)) < len(self.target_modules):
+            raise fail(self, "target_modules", "names a projection twice")

@@ -51,6 +51,9 @@ PARAM_AXES: dict[tuple[str, ...], tuple[Optional[str], ...]] = {
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
     ("weight",): (None,),  # RMSNorm scales (input/post-attn/final/q/k norms)
+    ("lora", "lora_a"): (None, None),  # LoRA adapters (model/lora.py): small, replicated
+    ("lora", "lora_b"): (None, None),
+    ("dropout_key",): (None,),  # a LoRA adapter's dropout key data (uint32[2] per layer)
 }
 # Paged KV pool ``[L, KVH, P, ps, hd]`` (rollout/kv_cache.py).
 KV_POOL_AXES: tuple[Optional[str], ...] = (None, "kv_heads", "pages", None, None)

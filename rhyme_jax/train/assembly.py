@@ -60,6 +60,7 @@ from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback
 from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options, make_grpo_step, make_logprob_fn
+from rhyme_jax.train.lora_state import LoRAParts, build_lora, lora_learner
 from rhyme_jax.train.optim import grpo_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline, make_pipeline
 from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
@@ -187,6 +188,8 @@ class RolloutParts:
       drafter: the HistoSpec drafter (None when ``spec.enabled`` is off).
       dtype: the compute dtype (``model.dtype``) the workers' weights are cast to; None = kept as
         they are.
+      merge: a LoRA run's ``adapters -> params`` (``LoRAParts.merge``: ``W + scale A B``), applied
+        before the cast; None = the state is the params.
     """
 
     engines: list[RolloutEngine]
@@ -195,6 +198,7 @@ class RolloutParts:
     history: Optional[HistoryStore]
     drafter: Optional[Drafter]
     dtype: Any = None
+    merge: Optional[Callable] = None
 
     @property
     def engine(self) -> RolloutEngine:
@@ -205,7 +209,10 @@ class RolloutParts:
         """The weight sync: ``state`` (the float32 master weights) cast to the compute dtype
         (``policy.compute_params``: once, on the train mesh, before the copies) and resharded into
         every local worker's layout. The rollout computes in ``model.dtype`` either way; a bf16
-        copy halves each worker's weights and the bytes the sync moves."""
+        copy halves each worker's weights and the bytes the sync moves. A LoRA run's ``state`` is
+        its adapters: ``merge`` folds them into the base weights first (``train/lora_state.py``)."""
+        if self.merge is not None:
+            state = self.merge(state)
         if self.dtype is not None:
             state = compute_params(state, self.dtype)
         return [reshard(state, sh) for sh in self.shardings]
@@ -219,7 +226,7 @@ class RolloutParts:
 
 def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
                   meshes: Sequence[jax.sharding.Mesh] | None = None, history: Optional[HistoryStore] = None,
-                  callbacks: Sequence[TrainerCallback] = ()) -> RolloutParts:
+                  callbacks: Sequence[TrainerCallback] = (), merge: Optional[Callable] = None) -> RolloutParts:
     """Engines, weight-sync layouts, scheduler, history store and drafter of a run.
 
     Args:
@@ -229,6 +236,7 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
       history: a restored history store (default: an empty one when ``uses_history``).
       callbacks: their ``wrap_generate`` wraps every engine call of the scheduler's workers
         (``RolloutScheduler(wrap_generate=)``; the first callback innermost).
+      merge: ``RolloutParts.merge`` (a LoRA run: ``params_like`` is then the base params).
 
     Raises:
       TypeError: a callback is not a ``TrainerCallback``.
@@ -245,7 +253,7 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
     drafter = Drafter(cfg.spec, history) if cfg.spec.enabled else None
     if drafter is not None and len(history):
         drafter.rebuild(history.prompt_ids())
-    return RolloutParts(engines, shardings, scheduler, history, drafter, compute_dtype(cfg.model.dtype))
+    return RolloutParts(engines, shardings, scheduler, history, drafter, compute_dtype(cfg.model.dtype), merge)
 
 
 def attach_pass_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
@@ -303,13 +311,16 @@ class Learner:
     ref_state: Any = None
 
 
-def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State) -> tuple[Learner, Any]:
+def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State,
+                  lora: Optional[LoRAParts] = None) -> tuple[Learner, Any]:
     """The update step and the KL reference (a copy of ``state``, the starting params) of a run,
     and the initial optimizer state, created directly in its shardings on the policy's mesh.
 
     ``state`` holds the float32 master weights (``build_policy``); the AdamW moments follow their
     dtype and the update adds in float32 while the model computes in ``model.dtype``. The
     schedule counts optimizer steps (``grpo.steps x grpo.minibatches``; ``optim.grpo_optimizer``).
+    With ``lora`` (``lora_state.build_lora``) ``state`` is the adapters: the optimizer holds them
+    only, and the update and KL reference are ``lora_state.lora_learner``'s.
     Returns ``(learner, opt_state)``."""
     g, mesh = cfg.grpo, policy.mesh
     param_sh = param_shardings(state, mesh)
@@ -317,6 +328,8 @@ def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State) -> tuple[Lea
     opt_sh = opt_state_shardings(optimizer, jax.eval_shape(optimizer.init, state), param_sh, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(state)
     layout = TrainShardings(mesh, param_sh, opt_sh, batch_sharding(mesh))
+    if lora is not None:
+        return Learner(optimizer, layout, *lora_learner(cfg, policy.graphdef, lora, optimizer, layout)), opt_state
     ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
     step_fn = make_grpo_step(policy.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high,
                              kl_coef=g.kl_coef, loss_agg=g.loss_agg, temperature=cfg.rollout.temperature,
@@ -416,15 +429,17 @@ def _assemble(cfg: RunConfig, run_dir: Path, primary: bool, mesh, meshes, resume
     start have loaded."""
     policy, state = build_policy(cfg, run_dir, mesh)
     state = load_warm_start(cfg, run_dir, state)
+    lora, state = build_lora(cfg, policy.model_cfg, state, mesh)  # lora.rank > 0: state = the adapters
     if primary:
         _write_config(cfg, run_dir)
-    learner, opt_state = build_learner(cfg, policy, state)
+    learner, opt_state = build_learner(cfg, policy, state, lora)
     checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
     state, opt_state, start = _restore(checkpointer, state, opt_state, resume)
     source = f"checkpoint step {start.step}"
     history = (HistoryStore.from_bytes(start.blobs["history"], source=source)
                if uses_history(cfg) and "history" in start.blobs else None)
-    rollout = build_rollout(cfg, policy, state, meshes=meshes, history=history, callbacks=callbacks)
+    rollout = build_rollout(cfg, policy, state if lora is None else lora.base, meshes=meshes, history=history,
+                            callbacks=callbacks, merge=None if lora is None else lora.merge)
     attach_pass_cost(cfg, rollout, state)
     pipeline = build_pipeline(cfg, policy, rollout, callbacks)
     if "carry" in start.blobs:  # one_step_off groups waiting for their deferred samples

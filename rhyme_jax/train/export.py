@@ -19,6 +19,12 @@ checkpoint the run started from and written as one ``model.safetensors``. Beside
 A run that rendered its prompts with a jinja file (``model.chat_template: <file>``) exports that
 file as ``chat_template.jinja`` (transformers reads it before ``tokenizer_config.json``'s).
 
+A LoRA run (``lora.rank > 0``; docs/lora.md) checkpoints its adapters only: the export merges them
+into the base it started from (``W + (alpha / r) A B``, ``model.safetensors`` as above) and writes
+the adapters for PEFT in ``adapter/`` (``adapter_model.safetensors`` + ``adapter_config.json``,
+``train/lora_export.py``; a subdirectory because transformers / vLLM read every ``*.safetensors``
+beside ``config.json``), so ``peft.PeftModel.from_pretrained(base, out_dir / "adapter")`` loads them.
+
 Every export also holds ``rhyme_jax_export.json`` (run, step, source, dtype, the run's
 ``model.prompt_template``, ``model.chat_template`` and ``model.system_prompt``: the prompt format
 the policy was trained on).
@@ -56,10 +62,13 @@ from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import key_map, load_hf_checkpoint
 from rhyme_jax.model.tokenizer import Tokenizer
 from rhyme_jax.model.transformer import Decoder
+from rhyme_jax.train.lora_export import load_adapters, merged_params, write_peft_adapter
+from rhyme_jax.train.lora_state import lora_spec
 from rhyme_jax.train.optim import PARAM_DTYPE
 from rhyme_jax.train.policy import build_model, tiny_model_config, tokenizer_file
 
 EXPORT_MARKER = "rhyme_jax_export.json"
+ADAPTER_DIR = "adapter"  # a LoRA run's PEFT adapter files, inside the export
 INITIAL = "initial"  # ``step=INITIAL``: the params GRPO starts from (as ``rhyme-jax eval --checkpoint initial``)
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float16": np.dtype(np.float16)}
@@ -181,6 +190,24 @@ def load_policy_params(source: RunSource, params_dir: Path | None) -> nnx.State:
     return ckpt.load_params(params_dir, nnx.state(abstract))
 
 
+def run_params(run_dir: Path, source: RunSource, params_dir: Path | None, *, initial: bool) -> tuple[nnx.State, Any]:
+    """``(params, adapters)`` to export: a full-weight run's (or any ``initial``) params and None;
+    a LoRA run's (``lora.rank > 0``) checkpoint: the base it started from (``run.init_from`` /
+    ``<run>/sft/params`` / the source model) with the checkpoint's adapters merged
+    (``lora_export.merged_params``) and those adapters.
+
+    Raises:
+      CheckpointError: the checkpoint does not match the run's architecture or adapters.
+    """
+    if source.cfg.lora.rank == 0 or initial:
+        return load_policy_params(source, params_dir), None
+    from rhyme_jax.train.assembly import warm_start_dir  # heavy (rollout engine): only here
+
+    base = load_policy_params(source, warm_start_dir(source.cfg, Path(run_dir)))
+    adapters = load_adapters(source.cfg, source.model_cfg, params_dir)
+    return merged_params(source.cfg, base, adapters), adapters
+
+
 def hf_state_dict(model_cfg: ModelConfig, params: Any, dtype=np.float32) -> dict[str, np.ndarray]:
     """Our params as HF tensors: the inverse of ``load_hf_checkpoint``'s mapping.
 
@@ -221,7 +248,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, step: int | str | Non
       ``out_dir``, holding ``model.safetensors`` (the source model's dtype: float32 / bfloat16 /
       float16; float32 for the tiny demo model), ``config.json``, the tokenizer files and chat
       template, ``generation_config.json`` (when the source has one, always for the tiny model)
-      and ``rhyme_jax_export.json``.
+      and ``rhyme_jax_export.json``; for a LoRA run's checkpoint (``lora.rank > 0``) the merged
+      weights and its adapters in PEFT's format in ``adapter/`` (``adapter_model.safetensors``,
+      ``adapter_config.json``; ``train/lora_export.py``).
 
     Raises:
       ExportError: missing run directory / config.yaml / checkpoint / source model / tokenizer,
@@ -238,10 +267,16 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, step: int | str | Non
         raise ExportError(f"{out_dir}: already exists and is not empty (pass overwrite=True to replace it)")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir}: exists and is not a directory")
-    tensors = hf_state_dict(source.model_cfg, load_policy_params(source, params_dir), DTYPES[source.dtype])
+    params, adapters = run_params(run_dir, source, params_dir, initial=step == INITIAL)
+    tensors = hf_state_dict(source.model_cfg, params, DTYPES[source.dtype])
+    del params
     with _staging(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
+        if adapters is not None:  # a LoRA run: its adapters for PEFT in a subdirectory (loaders read *.safetensors)
+            (tmp / ADAPTER_DIR).mkdir()
+            write_peft_adapter(tmp / ADAPTER_DIR, lora_spec(source.cfg), source.model_cfg, adapters,
+                               base_model=source.cfg.model.path)
         if source.model_dir is not None:
             _copy_source_files(source, tmp)
         else:
@@ -251,7 +286,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, step: int | str | Non
         meta = {"run_dir": str(run_dir.absolute()), "checkpoint": label, "params": str(params_dir or ""),
                 "source": str(source.model_dir or "tiny demo model"), "dtype": source.dtype,
                 "prompt_template": source.cfg.model.prompt_template,
-                "chat_template": source.cfg.model.chat_template, "system_prompt": source.cfg.model.system_prompt}
+                "chat_template": source.cfg.model.chat_template, "system_prompt": source.cfg.model.system_prompt,
+                "lora_adapter": ADAPTER_DIR if adapters is not None else ""}
         (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=1) + "\n")
     return out_dir
 
@@ -335,8 +371,8 @@ def _staging(out_dir: Path) -> Iterator[Path]:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; an export is an ordinary directory
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
+        for f in [*tmp.iterdir(), *(g for d in tmp.iterdir() if d.is_dir() for g in d.iterdir())]:
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)  # subdirectories: the LoRA adapter
             fd = os.open(f, os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -64,14 +64,15 @@ def num_micro_batches(rows: int, seq_len: int, shards: int, budget: int) -> int:
 
 
 def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temperature: float,
-                     memory: UpdateMemory = UpdateMemory(), entropy_grad: bool = False):
+                     memory: UpdateMemory = UpdateMemory(), entropy_grad: bool = False, frozen: tuple = ()):
     """Log p(tokens[:, t+1] | tokens[:, :t+1]) under ``softmax(logits / temperature)``.
 
     Returns f32[B, T-1] logprobs and f32[B, T-1] entropies (aligned with ``loss_mask[:, :-1]``),
     computed chunk by chunk from the last hidden states (``losses.chunked_token_logprobs``);
-    the entropies carry a gradient only with ``entropy_grad``.
+    the entropies carry a gradient only with ``entropy_grad``. ``frozen``: further states of
+    ``graphdef`` merged with ``state`` (LoRA: the frozen base params and dropout keys).
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state, *frozen)
     h = model.hidden(batch["tokens"], batch["positions"], batch["attn_mask"], remat=memory.remat,
                      segment_ids=batch.get("segment_ids"))
     return losses.chunked_token_logprobs(h[:, :-1], batch["tokens"][:, 1:], model.unembed, temperature,
@@ -151,8 +152,9 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
     bonus = entropy_coef > 0
     losses._check_options(importance_sampling_level, 0.0 if bonus else None, entropy_coef)
 
-    def loss_fn(state, mb, loss_w, token_w):
-        logprobs, entropy = _target_logprobs(graphdef, state, mb, temperature, memory, entropy_grad=bonus)
+    def loss_fn(state, mb, loss_w, token_w, frozen):
+        logprobs, entropy = _target_logprobs(graphdef, state, mb, temperature, memory, entropy_grad=bonus,
+                                             frozen=frozen)
         loss, metrics = losses.weighted_grpo_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], loss_w, token_w,
             eps_low=eps_low, eps_high=eps_high,
@@ -163,22 +165,22 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
         metrics.pop("entropy_bonus", None)  # the same value as "entropy", gradient-stopped below
         return loss, dict(metrics, entropy=jnp.sum(jax.lax.stop_gradient(entropy) * token_w))
 
-    def grads_of(state, batch, loss_w, token_w):
+    def grads_of(state, batch, loss_w, token_w, frozen=()):
         rows, seq_len = batch["tokens"].shape
         n = num_micro_batches(rows, seq_len, shards, memory.micro_batch_tokens)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if n == 1:
-            return grad_fn(state, batch, loss_w, token_w)
+            return grad_fn(state, batch, loss_w, token_w, frozen)
         # Micro-batch j = rows j, j + n, ...: a reshape that keeps each device's rows local.
         split = lambda x: jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
         parts = jax.tree.map(split, (batch, loss_w, token_w))
 
         def body(acc, part):
-            out = grad_fn(state, *part)
+            out = grad_fn(state, *part, frozen)
             return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, out), None
 
         zero = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                            jax.eval_shape(grad_fn, state, *jax.tree.map(lambda x: x[0], parts)))
+                            jax.eval_shape(grad_fn, state, *jax.tree.map(lambda x: x[0], parts), frozen))
         ((loss, metrics), grads), _ = jax.lax.scan(body, zero, parts)
         return (loss, metrics), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state)
 
@@ -205,7 +207,7 @@ def make_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: float, kl
                                       kl_ratio_weighted=kl_ratio_weighted,
                                       importance_sampling_level=importance_sampling_level,
                                       entropy_coef=entropy_coef)
-    return lambda state, batch: weighted(state, batch, *minibatch_loss_weights(batch, loss_agg))
+    return lambda state, batch, frozen=(): weighted(state, batch, *minibatch_loss_weights(batch, loss_agg), frozen)
 
 
 def loss_options(grpo: Any) -> dict[str, Any]:
@@ -221,8 +223,9 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                    eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
                    temperature: float, shardings: Optional[TrainShardings] = None,
                    memory: UpdateMemory = UpdateMemory(), kl_ratio_weighted: bool = False,
-                   importance_sampling_level: str = "token", entropy_coef: float = 0.0) -> Callable:
-    """Build ``step(state, opt_state, batch) -> (state, opt_state, metrics)``.
+                   importance_sampling_level: str = "token", entropy_coef: float = 0.0,
+                   frozen_shardings: Any = None) -> Callable:
+    """Build ``step(state, opt_state, batch[, frozen]) -> (state, opt_state, metrics)``.
 
     ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
     ``loss_mask f32[B,T]`` (1 where the next token is a response token), ``old_logprobs f32[B,T-1]``
@@ -242,6 +245,11 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     With ``shardings`` the step is jitted with those in/out shardings (FSDP and tensor parallel
     over ``shardings.mesh``; activations constrained to rows over ``("data", "fsdp")``); the
     math is the same, so results equal the single-device step within float tolerance.
+
+    ``frozen``: a tuple of further states of ``graphdef`` that the forward merges with ``state``
+    but the step neither differentiates nor updates (LoRA, ``train/lora_state.py``: ``state`` is
+    the adapters, ``frozen`` the base params and dropout keys); laid out by ``frozen_shardings``
+    (needed with ``shardings`` when the step is called with ``frozen``), never donated.
     """
     mesh = shardings.mesh if shardings is not None else None
     grads_of = make_grads_fn(graphdef, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef, loss_agg=loss_agg,
@@ -249,9 +257,9 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                              kl_ratio_weighted=kl_ratio_weighted, importance_sampling_level=importance_sampling_level,
                              entropy_coef=entropy_coef)
 
-    def step(state, opt_state, batch):
+    def step(state, opt_state, batch, frozen=()):
         with activation_mesh(mesh):
-            (loss, metrics), grads = grads_of(state, batch)
+            (loss, metrics), grads = grads_of(state, batch, frozen)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, state)
@@ -267,6 +275,7 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     if shardings is None:
         return jax.jit(step, donate_argnums=(0, 1))
     replicated = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
+    extra = () if frozen_shardings is None else (frozen_shardings,)
     return jax.jit(step, donate_argnums=(0, 1),
-                   in_shardings=(shardings.params, shardings.opt_state, shardings.batch),
+                   in_shardings=(shardings.params, shardings.opt_state, shardings.batch, *extra),
                    out_shardings=(shardings.params, shardings.opt_state, replicated))

@@ -46,7 +46,9 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
                   update: bool = True, mean_tokens: int = 0) -> dict[str, Any]:
     """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (float32 master params +
     AdamW moments per device on the train mesh, whatever ``model.dtype`` computes in),
-    ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds), and unless ``--no-update``
+    ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds; a LoRA run's merged
+    weights), ``trainable_params`` (a LoRA run, ``lora.rank > 0``: the adapters; params then count
+    base + adapters and the optimizer state covers the adapters only), and unless ``--no-update``
     the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
     params + optimizer per device + ``update_temp_bytes`` (an upper bound under FSDP: the
     compiled update is single-device, so its gradients are whole).
@@ -78,11 +80,15 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
     p = cfg.parallel
     d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
     dtype, param_dtype = cfg.model.dtype, str(np.dtype(PARAM_DTYPE))
-    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=param_dtype)
+    from rhyme_jax.train.lora_state import lora_spec
+
+    train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=param_dtype,
+                         lora=lora_spec(cfg))
     roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
     out = {"model": source, "dtype": dtype, "param_dtype": param_dtype, "devices": devices,
            "mesh": {"data": d, "fsdp": f, "tensor": t},
-           **{k: train[k] for k in ("params", "param_bytes_total", "param_bytes_per_device",
+           "lora_rank": cfg.lora.rank,
+           **{k: train[k] for k in ("params", "trainable_params", "param_bytes_total", "param_bytes_per_device",
                                     "opt_bytes_total", "opt_bytes_per_device")},
            "rollout_tensor": p.rollout_tensor, "rollout_param_bytes_per_device": roll["param_bytes_per_device"]}
     if update:
@@ -105,6 +111,9 @@ def print_report(r: dict[str, Any]) -> None:
     m = r["mesh"]
     print(f"{r['model']}: {r['params'] / 1e9:.3f} B parameters, {r['param_dtype']} master weights "
           f"computing in {r['dtype']}")
+    if r.get("lora_rank"):
+        print(f"LoRA rank {r['lora_rank']}: {r['trainable_params'] / 1e6:.3f} M trainable adapter parameters "
+              f"({100 * r['trainable_params'] / r['params']:.2f} %); base weights frozen, AdamW moments for the adapters only")
     print(f"train mesh data={m['data']} x fsdp={m['fsdp']} x tensor={m['tensor']} of {r['devices']} devices:")
     for name, key, note in (("params", "param", ""), ("optimizer", "opt", " (AdamW moments)")):
         print(f"  {name:<10} {r[key + '_bytes_total'] / GIB:8.3f} GiB total  "

@@ -3,7 +3,8 @@
 ``rhyme-jax memory`` uses this to size a run before any hardware is rented: the update of
 ``grpo_step.make_grpo_step`` is lowered for ``jax.ShapeDtypeStruct`` parameters, optimizer state
 and batch (nothing is allocated, so any model size works on a laptop CPU) and compiled for one
-device; ``compiled.memory_analysis().temp_size_in_bytes`` is the update's temporaries (gradients,
+device (a LoRA run, ``lora.rank > 0``: the update of ``train/lora_state.py``, adapters trained, the
+base an argument it does not differentiate); ``compiled.memory_analysis().temp_size_in_bytes`` is the update's temporaries (gradients,
 activations kept for the backward pass, one logits chunk, optimizer scratch). Parameters and
 optimizer state are float32 (``optim.PARAM_DTYPE``: the master weights of mixed precision), the
 graph computes in ``model.dtype``, as in a run.
@@ -23,6 +24,7 @@ from rhyme_jax.config import RunConfig
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.train.grpo_step import UpdateMemory, loss_options, make_grpo_step, num_micro_batches
+from rhyme_jax.train.lora_state import lora_structure
 from rhyme_jax.train.losses import SEQ_LEN_MULTIPLE
 from rhyme_jax.train.optim import PARAM_DTYPE, grpo_optimizer
 
@@ -79,6 +81,10 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     dtype = jnp.dtype(cfg.model.dtype)
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    frozen = ()
+    if cfg.lora.rank > 0:  # LoRA: adapters differentiated and updated, base (and dropout keys) frozen
+        graphdef, state, keys = lora_structure(model_cfg, cfg)
+        frozen = (nnx.split(abstract)[1], keys)
     opt = grpo_optimizer(g)
     opt_state = jax.eval_shape(opt.init, state)
     memory = UpdateMemory(0, g.logit_chunk, g.remat)
@@ -86,7 +92,7 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
                           loss_agg=g.loss_agg, temperature=cfg.rollout.temperature, memory=memory,
                           **loss_options(g))
     t0 = time.perf_counter()
-    compiled = step.lower(state, opt_state, _abstract_batch(rows, tokens, g.kl_coef > 0)).compile()
+    compiled = step.lower(state, opt_state, _abstract_batch(rows, tokens, g.kl_coef > 0), frozen).compile()
     seconds = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     chunk = rows * (tokens - 1) if g.logit_chunk == 0 else min(rows * (tokens - 1), g.logit_chunk)
