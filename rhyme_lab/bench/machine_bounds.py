@@ -19,24 +19,12 @@ Every figure is the median of ``repeats`` timed calls after one warm-up call.
 from __future__ import annotations
 
 import os
-import statistics
-import time
-from typing import Callable
 
 import numpy as np
 
+from rhyme_lab.measure.timing import median_seconds
+
 GB = 1e9
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls, after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
@@ -49,7 +37,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
 
     x = jnp.ones((nbytes // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
-    s = median_seconds(lambda: total(x).block_until_ready(), repeats)
+    s = median_seconds(lambda: total(x).block_until_ready(), repeats, warmup=1)
     return {"bytes": int(x.size * 4), "seconds": s, "gb_per_s": x.size * 4 / s / GB}
 
 
@@ -70,7 +58,7 @@ def matmul_rate(m: int, k: int, n: int, repeats: int = 5, engines: tuple[str, ..
 
         xa, xb = jnp.asarray(a), jnp.asarray(b)
         dot = jax.jit(jnp.dot)
-        s = median_seconds(lambda: dot(xa, xb).block_until_ready(), repeats)
+        s = median_seconds(lambda: dot(xa, xb).block_until_ready(), repeats, warmup=1)
         out["xla"] = {"seconds": s, "gflop_per_s": flops / s / GB}
     if "torch" in engines:
         try:
@@ -80,7 +68,7 @@ def matmul_rate(m: int, k: int, n: int, repeats: int = 5, engines: tuple[str, ..
         else:
             torch.set_num_threads(len(os.sched_getaffinity(0)))
             ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-            s = median_seconds(lambda: torch.matmul(ta, tb), repeats)
+            s = median_seconds(lambda: torch.matmul(ta, tb), repeats, warmup=1)
             out["torch"] = {"seconds": s, "gflop_per_s": flops / s / GB}
     return out
 
