@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rhyme_lab.measure import draft_cost, paired_report, peer_replay, timing
+from rhyme_lab.measure import draft_cost, paired_report, pass_overhead, peer_replay, timing
 from rhyme_lab.measure.text_replay import ReplayCase
 
 
@@ -84,3 +84,16 @@ def test_timing_harness_counts_calls():
     assert timing.median_seconds(lambda: None, 1) >= 0
     with pytest.raises(ValueError):
         timing.seconds_of(lambda: None, 0)
+
+
+def test_pass_overhead_figures_split_host_and_device_time():
+    """2 s of which 1.5 s blocked on the device, 100 passes, 1000 tokens: host 5 ms/pass, device
+    15 ms/pass, 500 tokens/s against a bound of 1000 / 1.5 s."""
+    stats = dict(decode_steps=100, decode_dispatches=10, device_wait_seconds=1.5, seconds=2.0, tokens_per_s=500.0,
+                 generated_tokens=1000, drafting_seconds=0.2)
+    f = pass_overhead.figures(stats)
+    assert f["host_ms_per_pass"] == pytest.approx(5.0) and f["device_ms_per_pass"] == pytest.approx(15.0)
+    assert f["bound_tokens_per_s"] == pytest.approx(1000 / 1.5) and f["of_bound"] == pytest.approx(0.75)
+    assert f["drafting_share"] == pytest.approx(0.1) and f["decode_dispatches"] == 10
+    text = pass_overhead.table({"model": "demo"}, {"engines": {1: f}, "same_tokens": True})
+    assert "| 1 | 5.000 | 15.000 | 500 | 667 | 75.0% | 10.0% | 100 | 10 |" in text

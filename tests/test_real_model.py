@@ -147,3 +147,21 @@ def test_histospec_drafts_keep_greedy_outputs_and_logprobs(real, greedy):
     s = res.stats
     assert s["accepted_tokens"] > 0.5 * s["drafted_tokens"] > 0
     assert s["forward_passes"] < greedy.stats["forward_passes"]
+
+
+@pytest.mark.slow  # compiles SmolLM2's decode chunk programs (minutes on 2 cores)
+def test_chunked_engine_keeps_greedy_outputs_and_logprobs(real, greedy):
+    """Eight decode passes per dispatch (``rollout/chunk.py``): the per-pass engine's greedy tokens;
+    behaviour logprobs within the float32 bound of two programs (``f32.logprobs``, as above: a
+    chunk keeps its row bucket where the per-pass engine shrinks it)."""
+    cfg, graphdef, state, _, ids, _ = real
+    eng = RolloutEngine(graphdef, cfg, EngineConfig(max_slots=4, page_size=16, num_pages=0, max_prompt_len=128,
+                                                    max_new_tokens=NEW_TOKENS, eos_ids=cfg.eos_token_ids,
+                                                    passes_per_dispatch=8))
+    res = eng.generate(state, ids, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), jax.random.key(0))
+    full = [list(p) + t.tolist() for p, t in zip(ids, greedy.tokens)]
+    atol = f32.logprobs(cfg, max(map(len, full)), _max_abs_logit(graphdef, state, full), probabilistic=True)
+    for got, want, glp, wlp in zip(res.tokens, greedy.tokens, res.logprobs, greedy.logprobs):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=atol, rtol=0)
+    assert res.stats["decode_dispatches"] < res.stats["decode_steps"]

@@ -10,7 +10,8 @@ bucket of ``rhyme_jax.rollout.shapes`` (``self.plan``), so the programs a run co
 from its config (``plan.programs()``). Sampling and lossless draft verification happen on
 device; one small device->host transfer per step brings back ``tokens, logprobs [T]`` (packed)
 and the number of tokens each row emits. Decode without drafts is the same step with one token
-per row. EOS or the length limit frees a sequence's pages and
+per row; with ``passes_per_dispatch > 1`` and no drafter, up to that many decode steps run in one
+device call (``rollout/chunk.py``), same tokens. EOS or the length limit frees a sequence's pages and
 its slot is refilled. Pages are allocated lazily when a sequence crosses a page boundary; when
 the pool runs dry the most recently admitted running sequence is preempted (its pages freed, it
 is requeued and later re-prefilled with prompt + generated-so-far) -- other sequences' pages are
@@ -387,7 +388,8 @@ class RolloutEngine:
             already begun elsewhere (a migrated sequence): the request is prefilled with prompt +
             those tokens and continues from there; they count toward ``max_new_tokens`` and are
             returned at the head of its response. ``m = 0`` = a fresh request.
-          monitor: optional callback after every decode step with a ``Progress``; it returns the
+          monitor: optional callback after every decode step (every chunk of steps with
+            ``passes_per_dispatch > 1``) with a ``Progress``; it returns the
             request indices to stop now (their slots are freed; finish reason ``"migrated"``,
             partial response returned). HistoPipe's tail migration (``sched/migration.py``).
           on_stop: called at once for each request the monitor stops, with its partial response
