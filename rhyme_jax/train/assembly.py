@@ -13,6 +13,8 @@ rollout workers and the learner, as an RL cluster keeps its roles apart):
   Benchmarks that only roll out stop here and never allocate training state;
 * ``Learner`` (``build_learner``): optimizer (and its initial float32 state, schedule counted in
   optimizer steps: ``optim.grpo_optimizer``), the jitted update, the frozen KL reference.
+  A LoRA run (``lora.rank > 0``, ``train/lora_state.py``) trains its adapters: the optimizer, the
+  update and the checkpoints see the adapters only, the weight sync merges them into the base.
 
 Params and optimizer state are returned next to the parts, never kept in them: the update donates
 their buffers, so only their owner (the trainer) holds them.
