@@ -17,6 +17,7 @@ from rhyme_jax.config.checks import ConfigError, above, at_least, check_fields, 
 
 Family = Literal["qwen2", "qwen3", "llama"]
 Dtype = Literal["float32", "bfloat16"]
+RolloutDtype = Literal["", "float32", "bfloat16"]
 DataSource = Literal["synthetic", "gsm8k", "jsonl", "parquet"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
@@ -166,6 +167,9 @@ class RolloutSection:
     attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu | *_interpret | "a,b" (tried in order)
     max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots; 33 x max_slots: room for a whole draft per row (pays at acceptance ~0.9; at ~0.5 it can cost 20%)
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
+    # engine weights and KV pages: "" = model.dtype | float32 | bfloat16 (a bf16 copy of the float32 master
+    # weights, cast at each weight sync; its logprobs differ from the trainer's: grpo.tis corrects; docs/precision.md)
+    dtype: RolloutDtype = ""
 
     def __post_init__(self):
         check_fields(self)
@@ -241,6 +245,10 @@ class GRPOSection:
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_grad_norm: float = 1.0  # <= 0 = no clipping
     max_consecutive_nonfinite: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
+    # truncated importance sampling (TRL vllm_importance_sampling_correction, token_truncate): the trainer recomputes
+    # the old logprobs and weights each token's policy-gradient term by min(exp(trainer - sampler), tis_cap)
+    tis: bool = False
+    tis_cap: float = 2.0  # the weight's cap C (>= 1; Yao et al. 2025 and verl use 2)
 
     def __post_init__(self):
         check_fields(self)
@@ -250,6 +258,7 @@ class GRPOSection:
         at_least(self, 0, "micro_batch_tokens", "logit_chunk", note=" (0 = off)")
         at_least(self, 0, "eps_low", "eps_high", "kl_coef", "weight_decay")
         above(self, 0.0, "learning_rate")
+        at_least(self, 1.0, "tis_cap")
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
         batch = f"the rollout batch grpo.prompts_per_step * grpo.samples_per_prompt = {rows}"

@@ -288,6 +288,7 @@ def grpo_loss(
     loss_agg: str = "token_mean",
     loss_norm: float | Array | None = None,
     kl_ratio_weighted: bool = False,
+    is_weights: Float[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Clipped GRPO surrogate with DAPO clip-higher and an optional k3 KL penalty.
 
@@ -296,7 +297,9 @@ def grpo_loss(
     with a reference, ``kl = exp(ref - lp) - (ref - lp) - 1`` (k3, >= 0) and the per-token loss is
     ``pg + kl_coef * kl`` (``pg + kl_coef * ratio * kl`` with ``kl_ratio_weighted``: the
     importance-weighted, unbiased reverse-KL gradient of DeepSeek-V3.2, arXiv 2512.02556; the
-    ratio is not gradient-stopped). Aggregated with ``aggregate(., mask, loss_agg, loss_norm)``.
+    ratio is not gradient-stopped). With ``is_weights`` (truncated importance sampling,
+    ``train.tis``) the ``pg`` term of each token is multiplied by its weight (gradient-stopped)
+    before the KL term is added, as TRL does. Aggregated with ``aggregate(., mask, loss_agg, loss_norm)``.
     This is TRL ``GRPOTrainer._compute_loss`` for ``importance_sampling_level="token"``
     (``epsilon`` / ``epsilon_high`` / ``beta`` / ``use_bias_correction_kl``).
 
@@ -311,6 +314,8 @@ def grpo_loss(
       loss_agg: one of ``LOSS_AGGS`` (module docstring).
       loss_norm: the step's normaliser (``loss_normaliser``) for the normalised aggregations.
       kl_ratio_weighted: weight the k3 term by the policy ratio (TRL ``use_bias_correction_kl``).
+      is_weights: f32[B, T] per-token weights of the policy-gradient term (``tis.truncated_is_weights``),
+        or None (no weighting; the same program as before they existed).
 
     Returns:
       (loss f32[], metrics) with masked-mean metrics (gradient-stopped): ``pg_loss``,
@@ -334,6 +339,8 @@ def grpo_loss(
         raise LossInputError(
             f"losses.grpo_loss: ref_logprobs must be {logprobs.shape}, got {ref_logprobs.shape}"
         )
+    if is_weights is not None and is_weights.shape != logprobs.shape:
+        raise LossInputError(f"losses.grpo_loss: is_weights must be {logprobs.shape}, got {is_weights.shape}")
     if eps_low < 0 or eps_high < 0:
         raise LossInputError(f"losses.grpo_loss: eps_low/eps_high must be >= 0, got {eps_low}, {eps_high}")
     _check_agg(loss_agg, loss_norm)
@@ -341,7 +348,7 @@ def grpo_loss(
     loss_w, token_w = loss_weights(mask, loss_agg, loss_norm)
     return weighted_grpo_loss(logprobs, old_logprobs, advantages, loss_w, token_w, eps_low=eps_low,
                               eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
-                              kl_ratio_weighted=kl_ratio_weighted)
+                              kl_ratio_weighted=kl_ratio_weighted, is_weights=is_weights)
 
 
 def loss_weights(mask: Float[Array, "B T"], loss_agg: str, loss_norm: float | Array | None = None
@@ -380,6 +387,7 @@ def weighted_grpo_loss(
     logprobs: Float[Array, "B T"], old_logprobs: Float[Array, "B T"], advantages: Float[Array, "B"],
     loss_w: Float[Array, "B T"], token_w: Float[Array, "B T"], *, eps_low: float, eps_high: float,
     ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0, kl_ratio_weighted: bool = False,
+    is_weights: Float[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``grpo_loss`` with the aggregation given as weights (``loss_weights``): the loss and every
     metric are weighted sums, so they add up over micro-batches of one minibatch.
@@ -389,7 +397,7 @@ def weighted_grpo_loss(
       ``loss_weights``; the rest as ``grpo_loss``.
 
     Returns:
-      (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` weighted by ``loss_w``;
+      (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` (times ``is_weights`` when given) weighted by ``loss_w``;
       ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` (k3, unweighted by the ratio) by
       ``token_w``.
     """
@@ -401,6 +409,8 @@ def weighted_grpo_loss(
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     pg = -jnp.minimum(unclipped, clipped)
+    if is_weights is not None:  # truncated importance sampling: TRL multiplies before adding the KL
+        pg = pg * jax.lax.stop_gradient(is_weights.astype(jnp.float32))
     per_token = pg
     if ref_logprobs is not None:
         d = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32)) - lp

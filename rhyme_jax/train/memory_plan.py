@@ -46,7 +46,8 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
                   update: bool = True) -> dict[str, Any]:
     """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (float32 master params +
     AdamW moments per device on the train mesh, whatever ``model.dtype`` computes in),
-    ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds), and unless ``--no-update``
+    ``rollout_param_bytes_per_device`` (the copy a worker holds, in ``rollout_dtype``: ``rollout.dtype``,
+    else ``model.dtype``), and unless ``--no-update``
     the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
     params + optimizer per device + ``update_temp_bytes`` (an upper bound under FSDP: the
     compiled update is single-device, so its gradients are whole).
@@ -75,8 +76,10 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
     d, f, t = mesh_shape(p.data, p.fsdp, p.tensor, devices)
     dtype, param_dtype = cfg.model.dtype, str(np.dtype(PARAM_DTYPE))
     train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=param_dtype)
-    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
-    out = {"model": source, "dtype": dtype, "param_dtype": param_dtype, "devices": devices,
+    roll_dtype = cfg.rollout.dtype or dtype
+    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=roll_dtype)
+    out = {"model": source, "dtype": dtype, "param_dtype": param_dtype, "rollout_dtype": roll_dtype,
+           "devices": devices,
            "mesh": {"data": d, "fsdp": f, "tensor": t},
            **{k: train[k] for k in ("params", "param_bytes_total", "param_bytes_per_device",
                                     "opt_bytes_total", "opt_bytes_per_device")},
@@ -105,7 +108,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  together   {(r['param_bytes_total'] + r['opt_bytes_total']) / GIB:8.3f} GiB total  "
           f"{both / GIB:8.3f} GiB per device")
     print(f"rollout worker (tensor={r['rollout_tensor']}): params "
-          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['dtype']} (plus the KV pool)")
+          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['rollout_dtype']} (plus the KV pool)")
     if "update_temp_bytes" in r:
         print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device "
               f"(logit_chunk={r['logit_chunk']}, remat={r['remat']}; XLA compiled in {r['compile_s']} s):")
