@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     report["stamp"] = stamp()
     cols = ("tokens", "abs_diff_mean", "abs_diff_p99", "abs_diff_max", "ratio_mean", "ratio_std", "ratio_min",
             "ratio_max", "tis_weight_mean", "tis_clipped_fraction")
-    print("| rollout dtype | " + " | ".join(cols) + " |\n|---" * (len(cols) + 1) + "|")
+    print("| rollout dtype | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|")
     for dtype, row in report["by_dtype"].items():
-        print(f"| {dtype} | " + " | ".join(f"{row[c]:.4g}" for c in cols) + " |")
+        print(f"| {dtype} | " + " | ".join(f"{row[c]:.6g}" for c in cols) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out} ({report['stamp']})")
