@@ -6,7 +6,7 @@ bf16 compute and KV pages; ``float32`` = the default); the trainer's float32 for
 same tokens. Per dtype: mean / p99 / max of |trainer - sampler| (nats per token), the ratio
 ``exp(trainer - sampler)`` (mean, std, min, p1, p99, max) and the truncated-importance-sampling
 weights at ``--cap`` (``grpo.tis_cap``: mean, max, share clipped). Method:
-``rhyme_lab.measure.rollout_dtype``; the figures and the commit they came from: docs/results.md.
+``rhyme_lab.bench.rollout_dtype``; the figures and the commit they came from: docs/results.md.
 
 Usage::
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_dtype.json"))
     args = ap.parse_args(argv)
 
-    from rhyme_lab.measure.rollout_dtype import measure
+    from rhyme_lab.bench.rollout_dtype import measure
     from rhyme_lab.provenance import stamp
 
     report = measure(args.prompts, args.max_new, seed=args.seed, cap=args.cap)
