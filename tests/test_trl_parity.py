@@ -432,6 +432,64 @@ def test_smollm2_loss_and_gradients_match_trl(smollm2_dir, tmp_path, monkeypatch
     check_case(setup, tmp_path, monkeypatch, "dapo", "group", 0.0, False, logprob_atol=1e-4, grad_rtol=5e-4)
 
 
+TIS_CAP = 2.0  # grpo.tis_cap = TRL vllm_importance_sampling_clip_max
+
+
+def test_truncated_importance_sampling_matches_trl(tiny, tmp_path, monkeypatch):
+    """``grpo.tis`` against TRL's ``vllm_importance_sampling_correction`` in mode ``token_truncate``
+    (clip_max = ``grpo.tis_cap``, no clip_min). The behaviour logprobs of the harness (current + noise)
+    play the trainer's old logprobs; the sampler's are those plus more noise (a bf16 engine's),
+    some past log(cap) so the cap is active. TRL's ratio is computed by its formula
+    (``clamp(exp((old - sampling) * mask), max=cap)``: inline in ``_generate_and_score_completions``,
+    which needs vLLM) and handed to TRL's own ``_compute_loss`` with the vLLM correction switched
+    on; ours from ``tis.truncated_is_weights`` into the update's gradient (``batch["is_weights"]``).
+    The weights agree to the float32 rounding of one ``exp`` (``f32.TRANSCENDENTAL_ULPS``), the loss
+    and gradients within the tolerances of the other cases. KL on (beta > 0): TRL adds it after the
+    weighting, so it stays unweighted."""
+    from rhyme_jax.train import tis
+    import f32
+
+    trainer = _trl_trainer(tiny, tmp_path, monkeypatch, "bnpo", "group", BETA, False)
+    out = trainer._generate_and_score_completions([{"prompt": "t5 t6", "row": i} for i in range(ROWS)])
+    current_trl = out["old_per_token_logps"].numpy()
+    mask = out["completion_mask"]
+    rng = np.random.default_rng(3)
+    old = out["old_per_token_logps"] + torch.from_numpy(rng.normal(0.0, 0.3, tuple(mask.shape))).float() * mask
+    sampling = old + torch.from_numpy(rng.normal(0.0, 0.5, tuple(mask.shape))).float() * mask
+    ratio = torch.clamp(torch.exp((old - sampling) * mask), max=TIS_CAP)  # TRL token_truncate
+    out["old_per_token_logps"], out["importance_sampling_ratio"] = old, ratio
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.vllm_importance_sampling_mode = "token_truncate"
+    first = {k: (v[: ROWS // MINIBATCHES] if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in out.items()}
+    trainer.model.zero_grad()
+    loss_t = trainer._compute_loss(trainer.model, first)
+    loss_t.backward()
+    loss_t = float(loss_t.detach())
+    trl_grads = {k: p.grad.detach().numpy().copy() for k, p in trainer.model.named_parameters()}
+
+    cfg, graphdef, state, _ = _ours(tiny.policy_dir, tiny.ref_dir)
+    batch, _, _ = _our_batch(tiny, out, current_trl, "token_mean", "group", BETA, 2e-5)
+    completions = _rollout_data(tiny)[1]
+    prompt_lens = np.full(ROWS, PROMPT_LEN, np.int32)
+    sampler = losses.response_grid([sampling[i, : len(c)].numpy() for i, c in enumerate(completions)],
+                                   prompt_lens, batch["tokens"].shape[1])
+    weights, metrics = tis.truncated_is_weights(batch["old_logprobs"], sampler, batch["loss_mask"][:, :-1], TIS_CAP)
+    on_grid = lambda grid: np.stack([grid[i, PROMPT_LEN - 1: PROMPT_LEN - 1 + MAX_NEW] for i in range(ROWS)])
+    m = mask.numpy() > 0
+    np.testing.assert_allclose(on_grid(np.asarray(weights))[m], ratio.numpy()[m],
+                               rtol=f32.TRANSCENDENTAL_ULPS * f32.U, atol=0)
+    assert 0 < float(metrics["tis/clipped_fraction"]) < 0.5 and float(metrics["tis/weight_max"]) == TIS_CAP
+    batch["is_weights"] = np.asarray(weights)
+    first_ours = {k: v[: ROWS // MINIBATCHES] for k, v in batch.items()}
+    (loss, _), grads = _our_grads(graphdef, state, first_ours, "token_mean", BETA, False)
+    assert abs(float(loss) - loss_t) / abs(loss_t) < LOSS_RTOL, (float(loss), loss_t)
+    _compare_grads(cfg, grads, trl_grads, GRAD_RTOL)
+    # the weighting matters here: without it the loss is another number
+    (plain, _), _ = _our_grads(graphdef, state, {k: v for k, v in first_ours.items() if k != "is_weights"},
+                               "token_mean", BETA, False)
+    assert abs(float(plain) - loss_t) / abs(loss_t) > 100 * LOSS_RTOL
+
+
 def test_zz_report_measured_errors():
     """Prints the worst relative errors of the cases that ran (``pytest -s``)."""
     if MEASURED:

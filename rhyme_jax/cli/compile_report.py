@@ -64,15 +64,15 @@ def sample_programs(programs: list, n: int) -> list:
 
 
 def _abstract_engine(cfg: RunConfig, model_cfg):
-    """``(engine, abstract state)``: the run's engine over an ``nnx.eval_shape``'d model in
-    ``model.dtype`` with an abstract KV pool."""
+    """``(engine, abstract state)``: the run's engine over an ``nnx.eval_shape``'d model in the
+    rollout dtype (``rollout.dtype``, else ``model.dtype``) with an abstract KV pool."""
     from flax import nnx
 
     from rhyme_jax.model.transformer import Decoder
-    from rhyme_jax.train.policy import compute_dtype
+    from rhyme_jax.train.policy import rollout_dtype
     from rhyme_jax.train.assembly import make_engine
 
-    dtype = compute_dtype(cfg.model.dtype)
+    dtype = rollout_dtype(cfg)
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     engine = make_engine(graphdef, model_cfg, cfg, (0,))
@@ -111,7 +111,7 @@ def report(cfg: RunConfig, model_config: str, sample: int) -> dict[str, Any]:
         timed = [dict(asdict(p), compile_s=round(compile_seconds(engine, state, p, sampling), 3)) for p in picked]
     plan = plan_from_config(cfg)
     return {
-        "model": source, "layers": model_cfg.num_layers, "dtype": str(cfg.model.dtype),
+        "model": source, "layers": model_cfg.num_layers, "dtype": str(cfg.rollout.dtype or cfg.model.dtype),
         "spec": bool(cfg.spec.enabled), "backend": jax.default_backend(),
         "programs": len(programs), "by_kind": dict(Counter(p.kind for p in programs)),
         "row_buckets": sorted({p.rows for p in programs if p.kind != "prefill"}),

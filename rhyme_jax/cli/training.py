@@ -180,7 +180,9 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     accuracy of a checkpoint, the run's newest, or the starting model (``initial``)."""
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.io import checkpoint as ckpt
-    from rhyme_jax.train.assembly import build_policy, run_dir_of, warm_start_dir
+    from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of, warm_start_dir
+    from rhyme_jax.train.evaluate import evaluate_run
+    from rhyme_jax.train.policy import compute_params, rollout_dtype
 
     run_dir = run_dir_of(cfg)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
@@ -231,8 +233,8 @@ def _report_eval(cfg: RunConfig, policy, state, source: str) -> int:
     from rhyme_jax.train.policy import compute_dtype, compute_params
 
     engine = make_engine(policy.graphdef, policy.model_cfg, cfg, policy.eos)
-    # The float32 master weights evaluated on a model.dtype copy, as the run's evaluations are.
-    state = compute_params(state, compute_dtype(cfg.model.dtype))
+    # The float32 master weights evaluated on a rollout-dtype copy, as the run's evaluations are.
+    state = compute_params(state, rollout_dtype(cfg))
     res = evaluate_run(engine, state, policy.tokenizer, policy.eval_problems, cfg)
     sampled = (f", pass@1 at T = {cfg.rollout.temperature:g} (mean of {res.samples} samples) "
                f"{res.sampled_accuracy:.3f} ± {res.sampled_stderr:.3f}, pass@{res.samples} {res.pass_at_k:.3f}"

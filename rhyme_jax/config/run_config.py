@@ -43,6 +43,7 @@ class RunConfig:
         _check_tiny_layout(self)
         _check_learning_signal(self)
         _check_dapo(self)
+        _check_tis(self)
 
 
 def _check_batch_layout(cfg: RunConfig) -> None:
@@ -100,6 +101,19 @@ def _check_tiny_layout(cfg: RunConfig) -> None:
     heads, tensor = cfg.model.tiny.num_kv_heads, cfg.parallel.rollout_tensor
     if heads % tensor:
         raise ConfigError(f"parallel.rollout_tensor={tensor} must divide model.tiny.num_kv_heads={heads}")
+
+
+def _check_tis(cfg: RunConfig) -> None:
+    """``grpo.tis`` recomputes the old logprobs with the trainer's full params; a LoRA run's
+    trainer state is its adapters (``train/lora_state.py``), so the two are refused together.
+
+    Raises:
+      ConfigError: one line starting with the key.
+    """
+    if cfg.grpo.tis and cfg.lora.rank > 0:
+        raise ConfigError(f"grpo.tis=true is not supported with lora.rank={cfg.lora.rank} > 0: the trainer's "
+                          f"recompute of the old logprobs needs the merged weights (use rollout.dtype=float32 "
+                          f"and grpo.tis=false, or full fine-tuning)")
 
 
 def _check_dapo(cfg: RunConfig) -> None:

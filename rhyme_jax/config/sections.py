@@ -18,6 +18,7 @@ from rhyme_jax.config.checks import ConfigError, above, at_least, check_fields, 
 
 Family = Literal["qwen2", "qwen3", "llama"]
 Dtype = Literal["float32", "bfloat16"]
+RolloutDtype = Literal["", "float32", "bfloat16"]
 DataSource = Literal["synthetic", "ledger", "gsm8k", "jsonl", "parquet"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
@@ -227,6 +228,9 @@ class RolloutSection:
     max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots; 33 x max_slots: room for a whole draft per row (pays at acceptance ~0.9; at ~0.5 it can cost 20%)
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
     passes_per_dispatch: int = 1  # plain decode passes per device call (rollout/chunk.py): > 1 cuts host time per pass ~N-fold; a row finishing mid-chunk idles to the chunk's end and rows hold pages for N tokens ahead
+    # engine weights and KV pages: "" = model.dtype | float32 | bfloat16 (a bf16 copy of the float32 master
+    # weights, cast at each weight sync; its logprobs differ from the trainer's: grpo.tis corrects; docs/precision.md)
+    dtype: RolloutDtype = ""
 
     def __post_init__(self):
         check_fields(self)
@@ -316,6 +320,10 @@ class GRPOSection:
     mask_truncated_completions: bool = False  # rows cut at rollout.max_new_tokens (no EOS) carry no loss (TRL's key; DAPO sec. 3.4)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill with fresh prompts (docs/dynamic_sampling.md)
     refill_rounds: int = 3  # dynamic_sampling: most extra rollouts per step; still short after them, the step trains on what it has
+    # truncated importance sampling (TRL vllm_importance_sampling_correction, token_truncate): the trainer recomputes
+    # the old logprobs and weights each token's policy-gradient term by min(exp(trainer - sampler), tis_cap)
+    tis: bool = False
+    tis_cap: float = 2.0  # the weight's cap C (>= 1; Yao et al. 2025 and verl use 2)
 
     def __post_init__(self):
         check_fields(self)
@@ -328,6 +336,7 @@ class GRPOSection:
         if self.kl_ratio_weighted and self.kl_coef == 0:
             raise fail(self, "kl_ratio_weighted", "needs grpo.kl_coef > 0 (it weights the KL term)")
         above(self, 0.0, "learning_rate")
+        at_least(self, 1.0, "tis_cap")
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
         batch = f"the rollout batch grpo.prompts_per_step * grpo.samples_per_prompt = {rows}"

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
+from rhyme_jax.model.precision import cast_floating, dtype_of, with_compute_dtype
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, chunk, shapes
 from rhyme_jax.rollout.allocation import PassChoice
@@ -65,7 +66,10 @@ class RolloutEngine:
         on ``jax.devices()[0]``.
 
     The buckets are ``self.plan = shapes.plan(...)`` of the config's sizes; its fields are also
-    attributes of the engine (``max_slots``, ``page_size``, ``eos_ids``, ...).
+    attributes of the engine (``max_slots``, ``page_size``, ``eos_ids``, ...). With
+    ``config.dtype`` the passes run the graph set to compute in it on the given weights cast to it
+    (``model.precision``; no copy when they are already) with the KV pool in it: bf16 rollouts
+    over float32 master weights.
 
     Raises:
       EngineConfigError: ``eos_ids`` outside the vocabulary, the pool cannot hold one
@@ -84,6 +88,8 @@ class RolloutEngine:
             raise EngineConfigError(f"{_WHERE}: mesh needs a 'tensor' axis dividing num_kv_heads="
                                     f"{model_cfg.num_kv_heads}, got {dict(self.mesh.shape)}")
         self.graphdef, self.model_cfg = graphdef, model_cfg
+        self.dtype = dtype_of(c.dtype, f"{_WHERE}: dtype") if c.dtype else None  # None: as given
+        self._compute_graph: nnx.GraphDef | None = None  # graphdef computing in self.dtype
         self.max_slots, self.page_size = int(c.max_slots), int(c.page_size)
         self.max_prompt_len, self.max_new_tokens = int(c.max_prompt_len), int(c.max_new_tokens)
         self.eos_ids = c.eos_ids
@@ -121,10 +127,22 @@ class RolloutEngine:
         self.device_wait_seconds = 0.0
 
     # ------------------------------------------------------------------ helpers
+    def _graph(self, state) -> nnx.GraphDef:
+        """The graphdef the passes run: ``self.graphdef`` computing in ``self.dtype``."""
+        if self.dtype is None:
+            return self.graphdef
+        if self._compute_graph is None:
+            self._compute_graph = with_compute_dtype(self.graphdef, state, self.dtype)
+        return self._compute_graph
+
+    def _cast(self, state):
+        """``state``'s floating leaves in ``self.dtype`` (the same arrays when they are)."""
+        return state if self.dtype is None else cast_floating(state, self.dtype)
+
     def _flat_state(self, state):
-        leaves, treedef = jax.tree.flatten(state)
+        leaves, treedef = jax.tree.flatten(self._cast(state))
         if self._static is None or self._static.value[1] != treedef:
-            self._static = StaticModel(self.graphdef, treedef)
+            self._static = StaticModel(self._graph(state), treedef)
         return leaves, self._static
 
     def programs(self, spec: bool = True) -> list[shapes.PassShape]:
@@ -182,7 +200,7 @@ class RolloutEngine:
         if path:
             self.pass_cost = PassCost.prior() if path == "prior" else PassCost.load(path)
             return self.pass_cost
-        leaves = jax.tree.leaves(state)
+        leaves = jax.tree.leaves(jax.eval_shape(self._cast, state))  # shapes and the dtype it runs in
         cfg = self.model_cfg
         parts = {"profile": PROFILE_VERSION, "model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
                            sum(int(np.prod(x.shape)) for x in leaves)],
@@ -198,8 +216,9 @@ class RolloutEngine:
 
     def _pool_factory(self, state) -> Callable[[], KVCache]:
         """A function creating this engine's zero KV pool in the dtype ``state`` computes in."""
+        graph = self._graph(state)
         probe = jax.eval_shape(
-            lambda st: nnx.merge(self.graphdef, st).embed_tokens(jnp.zeros((1,), jnp.int32)), state)
+            lambda st: nnx.merge(graph, self._cast(st)).embed_tokens(jnp.zeros((1,), jnp.int32)), state)
         cfg = self.model_cfg
 
         def create():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from rhyme_jax.model.precision import DTYPES
 from rhyme_jax.rollout.shapes import DEFAULT_PREFILL_TOKENS
 from rhyme_jax.rollout.types import EngineConfigError
 
@@ -47,11 +48,15 @@ class EngineConfig:
       passes_per_dispatch: plain decode passes run in one device call (``rollout/chunk.py``;
         1 = one pass per call). Same tokens; trades host time per pass for idle rows at chunk
         ends and pages reserved ahead.
+      dtype: the dtype the engine computes in: ``"float32"`` | ``"bfloat16"`` (its graph set to
+        compute in it, the weights it is given cast to it, the KV pool in it;
+        ``model.precision``), or ``""``: as the graph and weights it is given (the run's
+        ``model.dtype``).
 
     Raises:
-      EngineConfigError: ``max_slots``, ``page_size``, ``max_prompt_len`` or ``max_new_tokens``
-        or ``passes_per_dispatch`` below 1, ``num_pages`` below 0, or an unknown ``on_overlong_prompt``; the message names
-        the field.
+      EngineConfigError: ``max_slots``, ``page_size``, ``max_prompt_len``, ``max_new_tokens`` or
+        ``passes_per_dispatch`` below 1, ``num_pages`` below 0, an unknown ``on_overlong_prompt``
+        or ``dtype``; the message names the field.
     """
 
     max_slots: int
@@ -66,6 +71,7 @@ class EngineConfig:
     max_verify_tokens: int = 0
     share_prompt_prefix: bool = True
     passes_per_dispatch: int = 1
+    dtype: str = ""
 
     def __post_init__(self):
         for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch"):
@@ -77,6 +83,8 @@ class EngineConfig:
         if self.on_overlong_prompt not in ("error", "skip"):
             raise EngineConfigError(
                 f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {self.on_overlong_prompt!r}")
+        if self.dtype not in ("", *DTYPES):
+            raise EngineConfigError(f"{_WHERE}: dtype must be '' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
         if not isinstance(self.attention_impl, str):
             object.__setattr__(self, "attention_impl", tuple(self.attention_impl))
@@ -89,13 +97,15 @@ class EngineConfig:
     @classmethod
     def from_section(cls, rollout: "RolloutSection", eos_ids: Sequence[int] = ()) -> "EngineConfig":
         """The engine a run's ``rollout`` config section sizes (``max_prefill_tokens``: the
-        default, the section has no such key); ``eos_ids`` as the attribute."""
+        default, the section has no such key); ``eos_ids`` as the attribute; ``dtype`` is
+        ``rollout.dtype`` (``""``: the run's ``model.dtype``, the dtype of its graph)."""
         r = rollout
         return cls(max_slots=r.max_slots, page_size=r.page_size, num_pages=r.num_pages,
                    max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
                    on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
                    max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
-                   passes_per_dispatch=r.passes_per_dispatch)
+                   passes_per_dispatch=r.passes_per_dispatch,
+                   dtype=r.dtype)
 
     @classmethod
     def from_run(cls, cfg: "RunConfig", eos_ids: Sequence[int] = ()) -> "EngineConfig":

@@ -8,9 +8,9 @@ rollout workers and the learner, as an RL cluster keeps its roles apart):
   model definition, with the initial params in the train layout (``load_warm_start`` loads the
   params a GRPO run starts from);
 * ``RolloutParts`` (``build_rollout``): one engine per rollout worker on its sub-mesh, each
-  worker's param layout (the weight sync ``states``: the float32 master weights cast to
-  ``model.dtype`` and resharded), the scheduler, the history store and the HistoSpec drafter.
-  Benchmarks that only roll out stop here and never allocate training state;
+  worker's param layout (the weight sync ``states``: the float32 master weights cast to the
+  rollout dtype, ``rollout.dtype`` else ``model.dtype``, and resharded), the scheduler, the
+  history store and the HistoSpec drafter. Benchmarks that only roll out stop here and never allocate training state;
 * ``Learner`` (``build_learner``): optimizer (and its initial float32 state, schedule counted in
   optimizer steps: ``optim.grpo_optimizer``), the jitted update, the frozen KL reference.
   A LoRA run (``lora.rank > 0``, ``train/lora_state.py``) trains its adapters: the optimizer, the
@@ -65,7 +65,7 @@ from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options
 from rhyme_jax.train.lora_state import LoRAParts, build_lora, lora_learner
 from rhyme_jax.train.optim import grpo_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline, make_pipeline
-from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_dtype, compute_params, eos_ids
+from rhyme_jax.train.policy import build_sharded, build_tokenizer, compute_params, eos_ids, rollout_dtype
 from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.prompts import PromptTokens, num_grpo_prompts, prompt_schedule
 
@@ -188,8 +188,8 @@ class RolloutParts:
       scheduler: the ``RolloutScheduler`` over the engines (``sched`` section).
       history: the history store (None when neither HistoSpec nor HistoPipe is on).
       drafter: the HistoSpec drafter (None when ``spec.enabled`` is off).
-      dtype: the compute dtype (``model.dtype``) the workers' weights are cast to; None = kept as
-        they are.
+      dtype: the dtype the workers' weights are cast to (``policy.rollout_dtype``: ``rollout.dtype``,
+        else ``model.dtype``); None = kept as they are.
       merge: a LoRA run's ``adapters -> params`` (``LoRAParts.merge``: ``W + scale A B``), applied
         before the cast; None = the state is the params.
     """
@@ -208,11 +208,12 @@ class RolloutParts:
         return self.engines[0]
 
     def states(self, state: nnx.State) -> list[nnx.State]:
-        """The weight sync: ``state`` (the float32 master weights) cast to the compute dtype
-        (``policy.compute_params``: once, on the train mesh, before the copies) and resharded into
-        every local worker's layout. The rollout computes in ``model.dtype`` either way; a bf16
-        copy halves each worker's weights and the bytes the sync moves. A LoRA run's ``state`` is
-        its adapters: ``merge`` folds them into the base weights first (``train/lora_state.py``)."""
+        """The weight sync: ``state`` (the float32 master weights) cast to the rollout dtype
+        (``policy.compute_params``: once per sync, on the train mesh, before the copies) and
+        resharded into every local worker's layout. The engines compute in that dtype either way
+        (``rollout.dtype``, else ``model.dtype``); a bf16 copy halves each worker's weights and the
+        bytes the sync moves. A LoRA run's ``state`` is its adapters: ``merge`` folds them into
+        the base weights first (``train/lora_state.py``)."""
         if self.merge is not None:
             state = self.merge(state)
         if self.dtype is not None:
@@ -255,7 +256,7 @@ def build_rollout(cfg: RunConfig, policy: Policy, params_like: nnx.State, *,
     drafter = Drafter(cfg.spec, history) if cfg.spec.enabled else None
     if drafter is not None and len(history):
         drafter.rebuild(history.prompt_ids())
-    return RolloutParts(engines, shardings, scheduler, history, drafter, compute_dtype(cfg.model.dtype), merge)
+    return RolloutParts(engines, shardings, scheduler, history, drafter, rollout_dtype(cfg), merge)
 
 
 def attach_pass_cost(cfg: RunConfig, rollout: RolloutParts, state: nnx.State) -> None:
@@ -302,7 +303,8 @@ class Learner:
       optimizer: the optax transformation (``grpo`` section).
       layout: shardings of the jitted train programs (params, optimizer state, batch).
       step_fn: ``(state, opt_state, batch) -> (state, opt_state, metrics)`` (``make_grpo_step``).
-      ref_logprob_fn: ``(state, batch) -> f32[B, T-1]`` logprobs of the KL reference.
+      ref_logprob_fn: ``(state, batch) -> f32[B, T-1]`` logprobs under given params: the KL
+        reference's, and with ``grpo.tis`` the old policy's recompute (``trainer._truncated_is``).
       ref_state: the frozen KL reference (the starting policy) or None when ``grpo.kl_coef`` is 0.
     """
 

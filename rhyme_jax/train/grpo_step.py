@@ -161,7 +161,8 @@ def make_weighted_grads_fn(graphdef: nnx.GraphDef, *, eps_low: float, eps_high: 
             ref_logprobs=mb.get("ref_logprobs") if kl_coef > 0 else None, kl_coef=kl_coef,
             kl_ratio_weighted=kl_ratio_weighted, importance_sampling_level=importance_sampling_level,
             entropy=entropy if bonus else None, entropy_coef=entropy_coef,
-            segment_ids=mb["segment_ids"][:, :-1] if "segment_ids" in mb else None)
+            segment_ids=mb["segment_ids"][:, :-1] if "segment_ids" in mb else None,
+            is_weights=mb.get("is_weights"))
         metrics.pop("entropy_bonus", None)  # the same value as "entropy", gradient-stopped below
         return loss, dict(metrics, entropy=jnp.sum(jax.lax.stop_gradient(entropy) * token_w))
 
@@ -230,9 +231,10 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     ``batch`` holds ``tokens i32[B,T]``, ``positions i32[B,T]``, ``attn_mask bool[B,T]``,
     ``loss_mask f32[B,T]`` (1 where the next token is a response token), ``old_logprobs f32[B,T-1]``
     (behaviour logprobs aligned with targets ``tokens[:, 1:]``), ``advantages f32[B]``, when
-    ``kl_coef > 0`` ``ref_logprobs f32[B,T-1]``, and for ``loss_agg`` in
+    ``kl_coef > 0`` ``ref_logprobs f32[B,T-1]``, for ``loss_agg`` in
     ``losses.NORMALISED_AGGS`` ``loss_norm f32[B]`` (``losses.loss_normaliser`` on every real row,
-    0 on padding rows). ``state`` and ``opt_state`` are donated.
+    0 on padding rows), and with ``grpo.tis`` ``is_weights f32[B,T-1]`` (``tis.truncated_is_weights``:
+    each token's policy-gradient term is multiplied by it; without the key the program is unchanged). ``state`` and ``opt_state`` are donated.
     Metrics are f32 scalars: loss, grad_norm, entropy, clip_fraction, kl, finite (1/0).
 
     The loss and gradient are ``make_grads_fn``'s: ``memory`` bounds the update's temporaries

@@ -297,6 +297,7 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     entropy: Float[Array, "B T"] | None = None,
     entropy_coef: float = 0.0,
+    is_weights: Float[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Clipped GRPO surrogate with DAPO clip-higher, an optional k3 KL penalty and entropy bonus.
 
@@ -311,7 +312,9 @@ def grpo_loss(
     clipped as one number. With ``entropy_coef > 0`` the loss is minus ``entropy_coef`` x the
     masked token mean of ``entropy`` (whatever ``loss_agg``, as TRL). This is TRL
     ``GRPOTrainer._compute_loss`` (``epsilon`` / ``epsilon_high`` / ``beta`` /
-    ``use_bias_correction_kl`` / ``importance_sampling_level`` / ``entropy_coef``).
+    ``use_bias_correction_kl`` / ``importance_sampling_level`` / ``entropy_coef``). With
+    ``is_weights`` (truncated importance sampling, ``grpo.tis``) the ``pg`` term of each token is
+    multiplied by its weight (gradient-stopped) before the KL term is added, as TRL does.
 
     Args:
       logprobs: f32[B, T] log-probs of the sampled tokens under the current policy (differentiable).
@@ -327,6 +330,8 @@ def grpo_loss(
       importance_sampling_level: ``token`` | ``sequence`` (``IS_LEVELS``).
       entropy: f32[B, T] differentiable per-token entropy in nats (needed when ``entropy_coef > 0``).
       entropy_coef: weight of the entropy bonus (>= 0; 0 = no bonus).
+      is_weights: f32[B, T] per-token weights of the policy-gradient term (``tis.truncated_is_weights``),
+        or None (no weighting; the same program as before they existed).
 
     Returns:
       (loss f32[], metrics) with masked-mean metrics (gradient-stopped): ``pg_loss``,
@@ -342,12 +347,14 @@ def grpo_loss(
     _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, eps_low, eps_high)
     _check_agg(loss_agg, loss_norm)
     _check_options(importance_sampling_level, entropy, entropy_coef)
+    if is_weights is not None and is_weights.shape != logprobs.shape:
+        raise LossInputError(f"losses.grpo_loss: is_weights must be {logprobs.shape}, got {is_weights.shape}")
     loss_w, token_w = loss_weights(mask, loss_agg, loss_norm)
     return weighted_grpo_loss(logprobs, old_logprobs, advantages, loss_w, token_w, eps_low=eps_low,
                               eps_high=eps_high, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
                               kl_ratio_weighted=kl_ratio_weighted,
                               importance_sampling_level=importance_sampling_level,
-                              entropy=entropy, entropy_coef=entropy_coef)
+                              entropy=entropy, entropy_coef=entropy_coef, is_weights=is_weights)
 
 
 def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, eps_low, eps_high) -> None:
@@ -419,6 +426,7 @@ def weighted_grpo_loss(
     ref_logprobs: Float[Array, "B T"] | None = None, kl_coef: float = 0.0, kl_ratio_weighted: bool = False,
     importance_sampling_level: str = "token", entropy: Float[Array, "B T"] | None = None,
     entropy_coef: float = 0.0, segment_ids: Int[Array, "B T"] | None = None,
+    is_weights: Float[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``grpo_loss`` with the aggregation given as weights (``loss_weights``): the loss and every
     metric are weighted sums, so they add up over micro-batches of one minibatch.
@@ -434,7 +442,8 @@ def weighted_grpo_loss(
       belongs to the segment of token t; None = one sequence per row); the rest as ``grpo_loss``.
 
     Returns:
-      (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` weighted by ``loss_w``;
+      (loss f32[], metrics) as ``grpo_loss``: ``pg_loss`` (times ``is_weights`` when given) weighted by
+      ``loss_w``;
       ``clip_fraction``, ``ratio_mean``, ``approx_kl``, ``kl`` (k3, unweighted by the ratio) and
       ``entropy_bonus`` by ``token_w``.
 
@@ -456,6 +465,8 @@ def weighted_grpo_loss(
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     pg = -jnp.minimum(unclipped, clipped)
+    if is_weights is not None:  # truncated importance sampling: TRL multiplies before adding the KL
+        pg = pg * jax.lax.stop_gradient(is_weights.astype(jnp.float32))
     per_token = pg
     if ref_logprobs is not None:
         d = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32)) - lp

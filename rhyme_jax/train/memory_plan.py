@@ -46,8 +46,8 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
                   update: bool = True, mean_tokens: int = 0) -> dict[str, Any]:
     """The numbers ``rhyme-jax memory`` prints (bytes, ints): ``state`` (float32 master params +
     AdamW moments per device on the train mesh, whatever ``model.dtype`` computes in),
-    ``rollout_param_bytes_per_device`` (the ``model.dtype`` copy a worker holds; a LoRA run's merged
-    weights), ``trainable_params`` (a LoRA run, ``lora.rank > 0``: the adapters; params then count
+    ``rollout_param_bytes_per_device`` (the copy a worker holds, in ``rollout_dtype``: ``rollout.dtype``,
+    else ``model.dtype``; a LoRA run's merged weights), ``trainable_params`` (a LoRA run, ``lora.rank > 0``: the adapters; params then count
     base + adapters and the optimizer state covers the adapters only), and unless ``--no-update``
     the update's compiled memory (``train.update_memory``) plus ``peak_bytes_per_device`` =
     params + optimizer per device + ``update_temp_bytes`` (an upper bound under FSDP: the
@@ -84,8 +84,10 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
 
     train = state_memory(model_cfg, {"data": d, "fsdp": f, "tensor": t}, param_dtype=param_dtype,
                          lora=lora_spec(cfg))
-    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=dtype)
-    out = {"model": source, "dtype": dtype, "param_dtype": param_dtype, "devices": devices,
+    roll_dtype = cfg.rollout.dtype or dtype
+    roll = state_memory(model_cfg, {"tensor": p.rollout_tensor}, param_dtype=roll_dtype)
+    out = {"model": source, "dtype": dtype, "param_dtype": param_dtype, "rollout_dtype": roll_dtype,
+           "devices": devices,
            "mesh": {"data": d, "fsdp": f, "tensor": t},
            "lora_rank": cfg.lora.rank,
            **{k: train[k] for k in ("params", "trainable_params", "param_bytes_total", "param_bytes_per_device",
@@ -122,7 +124,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  together   {(r['param_bytes_total'] + r['opt_bytes_total']) / GIB:8.3f} GiB total  "
           f"{both / GIB:8.3f} GiB per device")
     print(f"rollout worker (tensor={r['rollout_tensor']}): params "
-          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['dtype']} (plus the KV pool)")
+          f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['rollout_dtype']} (plus the KV pool)")
     if "update_temp_bytes" in r:
         packed = f" (grpo.padding_free: {r['padded_rows']} padded rows packed)" if "padded_rows" in r else ""
         print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device{packed} "

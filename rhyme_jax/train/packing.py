@@ -24,7 +24,7 @@ from rhyme_jax.train import losses
 
 # per-token fields of the padded minibatch on the [B, T] token grid and the [B, T-1] target grid
 TOKEN_FIELDS = ("tokens", "attn_mask", "loss_mask")
-TARGET_FIELDS = ("old_logprobs", "ref_logprobs")
+TARGET_FIELDS = ("old_logprobs", "ref_logprobs", "is_weights")
 
 
 def first_fit_decreasing(lengths: Int[np.ndarray, "B"], capacity: int) -> list[list[int]]:

@@ -3,7 +3,8 @@
 One code path serves the CPU demo and real checkpoints: both end as a ``Decoder`` plus a
 ``Tokenizer`` read from a ``tokenizer.json``. Parameters are always float32 master weights
 (``optim.PARAM_DTYPE``); ``model.dtype`` is the compute dtype the layers cast them to, and the
-rollout engine gets a copy in that dtype (``compute_params``). The demo's tokenizer is trained with the
+rollout engine gets a copy in ``rollout.dtype`` (``rollout_dtype``: ``model.dtype`` unless set;
+``compute_params``). The demo's tokenizer is trained with the
 ``tokenizers`` library on the task corpus and saved in the run directory, so a resumed run or an
 evaluation reads the very same file.
 """
@@ -13,8 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from rhyme_jax.config import RunConfig
@@ -24,13 +23,12 @@ from rhyme_jax.model import chat_template, hub
 from rhyme_jax.model.chat_template import ChatTemplate
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.loader import load_hf_checkpoint
+from rhyme_jax.model.precision import DTYPES, cast_floating
 from rhyme_jax.model.tokenizer import Tokenizer, train_demo_tokenizer
 from rhyme_jax.model.transformer import Decoder
 from rhyme_jax.parallel.mesh import train_mesh
 from rhyme_jax.parallel.reshard import create_sharded
 from rhyme_jax.train.optim import PARAM_DTYPE
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class PolicyConfigError(ValueError):
@@ -44,9 +42,19 @@ def compute_dtype(name: str):
       PolicyConfigError: unknown dtype name.
     """
     try:
-        return _DTYPES[name]
+        return DTYPES[name]
     except KeyError:
-        raise PolicyConfigError(f"model.dtype={name!r}: expected one of {sorted(_DTYPES)}") from None
+        raise PolicyConfigError(f"model.dtype={name!r}: expected one of {sorted(DTYPES)}") from None
+
+
+def rollout_dtype(cfg: RunConfig):
+    """The jnp dtype the run's rollout engines compute in and hold their weights and KV pages in:
+    ``rollout.dtype``, or ``model.dtype`` when that is ``""``.
+
+    Raises:
+      PolicyConfigError: unknown dtype name.
+    """
+    return compute_dtype(cfg.rollout.dtype or cfg.model.dtype)
 
 
 def compute_params(state: Any, dtype) -> Any:
@@ -65,14 +73,7 @@ def compute_params(state: Any, dtype) -> Any:
     Mixed precision as in Micikevicius et al. 2018 (arXiv 1710.03740): float32 master weights,
     low-precision copies for the forward pass.
     """
-    dtype = jnp.dtype(dtype)
-
-    def cast(x):
-        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, state)
+    return cast_floating(state, dtype)
 
 
 def tokenizer_file(cfg: RunConfig, run_dir: Path) -> Path:

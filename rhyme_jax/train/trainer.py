@@ -43,6 +43,7 @@ from rhyme_jax.train.overlong import mask_rows, soft_overlong_penalty
 from rhyme_jax.train.packing import pack_minibatch
 from rhyme_jax.train.prompts import epoch_of_step, num_grpo_prompts
 from rhyme_jax.train.reporting import metrics_writer
+from rhyme_jax.train.tis import truncated_is_weights
 from rhyme_jax.train.step_batch import StepBatch
 
 if TYPE_CHECKING:
@@ -234,6 +235,7 @@ class GRPOTrainer:
         if ln.ref_state is not None:
             ref = ln.ref_logprob_fn(ln.ref_state, put_global(batch, ln.layout.batch))
             batch["ref_logprobs"] = to_host(ref)
+        tis_metrics = self._truncated_is(batch) if g.tis else {}
         out = []
         for mb in update_order(len(prompts) + pad, g.minibatches, g.num_iterations):
             sub = {k: v[mb] for k, v in batch.items()}
@@ -242,8 +244,22 @@ class GRPOTrainer:
             grid = sub["tokens"].size
             sub = put_global(sub, ln.layout.batch)
             self.state, self.opt_state, m = ln.step_fn(self.state, self.opt_state, sub)
-            out.append(dict(jax.device_get(m), **{"update/grid_tokens": float(grid)}))
+            out.append(dict(jax.device_get(m), **{"update/grid_tokens": float(grid)}, **tis_metrics))
         return out
+
+    def _truncated_is(self, batch: dict) -> dict[str, float]:
+        """``grpo.tis``: the old logprobs recomputed by the trainer (the params before this step's
+        first update, in ``model.dtype``, like the KL reference's) replace the sampler's in
+        ``batch["old_logprobs"]``, and ``batch["is_weights"]`` = ``min(exp(trainer - sampler),
+        grpo.tis_cap)`` on response tokens (``tis.truncated_is_weights``; TRL's
+        ``vllm_importance_sampling_correction``). Returns the ``tis/*`` metrics (floats)."""
+        ln = self.learner
+        trainer_lp = to_host(ln.ref_logprob_fn(self.state, put_global(batch, ln.layout.batch)))
+        weights, metrics = truncated_is_weights(trainer_lp, batch["old_logprobs"], batch["loss_mask"][:, :-1],
+                                                self.cfg.grpo.tis_cap)
+        batch["old_logprobs"] = trainer_lp.astype(np.float32)
+        batch["is_weights"] = np.asarray(weights, np.float32)
+        return {k: float(v) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ loop
     def evaluate(self, problems=None) -> EvalResult:

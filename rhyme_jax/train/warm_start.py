@@ -14,7 +14,7 @@ from rhyme_jax.config import RunConfig
 from rhyme_jax.data import load_problems, task_reward
 from rhyme_jax.io import checkpoint as ckpt
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
-from rhyme_jax.train.policy import build_model, build_tokenizer, compute_dtype, compute_params, eos_ids
+from rhyme_jax.train.policy import build_model, build_tokenizer, compute_params, eos_ids, rollout_dtype
 from rhyme_jax.train.preflight import prepare
 from rhyme_jax.train.reporting import metrics_writer
 from rhyme_jax.train.sft import run_sft
@@ -52,9 +52,9 @@ def run_warm_start(cfg: RunConfig, run_dir: Path) -> EvalResult:
     graphdef, state = nnx.split(model)
     ckpt.save_params(sft_params_dir(run_dir), state)
     engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
-    # The saved params are the float32 master weights; the engine runs on a model.dtype copy (as
+    # The saved params are the float32 master weights; the engine runs on a rollout-dtype copy (as
     # the GRPO rollout does: RolloutParts.states), so both compile the same programs.
-    res = evaluate_run(engine, compute_params(state, compute_dtype(cfg.model.dtype)), tokenizer, held_out, cfg,
+    res = evaluate_run(engine, compute_params(state, rollout_dtype(cfg)), tokenizer, held_out, cfg,
                        reward_fn=reward)
     writer.log(cfg.sft.steps, res.as_metrics(), phase="eval")
     writer.close()

@@ -34,7 +34,7 @@ def run_sft_unit(cfg, progress, *, skip: int = 0, warmup: bool = True) -> dict:
     from rhyme_jax.io import checkpoint as ckpt
     from rhyme_jax.train.assembly import make_engine, run_dir_of
     from rhyme_jax.train.evaluate import evaluate_run
-    from rhyme_jax.train.policy import build_model, build_tokenizer, compute_dtype, compute_params, eos_ids
+    from rhyme_jax.train.policy import build_model, build_tokenizer, compute_params, eos_ids, rollout_dtype
     from rhyme_jax.train.sft import run_sft
     from rhyme_jax.train.warm_start import sft_params_dir
 
@@ -57,7 +57,7 @@ def run_sft_unit(cfg, progress, *, skip: int = 0, warmup: bool = True) -> dict:
            "loss": last.get("loss"), "token_accuracy": last.get("token_accuracy")}
     if warmup:
         engine = make_engine(graphdef, model.cfg, cfg, eos_ids(model, tokenizer))
-        res = evaluate_run(engine, compute_params(state, compute_dtype(cfg.model.dtype)), tokenizer, held_out, cfg)
+        res = evaluate_run(engine, compute_params(state, rollout_dtype(cfg)), tokenizer, held_out, cfg)
         out.update(accuracy=res.accuracy, stderr=res.stderr, n=res.n)
     return out
 
