@@ -33,7 +33,8 @@
 #      PHASES (default "check rollout bench": the phases to run after env, e.g. PHASES=rollout
 #      for a rerun of the rollout benchmark alone, which then uses the kernel path; "update"
 #      times the 1.5B GRPO update, issue 14: PHASES="env update"; learn_real, learn_demo and
-#      passcost: issue 32, below; passcost also brings back the optimised HLO of the decode and verify programs).
+#      passcost: issue 32, below; passcost also brings back the optimised HLO of the decode and verify programs;
+#      kregs and buckets: issue 50, below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -233,11 +234,43 @@ if want passcost; then
   (cd /tmp/hlo_dump 2>/dev/null && ls | grep -E 'after_optimizations\.txt$' | tar -czf "$OUT/passcost_hlo.tgz" -T -) 2>>"$LOG"
 fi
 
+# Issue 50: why SmolLM2's programs with more than one query token per row cost 11-16 ms against
+# 4.2-4.5 ms for decode on the H200, flat in rows and tokens. kregs: registers / spills of the
+# compiled attention kernel per dtype x block_q x q_len (exit 1 when a default tiling spills;
+# python -m benchmarks.kernel_regs). buckets: the pass cost of the learning run's programs
+# (configs/ablations/learn_real_*.yaml: 64 slots, prompts 128 + 128 new tokens, verify budget 256)
+# at (rows, tokens) = (4,4) (4,6) (64,64) (64,96) (64,256) (4,132), f32 and bf16 through the kernel
+# with each program's compiled temporaries against the pool (a per-layer pool copy shows as
+# temporaries >= one layer's K+V, 1/30 of the pool), then f32 through the reference. One call:
+#   run(command="PHASES='kregs buckets' bash benchmarks/device_check.sh", timeout_s=560)
+# CPU smoke (lowering only for kregs; the demo model, reference attention, for buckets; ~1 min):
+#   DEVICE_CHECK_CPU_SMOKE=1 PHASES='kregs buckets' bash benchmarks/device_check.sh
+if want kregs; then
+  KR=(); [ "$SMOKE" = 1 ] && KR=(--lower-only)
+  phase kregs "${T_KREGS:-100}" "$PY" -m benchmarks.kernel_regs --out "$OUT" "${KR[@]}"
+fi
+if want buckets; then
+  if [ "$SMOKE" = 1 ]; then
+    BK=(--model demo --rows 4 --context 32 --verify-tokens 16 --buckets 4x4,4x6,4x16 --iters 2)
+    RUNS=("float32 reference")
+  else
+    BK=(--model configs/models/smollm2-135m --rows 64 --context 128 --max-new-tokens 128 --verify-tokens 256
+        --buckets 4x4,4x6,64x64,64x96,64x256,4x132 --iters 20)
+    RUNS=("float32 pallas_gpu" "bfloat16 pallas_gpu" "float32 reference")
+  fi
+  for run_ in "${RUNS[@]}"; do
+    set -- $run_
+    phase "buckets[$1,$2]" "${T_BUCKETS:-140}" "$PY" -m benchmarks.pass_cost "${BK[@]}" --dtype "$1" \
+      --attention "$2" --memory --out "/tmp/buckets_$1_$2"
+    for f in /tmp/buckets_"$1"_"$2"/pass_cost_*; do [ -f "$f" ] && cp "$f" "$OUT/buckets_$1_$2.${f##*.}"; done
+  done
+fi
+
 {
   echo "=== summary [$(date +%T)]"
   printf '%s\n' "${STATUS[@]}"
   grep -E '^(FAIL|[0-9]+ passed)' "$LOG" || true
-  for f in "$OUT"/rollout_device*.md; do [ -f "$f" ] && cat "$f"; done
+  for f in "$OUT"/rollout_device*.md "$OUT"/buckets_*.md; do [ -f "$f" ] && cat "$f"; done
   [ -f "$OUT/kernels.md" ] && sed -n '/^## Targets/,/^Best decode/p' "$OUT/kernels.md"
   ls -l "$OUT"
 } 2>&1 | tee -a "$LOG"

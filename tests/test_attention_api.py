@@ -17,10 +17,12 @@ import textwrap
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import api
+from pallas_kernels.ragged_paged_attention import api, pallas_gpu
+from pallas_kernels.ragged_paged_attention.cases import TOLERANCE
 from flax import nnx
 
 from rhyme_jax.model.config import ModelConfig
@@ -92,6 +94,12 @@ _SHARDED = textwrap.dedent("""
     got = jax.jit(lambda *a: api.sharded_ragged_paged_attention(mesh, *a, **kw))(q, kp, vp, *meta)
     want = reference.ragged_paged_attention(*case.args(), **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    # the stacked pool [L, KVH, ...] sharded on its KV-head axis, read at a traced layer index
+    ks = jax.device_put(jnp.stack([0 * kp, kp]), NamedSharding(mesh, P(None, "tensor")))
+    vs = jax.device_put(jnp.stack([0 * vp, vp]), NamedSharding(mesh, P(None, "tensor")))
+    for impl in ("reference", "pallas_gpu_interpret"):
+        fn = jax.jit(lambda li, *a: api.sharded_ragged_paged_attention(mesh, *a, layer=li, implementation=impl, **kw))
+        np.testing.assert_allclose(np.asarray(fn(jnp.int32(1), q, ks, vs, *meta)), np.asarray(want), atol=1e-5)
     print("SHARDED_OK", got.sharding.spec)
 """)
 
@@ -126,31 +134,56 @@ def test_preflight_checks_attention_impl_before_any_work():
         assert api.resolve_name(api.parse_implementation("pallas_gpu, reference")) == "reference"
 
 
-def test_default_tiling_by_query_length(monkeypatch):
-    """Without ``block_sizes`` the GPU kernel gets 64 query rows per program for verify / prefill
-    steps (max_q_len > 1) and its own default (16) for decode; an explicit tiling is kept."""
-    assert api.default_block_sizes(1) == api.BlockSizes()
-    assert api.default_block_sizes(1).gpu.block_q == 16
-    assert api.default_block_sizes(9).gpu.block_q == api.GPU_MULTI_QUERY_BLOCK_Q == 64
+def _tiny_batch(dtype=np.float32, layers: int | None = None):
+    """Two sequences (q_lens 1 and 4, page size 4, H 4, KVH 2, hd 16); with ``layers`` the pools
+    are stacked ``[layers, KVH, P, ps, hd]``, each layer different."""
+    rng = np.random.default_rng(0)
+    kv_lens, q_lens, ps = np.array([5, 12]), np.array([1, 4]), 4
+    lead = () if layers is None else (layers,)
+    q = rng.standard_normal((int(q_lens.sum()), 4, 16))
+    k_pages = rng.standard_normal(lead + (2, 9, ps, 16))
+    v_pages = rng.standard_normal(lead + (2, 9, ps, 16))
+    pages = np.array([[1, 2, 0, 0], [3, 4, 5, 0]], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            kv_lens.astype(np.int32), pages, cu, np.array([2], np.int32))
+
+
+def test_default_tiling_by_dtype_and_query_length(monkeypatch):
+    """Without ``block_sizes`` the GPU kernel gets 16 query rows per program for decode
+    (max_q_len 1), 64 for bf16 verify / prefill and 16 for f32 ones (64 f32 rows spill
+    registers); an explicit tiling is kept."""
+    assert api.default_block_sizes(1, jnp.float32) == api.default_block_sizes(1, jnp.bfloat16) == api.BlockSizes()
+    assert api.default_block_sizes(1, jnp.bfloat16).gpu.block_q == api.GPU_DECODE_BLOCK_Q == 16
+    assert api.default_block_sizes(9, jnp.bfloat16).gpu.block_q == 64
+    assert api.default_block_sizes(9, jnp.float32).gpu.block_q == 16
+    assert api.default_block_sizes(512, jnp.float32).gpu.block_q == 16
     seen = []
     impl = api._IMPLEMENTATIONS["pallas_gpu_interpret"]
 
-    def spy(*args, block_sizes, **kw):
-        seen.append(block_sizes.block_q)
-        return impl.fn(*args, block_sizes=block_sizes, **kw)
+    def spy(*args, block_sizes, **kw):  # runs the kernel on the first call only (interpret is slow)
+        seen.append((args[0].dtype.name, block_sizes.block_q))
+        return impl.fn(*args, block_sizes=block_sizes, **kw) if len(seen) == 1 else jnp.zeros_like(args[0])
 
     monkeypatch.setitem(api._IMPLEMENTATIONS, "pallas_gpu_interpret", dataclasses.replace(impl, fn=spy))
-    rng = np.random.default_rng(0)
-    kv_lens, q_lens, ps = np.array([5, 12]), np.array([1, 4]), 4
-    q = rng.standard_normal((int(q_lens.sum()), 4, 16)).astype(np.float32)
-    k_pages = rng.standard_normal((2, 9, ps, 16)).astype(np.float32)
-    v_pages = rng.standard_normal((2, 9, ps, 16)).astype(np.float32)
-    pages = np.array([[1, 2, 0, 0], [3, 4, 5, 0]], np.int32)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    args = (q, k_pages, v_pages, kv_lens.astype(np.int32), pages, cu, np.array([2], np.int32))
+    args = _tiny_batch()
     want = api.ragged_paged_attention(*args, sm_scale=0.25, max_q_len=4, implementation="reference")
     got = api.ragged_paged_attention(*args, sm_scale=0.25, max_q_len=4, implementation="pallas_gpu_interpret")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE[jnp.float32])
     api.ragged_paged_attention(*args, sm_scale=0.25, max_q_len=4, implementation="pallas_gpu_interpret",
-                               block_sizes=api.BlockSizes())
-    assert seen == [64, 16]
+                               block_sizes=api.BlockSizes(gpu=pallas_gpu.GPUBlockSizes(block_q=32)))
+    api.ragged_paged_attention(*_tiny_batch(jnp.bfloat16), sm_scale=0.25, max_q_len=4,
+                               implementation="pallas_gpu_interpret")
+    assert seen == [("float32", 16), ("float32", 32), ("bfloat16", 64)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu_interpret"])
+def test_stacked_pool_with_layer_index_equals_that_layer(impl):
+    """``layer=`` on the stacked pool (a traced index under jit, as in the layer scan) gives the
+    same output as that layer's pool alone, bit for bit (same arithmetic on the same values)."""
+    args = _tiny_batch(layers=3)
+    kw = dict(sm_scale=0.25, max_q_len=4, implementation=impl)
+    fn = jax.jit(lambda layer, *a: api.ragged_paged_attention(*a, layer=layer, **kw))
+    for layer in (0, 2):
+        want = api.ragged_paged_attention(args[0], args[1][layer], args[2][layer], *args[3:], **kw)
+        np.testing.assert_array_equal(np.asarray(fn(jnp.int32(layer), *args)), np.asarray(want))

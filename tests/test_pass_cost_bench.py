@@ -45,3 +45,21 @@ def test_pass_inputs_give_every_sequence_its_own_pages():
     assert (held == eng.allocator.pages_for(40 + 2)).all()
     pages = np.concatenate([eng.allocator.page_table[s, :held[s]] for s in range(3)])
     assert np.unique(pages).size == pages.size and (pages > 0).all()
+
+
+def test_buckets_fill_each_program_exactly():
+    """``--buckets``: drafts spread evenly so a (rows, tokens) program packs exactly its tokens;
+    a pair that is not one of the engine's programs is refused before any compile."""
+    eng, _ = pass_cost.pass_engine(pass_cost.DEMO, "float32", 4, 32, 3, "reference", verify_tokens=16)
+    # 4 slots, verify budget 16: verify_pairs(4) = (6, Q 3), (16, Q 9); decode (4, 1)
+    assert pass_cost.bucket_drafts(eng, 4, 4).tolist() == [0, 0, 0, 0]
+    assert pass_cost.bucket_drafts(eng, 4, 6).tolist() == [1, 1, 0, 0]
+    assert pass_cost.bucket_drafts(eng, 4, 16).tolist() == [3, 3, 3, 3]
+    inp, t = pass_cost.pass_inputs(eng, 4, 32, pass_cost.bucket_drafts(eng, 4, 6), np.random.default_rng(0))
+    assert t == 6 and inp.max_q_len == 3 and inp.tokens.shape == (6,)
+    with pytest.raises(ValueError, match=r"\(4, 5\) is not a decode/verify program"):
+        pass_cost.bucket_drafts(eng, 4, 5)
+    assert pass_cost.parse_buckets("4x4,64x256") == [(4, 4), (64, 256)]
+    for bad in ("4x3", "4", "ax4", ""):
+        with pytest.raises(ValueError, match="--buckets"):
+            pass_cost.parse_buckets(bad)

@@ -117,7 +117,7 @@ class _Geometry:
 
 def _geometry(q, k_pages, page_indices, max_q_len, bs: GPUBlockSizes) -> _Geometry:
     _, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape[-4:]  # one layer's or the stacked pool
     if not (_is_pow2(head_dim) and head_dim >= 16):
         raise RaggedAttentionInputError(f"{_WHERE}: head_dim must be a power of two >= 16, got {head_dim}")
     group = num_heads // num_kv_heads
@@ -130,20 +130,21 @@ def _geometry(q, k_pages, page_indices, max_q_len, bs: GPUBlockSizes) -> _Geomet
                      kv_tile=ppb * page_size, kv_cap=page_indices.shape[1] * page_size)
 
 
-def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *rest, geo: _Geometry, sm_scale: float,
-                      soft_cap: float | None, sliding_window: int | None, exact_f32: bool):
+def _attention_kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, pages_ref, *rest, geo: _Geometry,
+                      sm_scale: float, soft_cap: float | None, sliding_window: int | None, exact_f32: bool):
     """One program: ``R`` query rows of sequence ``program_id(0)``, KV head ``program_id(1)``,
     query block ``program_id(2)``.
 
-    Refs: ``meta [2]`` = (kv_len, q_len) of the sequence; ``q [R, hd]``; ``k, v [P*ps, hd]`` the KV
-    head's pool with flat token slots; ``pages [pps_padded]`` the sequence's page table;
-    ``o [R, hd]``.
+    Refs: ``meta [2]`` = (kv_len, q_len) of the sequence; ``layer [1]`` the layer to read;
+    ``q [R, hd]``; ``k, v [L, P*ps, hd]`` the KV head's pool of every layer with flat token slots;
+    ``pages [pps_padded]`` the sequence's page table; ``o [R, hd]``.
     """
     o_ref = rest[-1]  # rest = (o_ref,) or (poisoned_init_ref, o_ref)
     rows, head_dim = q_ref.shape
     bk = geo.kv_tile
     kv_len = meta_ref[0]
     q_len = meta_ref[1]
+    layer = layer_ref[0]
     first = pl.program_id(2) * geo.positions  # first query index of this block
 
     @pl.when(first < q_len)
@@ -169,14 +170,15 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *rest, geo: _Geo
             col_ok = (tok >= kv_lo) & (tok < kv_hi)
             page = pages_ref[lax.div(tok, jnp.int32(geo.page_size))]
             slot = page * geo.page_size + lax.rem(tok, jnp.int32(geo.page_size))
-            # Gather [BK, hd] with two full-shape int indexers (the interpreter cannot mix an
-            # array indexer with a slice); Triton turns them into one pointer tensor.
+            # Gather [BK, hd] of this layer with three full-shape int indexers (the interpreter
+            # cannot mix an array indexer with a slice); Triton turns them into one pointer tensor.
             tile = (bk, head_dim)
+            layer_idx = jnp.full(tile, layer, jnp.int32)
             row_idx = jnp.broadcast_to(slot[:, None], tile)
             col_idx = jnp.broadcast_to(lax.iota(jnp.int32, head_dim)[None, :], tile)
             ld_mask = jnp.broadcast_to(col_ok[:, None], tile)
-            k = pl_triton.load(k_ref.at[row_idx, col_idx], mask=ld_mask, other=0.0)
-            v = pl_triton.load(v_ref.at[row_idx, col_idx], mask=ld_mask, other=0.0)
+            k = pl_triton.load(k_ref.at[layer_idx, row_idx, col_idx], mask=ld_mask, other=0.0)
+            v = pl_triton.load(v_ref.at[layer_idx, row_idx, col_idx], mask=ld_mask, other=0.0)
             s = pl_triton.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [R, BK] f32
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -199,18 +201,39 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *rest, geo: _Geo
         o_ref[...] = out.astype(o_ref.dtype)
 
 
+def _stacked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len, layer):
+    """The pools as ``[L, KVH, P, ps, hd]`` (one layer: ``L = 1``) and the layer index as
+    ``i32[1]`` clipped to ``[0, L)``, after the shape and dtype checks (per-layer shapes).
+
+    The whole stacked pool becomes the kernel's operand (a free reshape merging page and offset),
+    never a slice of it: a slice of a loop-carried pool is an XLA copy per layer. Each program
+    sees its KV head's ``[L, P*ps, hd]`` and reads layer ``layer`` inside the kernel."""
+    if layer is None:
+        k_pages, v_pages, layer = k_pages.reshape(1, *k_pages.shape), v_pages.reshape(1, *v_pages.shape), 0
+    elif k_pages.ndim != 5 or v_pages.shape != k_pages.shape:
+        raise RaggedAttentionInputError(f"{_WHERE}: with layer=, k_pages/v_pages must both be "
+                                        f"[L, KVH, P, ps, hd], got {k_pages.shape} and {v_pages.shape}")
+    one = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)
+    _check_shapes(q, one, jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype), kv_lens, page_indices,
+                  cu_q_lens, num_seqs, max_q_len)
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise RaggedAttentionInputError(
+            f"{_WHERE}: k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype ({q.dtype})")
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32).reshape(1), 0, k_pages.shape[0] - 1)
+    return k_pages, v_pages, layer
+
+
 def _forward(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
              max_q_len: int, soft_cap: float | None = None, sliding_window: int | None = None,
-             block_sizes: GPUBlockSizes | None = None, interpret: bool = False, poison_output: bool = False):
+             block_sizes: GPUBlockSizes | None = None, interpret: bool = False, poison_output: bool = False,
+             layer=None):
     """``ragged_paged_attention`` plus ``poison_output``: when set, the kernel's block output starts
     NaN-filled (an aliased input), so a row the kernel forgets to write surfaces as NaN (tests).
 
     Returns ``(packed_output [T, H, hd], block_output [S, KVH, NQB, R, hd], row_ok [S, KVH, NQB, R])``.
     """
-    _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise RaggedAttentionInputError(
-            f"{_WHERE}: k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype ({q.dtype})")
+    k_pages, v_pages, layer = _stacked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                       max_q_len, layer)
     if sliding_window is not None and sliding_window < 1:
         raise RaggedAttentionInputError(f"{_WHERE}: sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
@@ -218,7 +241,7 @@ def _forward(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
     bs = GPUBlockSizes() if block_sizes is None else block_sizes
     geo = _geometry(q, k_pages, page_indices, max_q_len, bs)
     t_total, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_s, pages_per_seq = page_indices.shape
     g, gp, npos, nqb = geo.group, geo.group_pad, geo.positions, geo.num_q_blocks
     q_pad = nqb * npos  # query positions covered by the blocks (>= max_q_len)
@@ -243,13 +266,13 @@ def _forward(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
     tiles_per_seq = -(-pages_per_seq // geo.kv_pages)
     pages = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
     pages = jnp.pad(pages, ((0, 0), (0, tiles_per_seq * geo.kv_pages - pages_per_seq)))
-    flat = (num_kv_heads, num_pages * page_size, head_dim)
+    flat = (num_layers, num_kv_heads, num_pages * page_size, head_dim)
 
     blk = pl.BlockSpec((None, None, None, geo.rows, head_dim), lambda s, h, b: (s, h, b, 0, 0))
-    pool = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda s, h, b: (h, 0, 0))
-    in_specs = [pl.BlockSpec((None, 2), lambda s, h, b: (s, 0)), blk, pool, pool,
-                pl.BlockSpec((None, pages.shape[1]), lambda s, h, b: (s, 0))]
-    args = [meta, q_blk, k_pages.reshape(flat), v_pages.reshape(flat), pages]
+    pool = pl.BlockSpec((num_layers, None, num_pages * page_size, head_dim), lambda s, h, b: (0, h, 0, 0))
+    in_specs = [pl.BlockSpec((None, 2), lambda s, h, b: (s, 0)), pl.BlockSpec((1,), lambda s, h, b: (0,)),
+                blk, pool, pool, pl.BlockSpec((None, pages.shape[1]), lambda s, h, b: (s, 0))]
+    args = [meta, layer, q_blk, k_pages.reshape(flat), v_pages.reshape(flat), pages]
     aliases = {}
     if poison_output:
         in_specs.append(blk)
@@ -296,13 +319,15 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     block_sizes: GPUBlockSizes | None = None,
     interpret: bool = False,
+    layer: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "T H hd"]:
     """Ragged paged attention with a Pallas Triton kernel; semantics of ``reference.py``.
 
     Args:
       q: ``[T_total, H, hd]`` packed queries (f32 or bf16; ``hd`` a power of two >= 16).
-      k_pages, v_pages: ``[KVH, num_pages, page_size, hd]`` KV pool of one layer, dtype of ``q``
-        (``page_size`` a power of two).
+      k_pages, v_pages: ``[KVH, num_pages, page_size, hd]`` KV pool of one layer, or with
+        ``layer`` the stacked pool ``[L, KVH, num_pages, page_size, hd]`` of every layer; dtype of
+        ``q`` (``page_size`` a power of two).
       kv_lens: ``i32[S]`` cached tokens per sequence including the new ones.
       page_indices: ``i32[S, pages_per_seq]`` page table (entries past a sequence's length are
         never read; out-of-range ids are clipped like the reference does).
@@ -313,6 +338,9 @@ def ragged_paged_attention(
       sliding_window: a query sees keys with ``q_pos - k_pos < sliding_window`` (>= 1), if set.
       block_sizes: tile sizes (``GPUBlockSizes()`` when None).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
+      layer: the layer of the stacked pool to read (a Python int or an int32 scalar, e.g. a
+        ``lax.scan`` layer index; clipped to ``[0, L)``). The kernel takes the whole stacked pool
+        as its operand and indexes the layer inside, so no program slices or copies the pool.
 
     Static under ``jax.jit``: sm_scale, max_q_len, soft_cap, sliding_window, block_sizes, interpret.
 
@@ -326,7 +354,7 @@ def ragged_paged_attention(
     """
     out, _, _ = _forward(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                          max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window,
-                         block_sizes=block_sizes, interpret=interpret)
+                         block_sizes=block_sizes, interpret=interpret, layer=layer)
     return out
 
 

@@ -5,7 +5,7 @@ dense ``__call__``)::
 
     h = embed_tokens(t)
     for layer (scan_layers): x = input_norm(h); q, k, v = attn.project_qkv(x, pos)
-               write k, v into the paged pool; o = ragged_paged_attention(q, pool)
+               write k, v into the paged pool; o = ragged_paged_attention(q, pool, layer)
                h = h + attn.project_out(o); h = h + mlp(post_attn_norm(h))
     logits = unembed(h[logits_rows])
 
@@ -103,11 +103,13 @@ def paged_forward(
         q, k, v = layer.attn.project_qkv(x, positions)  # [T,H,hd], [T,KVH,hd], [T,KVH,hd]
         k_pool = _write_layer(k_pool, li, k, meta.slot_mapping)
         v_pool = _write_layer(v_pool, li, v, meta.slot_mapping)
-        args = (q, k_pool[li], v_pool[li], meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+        # the whole stacked pool and the layer index, never k_pool[li]: a kernel operand sliced
+        # from the loop-carried pool is a copy per layer (api.ragged_paged_attention, layer=)
+        args = (q, k_pool, v_pool, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
         if mesh is None:
-            o = attention_api.ragged_paged_attention(*args, **kw)
+            o = attention_api.ragged_paged_attention(*args, layer=li, **kw)
         else:
-            o = attention_api.sharded_ragged_paged_attention(mesh, *args, **kw)
+            o = attention_api.sharded_ragged_paged_attention(mesh, *args, layer=li, **kw)
         h = h + layer.attn.project_out(o.astype(h.dtype))
         return h + layer.mlp(layer.post_attn_norm(h)), (k_pool, v_pool)
 

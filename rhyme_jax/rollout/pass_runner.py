@@ -54,8 +54,12 @@ class PassRunner:
         emitted int32[S], passes run int32)``. The KV pool is donated and replaced in place."""
         return self.engine._run(self.flat_state, inp, self.key, self.sampling, self.mode, live)
 
-    def lower(self, inp: batching.PassInputs) -> jax.stages.Lowered:
+    def lower(self, inp: batching.PassInputs, *, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The step on ``inp`` lowered for XLA (``.compile()`` it; its ``memory_analysis()`` gives
-        the program's temporaries). Nothing runs."""
+        the program's temporaries). Nothing runs. ``platforms`` (e.g. ``("cuda",)``): lower for
+        those platforms instead of this host's (inspect only; with the engine built inside
+        ``pallas_kernels.ragged_paged_attention.api.target_backend`` to pick their kernels)."""
         fn, args, kw = self.engine._call(self.flat_state, inp, self.key, self.sampling, self.mode)
-        return fn.lower(*args, **kw)
+        if platforms is None:
+            return fn.lower(*args, **kw)
+        return fn.trace(*args, **kw).lower(lowering_platforms=tuple(platforms))
