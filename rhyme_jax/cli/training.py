@@ -180,9 +180,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     accuracy of a checkpoint, the run's newest, or the starting model (``initial``)."""
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.io import checkpoint as ckpt
-    from rhyme_jax.train.assembly import build_policy, make_engine, run_dir_of, warm_start_dir
-    from rhyme_jax.train.evaluate import evaluate_run
-    from rhyme_jax.train.policy import compute_params, rollout_dtype
+    from rhyme_jax.train.assembly import build_policy, run_dir_of, warm_start_dir
 
     run_dir = run_dir_of(cfg)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
@@ -230,7 +228,7 @@ def _report_eval(cfg: RunConfig, policy, state, source: str) -> int:
     """Evaluate ``state`` (float32 params) on the held-out problems and print the line of ``rhyme-jax eval``."""
     from rhyme_jax.train.assembly import make_engine
     from rhyme_jax.train.evaluate import evaluate_run
-    from rhyme_jax.train.policy import compute_dtype, compute_params
+    from rhyme_jax.train.policy import compute_params, rollout_dtype
 
     engine = make_engine(policy.graphdef, policy.model_cfg, cfg, policy.eos)
     # The float32 master weights evaluated on a rollout-dtype copy, as the run's evaluations are.
