@@ -39,3 +39,16 @@ def smollm2_dir():
     from rhyme_jax.model import hub
 
     return hub.get("smollm2-135m-instruct", log=None)
+
+
+def selected_cases(request, argname: str = "case") -> list[str]:
+    """The values of parameter ``argname`` of the tests of ``request``'s module that this session
+    runs (after ``-m`` / ``-k`` deselection): a module fixture that runs its cases in one child
+    process runs only these, so a case marked slow costs nothing in the default set."""
+    names = []
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if item.module is request.module and spec is not None and argname in spec.params:
+            if spec.params[argname] not in names:
+                names.append(spec.params[argname])
+    return names

@@ -95,6 +95,7 @@ def tiny_suite(tmp_path_factory, compile_cache):
     return out, table, results
 
 
+@pytest.mark.slow  # CI time: the tiny_suite fixture runs every ablation id (45 s)
 def test_every_id_runs_one_tiny_step(tiny_suite):
     out, table, results = tiny_suite
     assert list(results) == PAPER_IDS
@@ -118,6 +119,7 @@ def test_every_id_runs_one_tiny_step(tiny_suite):
     assert (out / "speedup_bars.png").is_file() and (out / "gantt_e2e_fifo.png").is_file()
 
 
+@pytest.mark.slow  # CI time: the tiny_suite fixture runs every ablation id (45 s)
 def test_tiny_units_hold_real_counts(tiny_suite):
     out, _, results = tiny_suite
     fifo = json.loads((out / "units" / "e2e_fifo.json").read_text())["result"]
@@ -130,6 +132,7 @@ def test_tiny_units_hold_real_counts(tiny_suite):
     assert k6 == {"history_depth=1": 6, "history_depth=2": 3}  # every (history, target) choice of 3 epochs
 
 
+@pytest.mark.slow  # CI time: the tiny_suite fixture runs every ablation id (45 s)
 def test_a_finished_suite_is_not_rerun(tiny_suite, monkeypatch):
     from rhyme_lab.ablate import runner
 

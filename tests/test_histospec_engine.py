@@ -132,7 +132,7 @@ def test_sampled_distribution_with_drafts_equals_plain():
     assert stats.chi2_contingency(table).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("corrupt", [0.0, 0.5])
+@pytest.mark.parametrize("corrupt", [0.0, pytest.param(0.5, marks=pytest.mark.slow)])  # CI time: 0.0 drafts too
 def test_sampled_rollout_with_drafts_draws_plain_tokens_with_the_same_key(corrupt):
     """Every token's draw is keyed by (request, position), so with the same key a rollout with
     drafts emits exactly plain decode's sampled tokens and logprobs, in fewer passes (the

@@ -61,8 +61,9 @@ def _check_case(seed, q_lens, *, group, head_dim, dtype, soft_cap=None, window=N
     (0, [1, 3, 9, 1], 1, 64, jnp.float32, None, None, None, 8),  # decode + verify, MHA
     (1, [64, 1, 33], 4, 128, jnp.float32, None, None, BS(2, 16), 8),  # prefill, q blocks, GQA 4
     (2, [9, 1, 3], 8, 64, jnp.bfloat16, None, None, BS(3), 16),  # bf16, GQA 8, pps % ppb != 0
-    (3, [33, 3, 1], 4, 64, jnp.float32, 4.0, None, BS(1, 8), 8),  # soft cap
-    (4, [33, 9, 1], 1, 128, jnp.bfloat16, None, 6, BS(2, 8), 8),  # sliding window skips blocks
+    # CI time: cap alone and window alone are slow; case 5 holds both
+    pytest.param(3, [33, 3, 1], 4, 64, jnp.float32, 4.0, None, BS(1, 8), 8, marks=pytest.mark.slow),  # soft cap
+    pytest.param(4, [33, 9, 1], 1, 128, jnp.bfloat16, None, 6, BS(2, 8), 8, marks=pytest.mark.slow),  # window
     (5, [64, 3], 8, 128, jnp.float32, 3.0, 20, BS(4, 16), 16),  # cap + window, GQA 8, hd 128
 ])
 def test_matches_reference(seed, q_lens, group, head_dim, dtype, soft_cap, window, block_sizes, page_size):
@@ -88,7 +89,7 @@ def _poison_unreadable(case, window):
     return k, v
 
 
-@pytest.mark.parametrize("window,block_sizes", [(None, BS(4)), (5, BS(4, 8))])
+@pytest.mark.parametrize("window,block_sizes", [pytest.param(None, BS(4), marks=pytest.mark.slow), (5, BS(4, 8))])  # CI time
 def test_nan_in_unreadable_pages_does_not_leak(window, block_sizes):
     rng = np.random.default_rng(11)
     case = random_case(rng, [9, 1, 33], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,

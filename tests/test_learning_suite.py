@@ -43,6 +43,7 @@ def test_units_of_the_learning_ids():
     assert registry.units_of(["L3"]) == ["demo_sft", "learn_plain", "learn_one_step_off", "learn_cross_step"]
 
 
+@pytest.mark.slow  # CI time (45 s: four tiny learning units); the other tests here cover the suite's tables
 def test_histospec_runs_are_one_workload(tiny_learning):
     out, table, results = tiny_learning
     l1 = results["L1"]

@@ -60,6 +60,7 @@ def test_first_fit_decreasing_and_row_buckets():
 
 def test_pack_moves_every_token_with_its_values():
     b = _long_tail_batch()
+    b["is_weights"] = np.random.default_rng(3).uniform(0.5, 2.0, b["old_logprobs"].shape).astype(np.float32)  # grpo.tis
     p = pack_minibatch(b, "token_mean")
     assert p["tokens"].shape[0] < b["tokens"].shape[0]  # fewer buffers than padded rows
     assert p["attn_mask"].sum() == b["attn_mask"].sum()
@@ -74,6 +75,7 @@ def test_pack_moves_every_token_with_its_values():
         np.testing.assert_array_equal(p["positions"][i, j:j + n], np.arange(n))
         assert len(set(p["segment_ids"][i, j:j + n])) == 1
         np.testing.assert_array_equal(p["old_logprobs"][i, j:j + n - 1], b["old_logprobs"][r, :n - 1])
+        np.testing.assert_array_equal(p["is_weights"][i, j:j + n - 1], b["is_weights"][r, :n - 1])
         assert np.all(p["advantages"][i, j:j + n - 1] == b["advantages"][r])
 
 

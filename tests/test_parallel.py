@@ -27,6 +27,7 @@ from rhyme_jax.parallel.mesh import MeshConfigError, mesh_shape, rollout_meshes
 from rhyme_jax.parallel.rules import ShardingRuleError, logical_to_spec, param_logical_axes
 from rhyme_jax.rollout.engine import RolloutResult
 from rhyme_jax.rollout.gather import merge_results
+from conftest import selected_cases
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -136,9 +137,10 @@ def test_state_memory_divides_by_the_mesh():
 
 # ------------------------------------------------------------------ 8 fake devices
 @pytest.fixture(scope="module")
-def parallel_cases(tmp_path_factory):
+def parallel_cases(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("parallel") / "cases.json"
-    proc = subprocess.run([sys.executable, str(TESTS / "parallel_cases.py"), str(out)], env=_env(8),
+    proc = subprocess.run([sys.executable, str(TESTS / "parallel_cases.py"), str(out), *selected_cases(request)],
+                          env=_env(8),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -146,7 +148,9 @@ def parallel_cases(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["create_sharded", "train_step", "reshard_roundtrip",
                                   "rollout_tensor_parallel", "checkpoint_cross_mesh",
-                                  "hf_loader_sharded", "trainer_layouts"])
+                                  pytest.param("hf_loader_sharded", marks=pytest.mark.slow),  # CI time:
+                                  pytest.param("trainer_layouts", marks=pytest.mark.slow)])  # the engine and
+# train-step cases above shard the same model; trainer_layouts runs two tiny trainers, hf_loader imports torch
 def test_sharded_equals_single_device(parallel_cases, case):
     """See the docstring of ``case_<case>`` in tests/parallel_cases.py."""
     result = parallel_cases[case]
@@ -160,6 +164,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # CI time (70 s: three child processes); test_distributed_settings_from_environment stays
 def test_two_processes_match_one_process(tmp_path):
     """jax.distributed over localhost (2 processes x 2 CPU devices, gloo) runs one GRPO step and
     checkpoint with the same rollouts and bit-identical parameters as one process with 4

@@ -38,14 +38,14 @@ HISTORY_TOKENS = 36
 
 @pytest.fixture(scope="module")
 def real(smollm2_dir):
-    """(model config, graphdef, state, tokenizer, 3 chat-template prompts, transformers model)."""
+    """(model config, graphdef, state, tokenizer, 2 chat-template prompts, transformers model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg, model = load_hf_checkpoint(smollm2_dir)
     graphdef, state = nnx.split(model)
     tok = Tokenizer.from_file(smollm2_dir)
     hf_tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    questions = [json.loads(line)["question"] for line in GSM8K_TEST.read_text().splitlines()[:3]]
+    questions = [json.loads(line)["question"] for line in GSM8K_TEST.read_text().splitlines()[:2]]  # CI time
     prompts = [hf_tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                           add_generation_prompt=True) for q in questions]
     ids = [tok.encode(p) for p in prompts]
@@ -107,7 +107,7 @@ def _engine(cfg, graphdef):
 
 @pytest.fixture(scope="module")
 def greedy(real):
-    """The engine's plain greedy rollout of the 3 prompts."""
+    """The engine's plain greedy rollout of the 2 prompts."""
     cfg, graphdef, state, _, ids, _ = real
     sp = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
     return _engine(cfg, graphdef).generate(state, ids, sp, jax.random.key(0))

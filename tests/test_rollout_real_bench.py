@@ -26,6 +26,7 @@ def _total_length(run_dir, step: int) -> int:
     return int(load_rollouts(run_dir, step)["lengths"].sum())
 
 
+@pytest.mark.slow  # CI time (17 s on SmolLM2); a lab benchmark
 def test_quick_run_reports_consistent_plain_and_histospec_rows(tmp_path, smollm2_dir):
     run = subprocess.run([sys.executable, "-m", "benchmarks.rollout_real", "--quick", "--no-warmup",
                           "--max-new-tokens", str(NEW_TOKENS), "--compile-cache", "", "--repeats", "2",

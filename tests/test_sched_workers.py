@@ -19,6 +19,7 @@ import pytest
 
 from rhyme_jax.config import ConfigError, load_config
 from rhyme_jax.io.rollout_log import load_rollouts
+from conftest import selected_cases
 from rhyme_jax.train.prompts import prompt_schedule
 from rhyme_jax.train.trainer import GRPOTrainer
 
@@ -28,18 +29,19 @@ CONFIG = ROOT / "configs" / "tiny_test.yaml"
 
 
 @pytest.fixture(scope="module")
-def sched_cases(tmp_path_factory):
+def sched_cases(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("sched") / "cases.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(TESTS / "sched_cases.py"), str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(TESTS / "sched_cases.py"), str(out), *selected_cases(request)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("case", ["histopipe_same_greedy_responses", "migrated_tokens_equal_unmigrated",
-                                  "trainer_histopipe_run"])
+                                  pytest.param("trainer_histopipe_run", marks=pytest.mark.slow)])  # CI time:
+# two GRPO steps on 4 workers; the engine cases above run the same scheduler, planner and migration
 def test_four_workers(sched_cases, case):
     """See the docstring of ``case_<case>`` in tests/sched_cases.py."""
     assert sched_cases[case]["ok"], sched_cases[case]["detail"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +116,7 @@ class RolloutEngine:
         self.decode_widths = self.plan.widths
         self.allocator = PageAllocator(self.num_pages, self.page_size, self.max_slots, self.pages_per_seq)
         self.kv: KVCache | None = None
+        self._pool_dtypes: dict[tuple, Any] = {}  # the state's leaf dtypes -> the KV pool's dtype
         self._static: StaticModel | None = None
         self.check_invariants = False  # tests: run allocator.check() after every pass
         self.programs_run: set[shapes.PassShape] = set()  # every pass program run (within programs())
@@ -232,9 +233,14 @@ class RolloutEngine:
         return jax.eval_shape(self._pool_factory(state))
 
     def _ensure_pool(self, state) -> None:
-        create = self._pool_factory(state)
-        shape = jax.eval_shape(create)
-        if self.kv is None or self.kv.dtype != shape.dtype:
+        # The pool's dtype follows the state's dtypes: traced once per dtype signature (an
+        # eval_shape of the model costs ~4 ms of host time, once per call otherwise).
+        key = tuple(x.dtype for x in jax.tree.leaves(state))
+        if key not in self._pool_dtypes:
+            self._pool_dtypes[key] = jax.eval_shape(self._pool_factory(state)).dtype
+        if self.kv is None or self.kv.dtype != self._pool_dtypes[key]:
+            create = self._pool_factory(state)
+            shape = jax.eval_shape(create)
             # Committed to the device like the parameters, so the first and later calls hit
             # the same compiled step.
             # Created in place on the mesh (sharded by KV head): no full pool on one device.
