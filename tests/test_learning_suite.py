@@ -84,6 +84,7 @@ def test_histospec_runs_are_one_workload(tiny_learning):
     assert (out / "learning_L1.png").is_file()
 
 
+@pytest.mark.slow  # CI time (26 s: three tiny runs); test_histopipe_beside_fifo_on_four_workers keeps a paired table
 def test_lagged_pipelines_beside_sync(tmp_path, compile_cache):
     _, results = _tiny_suite(tmp_path, "L3")
     l3 = results["L3"]

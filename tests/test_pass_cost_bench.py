@@ -13,6 +13,7 @@ from rhyme_lab.measure import pass_cost
 from rhyme_jax.rollout import batching
 
 
+@pytest.mark.slow  # CI time (12 s); the bucket tests here run the same timing code
 def test_pass_cost_passes_and_report(tmp_path):
     # the benchmark's --rows 4 --context 20 --drafts 0,2 --iters 1 --attention reference --passes-ratio 1.5
     ks = pass_cost.parse_drafts("0,2")

@@ -2,7 +2,7 @@
 
 Two GRPO steps of SmolLM2-135M-Instruct through ``GRPOTrainer`` (the recipe's model, chat
 template, task, reward, HistoSpec and update settings; fewer prompts, samples and tokens), so a
-change that breaks the recipe fails CI. The learning figures themselves come from the full run
+change that breaks the recipe fails the slow set (`pytest -m slow`; CI time moved it there). The learning figures themselves come from the full run
 (README, "Real models").
 """
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from rhyme_jax.config import load_config
 from rhyme_jax.train.trainer import GRPOTrainer
@@ -19,6 +20,7 @@ from rhyme_jax.train.trainer import GRPOTrainer
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "arith_smollm2_135m.yaml"
 
 
+@pytest.mark.slow  # CI time (42 s); tests/test_real_model.py keeps SmolLM2 (parity, generate, HistoSpec) in the default set
 def test_recipe_runs_two_grpo_steps(smollm2_dir, tmp_path):
     cfg = load_config(RECIPE, [f"model.path={smollm2_dir}", f"run.runs_dir={tmp_path}", "grpo.steps=2",
                                "grpo.prompts_per_step=2", "grpo.samples_per_prompt=2", "rollout.max_new_tokens=16",
