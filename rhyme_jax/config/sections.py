@@ -227,14 +227,16 @@ class RolloutSection:
     attention_impl: str = "auto"  # auto | reference | pallas_tpu | pallas_gpu | *_interpret | "a,b" (tried in order)
     max_verify_tokens: int = 0  # packed tokens per decode/verify step (drafts included); 0 = 4 x max_slots; 33 x max_slots: room for a whole draft per row (pays at acceptance ~0.9; at ~0.5 it can cost 20%)
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
-    passes_per_dispatch: int = 1  # plain decode passes per device call (rollout/chunk.py): > 1 cuts host time per pass ~N-fold; a row finishing mid-chunk idles to the chunk's end and rows hold pages for N tokens ahead
+    passes_per_dispatch: int = 1  # decode passes per device call (rollout/chunk.py): > 1 cuts host time per pass ~N-fold; a row finishing mid-chunk idles to the chunk's end and rows hold pages for N tokens ahead; with HistoSpec the chunk drafts on the device (rollout/chunk_spec.py)
+    draft_history: int = 1024  # HistoSpec chunks: history tokens per row the device drafts from (the prompt's last rollouts, its siblings)
     # engine weights and KV pages: "" = model.dtype | float32 | bfloat16 (a bf16 copy of the float32 master
     # weights, cast at each weight sync; its logprobs differ from the trainer's: grpo.tis corrects; docs/precision.md)
     dtype: RolloutDtype = ""
 
     def __post_init__(self):
         check_fields(self)
-        at_least(self, 1, "max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch")
+        at_least(self, 1, "max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch",
+                 "draft_history")
         at_least(self, 0, "num_pages", "max_verify_tokens", note=" (0 = default)")
         at_least(self, 0, "top_k", note=" (0 = off)")
         above(self, 0.0, "temperature", note=" (the GRPO loss scores the rollout's tokens at this "

@@ -36,7 +36,7 @@ from flax import nnx
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.model.precision import cast_floating, dtype_of, with_compute_dtype
 from rhyme_jax.parallel.rules import kv_pool_sharding
-from rhyme_jax.rollout import allocation, batching, chunk, shapes
+from rhyme_jax.rollout import allocation, batching, chunk, chunk_spec, shapes
 from rhyme_jax.rollout.allocation import PassChoice
 from rhyme_jax.rollout.pass_cost import PROFILE_VERSION, PassCost, profile
 from rhyme_jax.rollout.pass_cost import cache_path as pass_cost_cache_path
@@ -98,6 +98,7 @@ class RolloutEngine:
             raise EngineConfigError(f"{_WHERE}: eos_ids {bad} outside [0, vocab_size={model_cfg.vocab_size})")
         self.on_overlong_prompt = c.on_overlong_prompt
         self.share_prompt_prefix = bool(c.share_prompt_prefix)
+        self.draft_history = int(c.draft_history)
         self.max_seq_len = c.max_seq_len
         self.pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.num_pages = int(c.num_pages) or self.max_slots * self.pages_per_seq + 1
@@ -275,6 +276,8 @@ class RolloutEngine:
         scalars = (np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         if isinstance(inp, chunk.ChunkInputs):
             return chunk.call(self, flat_state, inp, key, scalars, mode)
+        if isinstance(inp, chunk_spec.SpecChunkInputs):
+            return chunk_spec.call(self, flat_state, inp, key, scalars, mode)
         kw = dict(max_q_len=inp.max_q_len, mode=mode, attention_impl=self.attention_impl, mesh=self.mesh)
         if isinstance(inp, batching.VerifyInputs):
             return verify_pass, (static, leaves, self.kv, inp.tokens, inp.positions, inp.meta, inp.streams, key,
@@ -288,7 +291,8 @@ class RolloutEngine:
         ``live`` (a rollout's pass) a decode/verify pass's time goes to the pass-cost model
         (``PassCost.observe``: live times replace profiled ones)."""
         fn, args, kw = self._call(flat_state, inp, key, sp, mode)
-        shape = inp.pass_shape() if isinstance(inp, chunk.ChunkInputs) else batching.shape_of(inp)
+        chunked = isinstance(inp, (chunk.ChunkInputs, chunk_spec.SpecChunkInputs))
+        shape = inp.pass_shape() if chunked else batching.shape_of(inp)
         self.programs_run.add(shape)
         t0 = time.perf_counter()
         *out, self.kv = fn(*args, **kw)
@@ -354,6 +358,16 @@ class RolloutEngine:
         return batching.verify_inputs(ids, table.length, table.pending, drafts, choice.draft_lens,
                                       self.allocator.page_table, self.page_size, choice.rows, choice.tokens,
                                       choice.q_len, width, slot_streams=table.req)
+
+    def _chunk(self, table: SlotTable, run: "_Passes", drafter: Drafter | None) -> bool:
+        """One chunk of ``plan.passes`` passes in one dispatch: plain (``rollout/chunk.py``)
+        without a drafter, with device drafts (``rollout/chunk_spec.py``) with one that gives
+        ``history_rows``. False when the pool cannot hold it (the caller runs one pass)."""
+        if drafter is None:
+            return chunk.decode(self, table, run)
+        if not hasattr(drafter, "history_rows"):
+            return False
+        return chunk_spec.decode(self, table, run, drafter)
 
     def _prefill(self, table: SlotTable, batch: list, run: "_Passes") -> None:
         """One packed prefill pass over the rows ``admit`` chose; records each row's first token."""
@@ -447,7 +461,7 @@ class RolloutEngine:
                 self._prefill(table, batch, run)
             if not table.any_live():
                 continue
-            if not (drafter is None and self.plan.passes > 1 and chunk.decode(self, table, run)):
+            if not (self.plan.passes > 1 and self._chunk(table, run, drafter)):
                 table.grow_pages()  # may preempt the newest sequences
                 if not table.any_live():
                     continue

@@ -72,9 +72,11 @@ class EngineConfig:
     share_prompt_prefix: bool = True
     passes_per_dispatch: int = 1
     dtype: str = ""
+    draft_history: int = 1024
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch"):
+        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch",
+                     "draft_history"):
             val = getattr(self, name)
             if int(val) < 1:
                 raise EngineConfigError(f"{_WHERE}: RolloutEngine {name} must be >= 1, got {val}")
@@ -104,7 +106,7 @@ class EngineConfig:
                    max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
                    on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
                    max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
-                   passes_per_dispatch=r.passes_per_dispatch,
+                   passes_per_dispatch=r.passes_per_dispatch, draft_history=r.draft_history,
                    dtype=r.dtype)
 
     @classmethod

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from rhyme_jax.rollout import batching, chunk
+from rhyme_jax.rollout import batching, chunk, chunk_spec
 from rhyme_jax.rollout.types import SamplingParams
 
 
@@ -43,6 +43,8 @@ class PassRunner:
         e = self.engine
         if shape.kind == "chunk":
             return chunk.dummy_inputs(shape, e)
+        if shape.kind == "spec_chunk":
+            return chunk_spec.dummy_inputs(shape, e)
         if busy:
             return batching.busy_verify(shape, e.max_slots, e.pages_per_seq, e.page_size, own_pages)
         return batching.pass_inputs(shape, e.max_slots, e.pages_per_seq)

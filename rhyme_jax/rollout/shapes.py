@@ -99,8 +99,10 @@ class PassShape:
     """One compiled pass program.
 
     Attributes:
-      kind: ``"prefill"``, ``"decode"`` (``Q = 1``), ``"verify"`` (drafts packed) or ``"chunk"``
-        (``ShapePlan.passes`` decode passes of ``S`` rows in one program, ``rollout/chunk.py``).
+      kind: ``"prefill"``, ``"decode"`` (``Q = 1``), ``"verify"`` (drafts packed), ``"chunk"``
+        (``ShapePlan.passes`` decode passes of ``S`` rows in one program, ``rollout/chunk.py``) or
+        ``"spec_chunk"`` (as many verify passes of ``(S, T, Q)`` drafting on the device,
+        ``rollout/chunk_spec.py``).
       tokens: ``T``, packed tokens (``tokens/positions i32[T]``).
       rows: ``S``, sequence rows (``kv_lens i32[S]``, ``cu_q_lens i32[S+1]``).
       q_len: static ``max_q_len`` of the attention.
@@ -172,6 +174,9 @@ class ShapePlan:
                 out += [PassShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
             if self.passes > 1:
                 out += [PassShape("chunk", s, s, 1, w) for w in self.widths]
+                if spec:  # HistoSpec chunks (rollout/chunk_spec.py) run the verify pairs' shapes
+                    out += [PassShape("spec_chunk", t, s, q, w) for t, q in verify_pairs(s, self.verify_budget)
+                            if q > 1 for w in self.widths]
         return sorted(set(out))
 
 

@@ -149,7 +149,7 @@ class Drafter:
                 indexes.append(ix)
         pack = HistoryPack(indexes, self.branch) if self.goodput else IndexPack.of(indexes)
         batch = DraftBatch(self, pack, np.array([slot_of.get(p, -1) for p in pids], np.int64),
-                           np.array([group_of[p] for p in pids], np.int64))
+                           np.array([group_of[p] for p in pids], np.int64), pids)
         if self.goodput:  # makespan priority: each request's prompt's mean length last time, 0 unseen
             means = dict(zip(group_of, predict_lengths(self.store, list(group_of), "mean", unseen=0.0).tolist()))
             batch.predicted_lengths = np.array([means[p] for p in pids], np.float64)
@@ -194,9 +194,14 @@ class DraftBatch:
     """
 
     def __init__(self, parent: Drafter, pack: IndexPack | HistoryPack, slots: np.ndarray,
-                 groups: np.ndarray | None = None):
+                 groups: np.ndarray | None = None, prompt_ids: Sequence[int] | None = None):
         self.parent = parent
         self.context_width = parent.context_width
+        self.groups = np.arange(slots.size, dtype=np.int64) if groups is None else np.asarray(groups, np.int64)
+        self.siblings = parent.siblings
+        self.patterns = (parent.pattern_min, parent.pattern_max)
+        self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self._history: dict[int, np.ndarray] = {}
         self._pack, self._slots = pack, slots
         self.seconds = 0.0
         self.estimates: np.ndarray | None = None
@@ -284,6 +289,28 @@ class DraftBatch:
         drafts[:, :w] = out[:, :w]
         self._spent(time.perf_counter() - t0)
         return drafts, lens
+
+    def history_rows(self, reqs: Int[np.ndarray, "B"], width: int) -> Int[np.ndarray, "B H"]:
+        """``int32[B, width]`` per request: its prompt's stored responses (every kept rollout,
+        oldest first, so the most recent response ends the row), each followed by ``-1``, cut
+        to the last ``width`` tokens and left-padded with ``-1`` (all ``-1`` without history).
+        What ``rollout/chunk_spec.py`` drafts from on the device; built once per prompt."""
+        out = np.full((len(reqs), width), -1, np.int32)
+        if self._prompt_ids is None:
+            return out
+        for i, r in enumerate(np.asarray(reqs, np.int64)):
+            pid = self._prompt_ids[int(r)]
+            row = self._history.get(pid)
+            if row is None or row.size != width:
+                entry = self.parent.store.entry(pid)
+                parts = [] if entry is None else [
+                    np.append(np.asarray(x, np.int32), np.int32(-1)) for ro in entry.rollouts for x in ro.responses]
+                joined = np.concatenate(parts)[-width:] if parts else np.zeros(0, np.int32)
+                row = np.full(width, -1, np.int32)
+                row[width - joined.size:] = joined
+                self._history[pid] = row
+            out[i] = row
+        return out
 
     def _spent(self, dt: float) -> None:
         self.seconds += dt

@@ -1,0 +1,243 @@
+"""HistoSpec inside a chunk: up to ``N`` verify passes per dispatch, each drafting on the device.
+
+The per-pass HistoSpec engine asks the host drafter for drafts before every pass and records
+the tokens after it: about a millisecond of host work per pass on a CPU (issue 50), a stall
+between passes on an accelerator. Here ``spec_chunk`` runs ``N = rollout.passes_per_dispatch``
+verify passes in one ``jax.lax.while_loop``. Before the chunk the host builds each row's history
+(``Drafter``'s ``history_rows``: the prompt's previous rollouts; plus the current tails of its
+siblings) into a padded ``int32[S, H]`` tensor and passes the row's own last ``C`` tokens; before
+every pass the device drafts from them (``device_drafts.lookup_drafts``), packs
+``[pending + draft]`` of every row into the program's ``T`` tokens (drafts cut first come first
+served to fit), runs ``passes.verify_pass`` and appends the emitted tokens to the row's context.
+
+Between chunks the host drafter does what needs the host: it drafts once with its suffix index
+and goodput sizing, and ``allocation.choose_pass`` picks the program ``(S, T, Q)`` the whole
+chunk runs (plain decode, ``rollout/chunk.py``, when no draft pays). Its calibration is not fed
+from inside a chunk.
+
+Tokens: every draw is keyed by ``(request, position)`` and a draft token is accepted exactly when
+it is the token plain sampling draws there (``verification.verify_packed``), so the chunk emits
+the per-pass engine's tokens with the same key, whatever it drafts. Pages: each row reserves the
+pages of ``min(N * Q, budget)`` tokens before the chunk (drafts never write past the row's
+budget); rows that finish leave at the chunk's end, as in ``rollout/chunk.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from rhyme_jax.rollout import chunk
+from rhyme_jax.rollout.device_drafts import append_tokens, fit_to_budget, lookup_drafts
+from rhyme_jax.rollout.forward import RaggedMeta
+from rhyme_jax.rollout.passes import StaticModel, verify_pass
+from rhyme_jax.rollout.shapes import PassShape
+
+CONTEXT = 256  # C: own tokens of each row searched on the device (the host drafter's self-lookup width)
+
+
+@dataclass
+class SpecChunkInputs:
+    """Host arguments of one ``spec_chunk`` call: ``ChunkInputs`` of the same rows (``base``) plus
+    ``history i32[S, H]`` and ``context i32[S, C]`` (-1 = no token), the program's packed tokens
+    ``tokens`` (``T``) and ``q_len`` (``Q``: drafts of at most ``Q - 1``), and the drafter's
+    ``pattern_min`` / ``pattern_max``."""
+
+    base: chunk.ChunkInputs
+    history: np.ndarray
+    context: np.ndarray
+    tokens: int
+    q_len: int
+    pattern_min: int
+    pattern_max: int
+
+    def pass_shape(self) -> PassShape:
+        """The ``shapes.PassShape`` of kind ``"spec_chunk"`` this call runs."""
+        rows, width = self.base.pages.shape
+        return PassShape("spec_chunk", self.tokens, rows, self.q_len, width)
+
+
+def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: int, page_size: int):
+    """Packed ``tokens / positions / streams i32[T]`` and the ``RaggedMeta`` of one pass: live row
+    ``s`` feeds ``[pending, drafts[s, :lens[s]]]`` at ``pos[s]...``; a done row feeds one token
+    writing scratch page 0; padding rows feed none."""
+    rows, width = pages.shape
+    q = jnp.where(is_row, 1 + lens, 0).astype(jnp.int32)
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q).astype(jnp.int32)])
+    t = jnp.arange(total, dtype=jnp.int32)
+    owner = jnp.clip(jnp.sum((cu[None, 1:] <= t[:, None]).astype(jnp.int32), axis=1), 0, rows - 1)
+    used = t < cu[-1]
+    j = t - cu[owner]
+    fed = jnp.concatenate([pending[:, None], drafts], axis=1)
+    tok = jnp.where(used, jnp.take_along_axis(fed[owner], jnp.clip(j, 0, fed.shape[1] - 1)[:, None], axis=1)[:, 0], 0)
+    position = jnp.where(used, pos[owner] + j, 0)
+    col = jnp.clip(position // page_size, 0, width - 1)
+    page = jnp.take_along_axis(pages[owner], col[:, None], axis=1)[:, 0]
+    writes = used & live[owner]
+    meta = RaggedMeta(kv_lens=jnp.where(is_row, pos + jnp.where(live, q, 0), 0), page_indices=pages, cu_q_lens=cu,
+                      num_seqs=jnp.reshape(jnp.sum(is_row.astype(jnp.int32)), (1,)),
+                      slot_mapping=jnp.where(writes, page * page_size + position % page_size, 0))
+    return tok.astype(jnp.int32), position.astype(jnp.int32), jnp.where(used, streams[owner], 0), meta, cu
+
+
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("max_passes", "total", "q_len", "page_size", "mode", "attention_impl", "mesh"),
+                   donate_argnums=(2,))
+def spec_chunk(static: StaticModel, leaves, kv, pending: Int[Array, "S"], positions: Int[Array, "S"],
+               pages: Int[Array, "S W"], streams: Int[Array, "S"], budgets: Int[Array, "S"], eos: Int[Array, "E"],
+               num_live: Int[Array, ""], passes: Int[Array, ""], history: Int[Array, "S H"],
+               context: Int[Array, "S C"], pattern_min: Int[Array, ""], pattern_max: Int[Array, ""], key,
+               temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_passes: int,
+               total: int, q_len: int, page_size: int, mode: str, attention_impl: str, mesh=None):
+    """Up to ``passes`` verify passes of ``S`` rows with drafts made on the device (module docstring).
+
+    A row is done after emitting an ``eos`` token or ``budgets`` tokens; the loop ends after
+    ``passes`` passes or when every row is done.
+
+    Returns:
+      ``(tokens i32[S, N * Q], behaviour logprobs f32[S, N * Q], emitted i32[S], counts i32[4],
+      updated kv)``: row ``s`` emitted ``tokens[s, :emitted[s]]``; ``counts``: passes run, row
+      passes (live rows summed over passes), drafted and accepted draft tokens.
+    """
+    rows = pending.shape[0]
+    out_w = max_passes * q_len
+    is_row = jnp.arange(rows, dtype=jnp.int32) < num_live
+    streams = jnp.where(is_row, streams, 0)
+    pages = jnp.where(is_row[:, None], pages, 0)
+    cols = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    row_ix = jnp.arange(rows, dtype=jnp.int32)[:, None]
+
+    def cond(c):
+        return (c[0] < passes) & ~jnp.all(c[4])
+
+    def body(c):
+        i, kv, tok, pos, done, count, ctx, out_t, out_l, tally = c
+        live = ~done
+        source = jnp.concatenate([history, ctx], axis=1)
+        room = jnp.maximum(budgets - count - 1, 0)
+        drafts, lens = lookup_drafts(source, pattern_min, pattern_max, jnp.minimum(room, q_len - 1), q_len - 1)
+        lens = fit_to_budget(lens, live & is_row, total)
+        ptok, ppos, pstream, meta, cu = _pack(jnp.where(is_row, tok, 0), jnp.where(is_row, pos, 0), lens, drafts,
+                                              is_row, live, pages, streams, total=total, page_size=page_size)
+        t, lp, n, kv = verify_pass(static, leaves, kv, ptok, ppos, meta, pstream, key, temperature, top_k, top_p,
+                                   max_q_len=q_len, mode=mode, attention_impl=attention_impl, mesh=mesh)
+        at = jnp.clip(cu[:-1, None] + cols, 0, total - 1)
+        emitted, emitted_lp = t[at], lp[at]
+        n = jnp.where(live, n[:rows], 0)
+        hit = jnp.any(emitted[:, :, None] == eos[None, None, :], axis=2) & (cols < n[:, None])
+        first = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, n)
+        e = jnp.minimum(jnp.minimum(n, first), budgets - count).astype(jnp.int32)
+        dest = jnp.where(cols < e[:, None], count[:, None] + cols, out_w)
+        out_t = out_t.at[row_ix, dest].set(emitted, mode="drop")
+        out_l = out_l.at[row_ix, dest].set(emitted_lp, mode="drop")
+        last = jnp.take_along_axis(emitted, jnp.maximum(e - 1, 0)[:, None], axis=1)[:, 0]
+        count = count + e
+        stop = jnp.any(hit, axis=1) | (count >= budgets)
+        return (i + 1, kv, jnp.where(e > 0, last, tok), pos + e, done | (live & stop), count,
+                append_tokens(ctx, emitted, e), out_t, out_l,
+                tally + jnp.stack([jnp.int32(1), jnp.sum(live & is_row), jnp.sum(lens),
+                                   jnp.sum(jnp.maximum(n - 1, 0))]).astype(jnp.int32))
+
+    init = (jnp.int32(0), kv, pending, positions, ~is_row, jnp.zeros(rows, jnp.int32), context,
+            jnp.zeros((rows, out_w), jnp.int32), jnp.zeros((rows, out_w), jnp.float32), jnp.zeros(4, jnp.int32))
+    _, kv, _, _, _, count, _, out_t, out_l, tally = jax.lax.while_loop(cond, body, init)
+    return out_t, out_l, count, tally, kv
+
+
+def call(engine, flat_state, inp: SpecChunkInputs, key, scalars, mode):
+    """``(jitted function, positional args, keyword args)`` of ``inp`` (``RolloutEngine._call``)."""
+    leaves, static = flat_state
+    b = inp.base
+    kw = dict(max_passes=b.max_passes, total=inp.tokens, q_len=inp.q_len, page_size=engine.page_size, mode=mode,
+              attention_impl=engine.attention_impl, mesh=engine.mesh)
+    return spec_chunk, (static, leaves, engine.kv, b.pending, b.positions, b.pages, b.streams, b.budgets, b.eos,
+                        np.int32(b.num_live), np.int32(b.passes), inp.history, inp.context,
+                        np.int32(inp.pattern_min), np.int32(inp.pattern_max), key, *scalars), kw
+
+
+def dummy_inputs(shape: PassShape, engine) -> SpecChunkInputs:
+    """Inputs of a ``"spec_chunk"`` program with no live row (warm-up: compiles it, runs no pass)."""
+    base = chunk.dummy_inputs(PassShape("chunk", shape.rows, shape.rows, 1, shape.width), engine)
+    return SpecChunkInputs(base, np.full((shape.rows, engine.draft_history), -1, np.int32),
+                           np.full((shape.rows, CONTEXT), -1, np.int32), shape.tokens, shape.q_len, 1, 1)
+
+
+def _rows(pieces: list[np.ndarray], width: int) -> np.ndarray:
+    """The last ``width`` tokens of ``pieces`` joined with ``-1`` separators, left-padded with -1."""
+    out = np.full(width, -1, np.int32)
+    parts = []
+    for p in pieces:
+        p = np.asarray(p, np.int32)
+        p = p[p >= 0]
+        if p.size:
+            parts += [p, np.full(1, -1, np.int32)]
+    if parts:
+        joined = np.concatenate(parts)[-width:]
+        out[width - joined.size:] = joined
+    return out
+
+
+def history(engine, table, ids: np.ndarray, drafter, rows: int) -> np.ndarray:
+    """``int32[rows, H]`` history of live slots ``ids``: the siblings' current tails (rows of the
+    same group, when the drafter drafts from siblings), then the prompt's previous rollouts
+    (``drafter.history_rows``), most recent last."""
+    width = engine.draft_history
+    reqs = table.req[ids]
+    prev = drafter.history_rows(reqs, width)
+    out = np.full((rows, width), -1, np.int32)
+    groups = getattr(drafter, "groups", None)
+    tails = table.tails.get(ids) if (groups is not None and getattr(drafter, "siblings", False)) else None
+    for i in range(ids.size):
+        pieces = []
+        if tails is not None:
+            g = groups[reqs[i]]
+            pieces = [tails[j] for j in range(ids.size) if j != i and groups[reqs[j]] == g]
+        out[i] = _rows(pieces + [prev[i]], width) if pieces else prev[i]
+    return out
+
+
+def decode(engine, table, run, drafter) -> bool:
+    """One chunk of verify passes with device drafts over the live slots of ``table``: the host
+    drafter sizes the program, pages are reserved, the chunk runs and every row's emitted tokens
+    are recorded. Falls back to a plain chunk (``chunk.decode``) when the host drafter's choice
+    carries no draft; returns False, having done nothing, when the pool cannot hold the chunk."""
+    ids = table.live()
+    _, choice = engine._draft(drafter, table, ids)
+    if choice.q_len <= 1 or not hasattr(drafter, "history_rows"):
+        return chunk.decode(engine, table, run)
+    n_pass = engine.plan.passes
+    budgets = chunk.reserve(table, ids, n_pass * choice.q_len)
+    if budgets is None:
+        return False
+    base = chunk.inputs(engine, table, ids, budgets)
+    rows, n = base.pending.shape[0], ids.size
+    ctx = np.full((rows, CONTEXT), -1, np.int32)
+    tails = table.tails.get(ids)
+    w = min(CONTEXT, tails.shape[1])
+    ctx[:n, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
+    inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, choice.tokens, choice.q_len,
+                          *drafter.patterns)
+    toks, lps, count, tally = run(inp)
+    count = np.asarray(count[:n], np.int64)
+    n_run, row_passes, n_draft, n_acc = (int(x) for x in tally)
+    s = table.stats
+    s["decode_steps"] += n_run
+    s["decode_dispatches"] += 1
+    s["sequence_steps"] += row_passes
+    s["drafted_tokens"] += n_draft
+    s["accepted_tokens"] += n_acc
+    toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
+    step = table.tails.width
+    for lo in range(0, int(count.max(initial=0)), step):  # the tails take at most their width at once
+        part = np.clip(count - lo, 0, step)
+        sel = np.flatnonzero(part > 0)
+        table.length[ids[sel]] += table.record(ids[sel], toks[sel, lo:lo + step], lps[sel, lo:lo + step], part[sel])
+    return True
+
+
+__all__ = ["CONTEXT", "SpecChunkInputs", "call", "decode", "dummy_inputs", "history", "spec_chunk"]

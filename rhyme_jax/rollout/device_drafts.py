@@ -1,0 +1,81 @@
+"""History drafts computed on the device, inside a chunk of verify passes (``rollout/chunk_spec.py``).
+
+The host gives each row, once per chunk, a padded ``int32[S, H]`` history (its prompt's previous
+rollouts and its siblings' text, ``-1`` between pieces and as left padding) and the row's own
+last ``C`` tokens (prompt + response, ending with the pending token). Before every pass of the
+chunk the device finds, per row, the latest occurrence in ``history ++ own tokens`` of the longest
+suffix of the row (at most ``MATCH`` tokens, at least ``pattern_min``) that has a continuation,
+and drafts up to ``K`` tokens that follow it (prompt-lookup decoding over RhymeRL's history,
+arXiv 2508.18588 s.4; the host drafter's suffix index does the same search with branch
+statistics). Longer matches win; among equal ones, the own tokens, then the most recent history.
+The work is ``S x (H + C) x MATCH`` compares per pass, a few microseconds on an accelerator.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+MATCH = 8  # longest suffix compared (a static loop); ``pattern_max`` above it is cut to it
+
+
+def lookup_drafts(source: Int[Array, "S L"], pattern_min: Int[Array, ""], pattern_max: Int[Array, ""],
+                  max_lens: Int[Array, "S"], k: int) -> tuple[Int[Array, "S K"], Int[Array, "S"]]:
+    """Drafts of every row from its own ``source`` row.
+
+    Args:
+      source: ``int32[S, L]`` per row: history tokens, then the row's own tokens, right-aligned so
+        the row's last token (the pending one) is ``source[:, -1]``; ``-1`` = no token (padding
+        and separators; never matched, never drafted).
+      pattern_min, pattern_max: shortest and longest matched suffix (``pattern_max`` is cut to
+        ``MATCH``).
+      max_lens: ``int32[S]`` most draft tokens per row (0: no draft).
+      k: ``K``, static width of the drafts.
+
+    Returns:
+      ``(drafts int32[S, K], lens int32[S])``: row ``s`` drafts ``drafts[s, :lens[s]]`` (0 after),
+      the ``lens[s] <= min(K, max_lens[s])`` valid tokens that follow the chosen occurrence.
+    """
+    rows, width = source.shape
+    m_max = jnp.minimum(pattern_max, MATCH)
+    pad = jnp.full((rows, MATCH), -2, source.dtype)
+    left = jnp.concatenate([pad, source], axis=1)  # left[:, MATCH + j] == source[:, j]
+    ends = width - 1  # candidate ends j in [0, L - 2]: each has a continuation token
+    run = jnp.ones((rows, ends), bool)
+    matched = jnp.zeros((rows, ends), jnp.int32)
+    for i in range(MATCH):
+        target = source[:, width - 1 - i][:, None]
+        here = left[:, MATCH - i: MATCH - i + ends]  # source[:, j - i]
+        run = run & (here == target) & (target >= 0) & (i < m_max)
+        matched = matched + run.astype(jnp.int32)
+    j = jnp.arange(ends, dtype=jnp.int32)
+    score = jnp.where(matched >= pattern_min, matched * width + j, -1)
+    best = jnp.argmax(score, axis=1).astype(jnp.int32)
+    found = jnp.max(score, axis=1) >= 0
+    right = jnp.concatenate([source, jnp.full((rows, k), -1, source.dtype)], axis=1)
+    cols = best[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+    cont = jnp.take_along_axis(right, cols, axis=1)
+    valid = jnp.cumprod((cont >= 0).astype(jnp.int32), axis=1)
+    lens = jnp.where(found, jnp.minimum(valid.sum(axis=1), max_lens), 0).astype(jnp.int32)
+    drafts = jnp.where(jnp.arange(k)[None, :] < lens[:, None], cont, 0).astype(jnp.int32)
+    return drafts, lens
+
+
+def fit_to_budget(lens: Int[Array, "S"], live: Int[Array, "S"], total: int) -> Int[Array, "S"]:
+    """Draft lengths cut so every live row's ``1 + draft`` fits ``total`` packed tokens, rows
+    first come first served (``int32[S]``; dead rows 0)."""
+    lens = jnp.where(live, lens, 0)
+    room = total - jnp.sum(live.astype(jnp.int32))
+    before = jnp.cumsum(lens) - lens
+    return jnp.clip(room - before, 0, lens).astype(jnp.int32)
+
+
+def append_tokens(ctx: Int[Array, "S C"], new: Int[Array, "S Q"], counts: Int[Array, "S"]) -> Int[Array, "S C"]:
+    """``ctx`` with each row's ``new[s, :counts[s]]`` appended and as many oldest tokens dropped."""
+    width = ctx.shape[1]
+    both = jnp.concatenate([ctx, new.astype(ctx.dtype)], axis=1)
+    cols = jnp.arange(width, dtype=jnp.int32)[None, :] + counts[:, None]
+    return jnp.take_along_axis(both, cols, axis=1)
+
+
+__all__ = ["MATCH", "append_tokens", "fit_to_budget", "lookup_drafts"]

@@ -1,0 +1,140 @@
+"""HistoSpec inside a chunk (``rollout/chunk_spec.py``, ``rollout/device_drafts.py``): the device's
+history lookup equals a brute-force reference, and a chunked HistoSpec rollout (history from the
+store, own tokens, siblings; drafts made on the device) emits the per-pass engine's tokens with
+fewer dispatches than passes, whether the history is right or wrong."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rhyme_jax.config import RolloutSection
+from rhyme_jax.config.checks import ConfigError
+from rhyme_jax.rollout.device_drafts import MATCH, append_tokens, fit_to_budget, lookup_drafts
+from rhyme_jax.rollout.engine import SamplingParams
+from rhyme_jax.rollout.shapes import plan
+from rhyme_jax.spec.drafter import Drafter
+from rhyme_jax.spec.history import HistoryStore
+from test_chunked_decode import _sampled_eos
+from test_rollout_engine import MAX_NEW, _engine, _model, _prompts, logprob_atol
+
+
+def _reference(source, pattern_min, pattern_max, max_len, k):
+    """Brute force of ``lookup_drafts`` for one row: the longest (then latest) suffix match."""
+    m_max, n = min(pattern_max, MATCH), len(source)
+    best = None
+    for j in range(n - 1):
+        m = 0
+        while m < m_max and j - m >= 0 and source[n - 1 - m] >= 0 and source[j - m] == source[n - 1 - m]:
+            m += 1
+        if m >= pattern_min and (best is None or (m, j) > best):
+            best = (m, j)
+    if best is None:
+        return []
+    out = []
+    for t in source[best[1] + 1: best[1] + 1 + min(k, max_len)]:
+        if t < 0:
+            break
+        out.append(int(t))
+    return out
+
+
+@pytest.mark.parametrize("pattern_min,pattern_max", [(1, 7), (3, 12)])
+def test_lookup_drafts_equal_a_brute_force_search(pattern_min, pattern_max):
+    """200 rows over a 4-token vocabulary (many repeats, ties between occurrences) with -1 gaps:
+    every row's draft is the brute-force search's, cut to its max length."""
+    rng = np.random.default_rng(0)
+    rows, width, k = 200, 40, 5
+    source = rng.integers(0, 4, (rows, width)).astype(np.int32)
+    source[rng.random((rows, width)) < 0.08] = -1
+    source[:, -1] = rng.integers(0, 4, rows)  # the pending token is a real token
+    max_lens = rng.integers(0, k + 2, rows).astype(np.int32)
+    drafts, lens = jax.jit(lookup_drafts, static_argnums=4)(jnp.asarray(source), jnp.int32(pattern_min),
+                                                            jnp.int32(pattern_max), jnp.asarray(max_lens), k)
+    drafts, lens = np.asarray(drafts), np.asarray(lens)
+    found = 0
+    for s in range(rows):
+        want = _reference(source[s].tolist(), pattern_min, pattern_max, int(max_lens[s]), k)
+        assert lens[s] == len(want), s
+        assert drafts[s, :lens[s]].tolist() == want and not drafts[s, lens[s]:].any(), s
+        found += bool(want)
+    assert found > rows // 5  # both outcomes (a draft, none) are exercised
+    assert found < rows
+
+
+def test_budget_fit_and_context_append():
+    lens = jnp.array([3, 0, 4, 2], jnp.int32)
+    live = jnp.array([True, True, False, True])
+    # 3 live rows need 3 tokens; 4 more fit: row 0 takes 3, row 3 takes 1, the dead row none
+    assert fit_to_budget(lens, live, 7).tolist() == [3, 0, 0, 1]
+    ctx = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    new = jnp.array([[7, 8], [9, 0]], jnp.int32)
+    assert append_tokens(ctx, new, jnp.array([2, 1], jnp.int32)).tolist() == [[3, 7, 8], [5, 6, 9]]
+
+
+def _drafter(store, pids, siblings=True, window="goodput"):
+    cfg = SimpleNamespace(enabled=True, branch="reward", window=window, fixed_window=8, min_token_prob=0.0,
+                          pattern_max=7, pattern_min=1, history_depth=1, self_lookup=True, siblings=siblings,
+                          step_cost="prior")
+    d = Drafter(cfg, store)
+    d.rebuild(pids)
+    return d
+
+
+@pytest.mark.parametrize("history_key,window", [(3, "goodput"), (5, "aimd")])
+def test_chunked_histospec_emits_the_per_pass_tokens(history_key, window):
+    """Sampled (T = 1), a stop token that ends rows mid-chunk, 3 slots for 6 requests (admission
+    at chunk ends), two requests per prompt (siblings). History: the plain rollout itself (key 3:
+    every draft right; goodput sizing) or another key's (drafts mostly wrong; the AIMD window,
+whose host choice always sends its drafts, where goodput would choose plain chunks). The chunked engine (4 passes per
+    dispatch, drafts made on the device) emits the per-pass plain engine's tokens and finish
+    reasons, with behaviour logprobs within the float32 bound of two programs."""
+    state, eos = _model()[1], _sampled_eos(3)
+    prompts = _prompts(0)
+    prompts = [prompts[i // 2] for i in range(6)]  # 3 prompts x 2 samples
+    pids = np.arange(6) // 2
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    want = _engine(max_slots=3, eos_ids=(eos,)).generate(state, prompts, sp, jax.random.key(3))
+    hist = _engine(max_slots=3, eos_ids=(eos,)).generate(state, prompts, sp, jax.random.key(history_key))
+    store = HistoryStore()
+    store.update(0, pids, [np.asarray(p) for p in prompts], hist.tokens, np.zeros(6))
+    eng = _engine(max_slots=3, eos_ids=(eos,), passes_per_dispatch=4)
+    with _drafter(store, pids, window=window) as d:
+        got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
+    atol = logprob_atol(prompts, want.tokens)
+    for g, w, glp, wlp in zip(got.tokens, want.tokens, got.logprobs, want.logprobs):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(glp, wlp, atol=atol, rtol=0)
+    assert got.finish_reasons == want.finish_reasons and "eos" in want.finish_reasons
+    s = got.stats
+    assert s["generated_tokens"] == want.stats["generated_tokens"]
+    assert any(p.kind == "spec_chunk" for p in eng.programs_run) and eng.programs_run <= set(eng.programs())
+    assert s["decode_dispatches"] < s["decode_steps"] and 0 <= s["accepted_tokens"] <= s["drafted_tokens"]
+    if history_key == 3:  # the history is the output itself: most drafts land, fewer passes than plain
+        assert s["accepted_tokens"] >= 0.8 * s["drafted_tokens"] > 0
+        assert s["decode_steps"] < want.stats["decode_steps"]
+
+
+def test_history_rows_hold_the_stored_responses_most_recent_last():
+    store = HistoryStore(depth=2)
+    store.update(0, np.array([7, 7]), [np.array([1, 2]), np.array([1, 2])], [np.array([5, 6]), np.array([8])],
+                 np.zeros(2))
+    store.update(1, np.array([7]), [np.array([1, 2])], [np.array([9, 9, 4])], np.zeros(1))
+    with _drafter(store, [7, 3], siblings=False) as d:
+        rows = d.batch([7, 3]).history_rows(np.array([0, 1]), 10)
+    assert rows[0].tolist() == [-1, 5, 6, -1, 8, -1, 9, 9, 4, -1]
+    assert rows[1].tolist() == [-1] * 10  # prompt 3 has no history
+
+
+def test_spec_chunks_are_planned_and_the_history_width_checked():
+    with pytest.raises(ConfigError, match="rollout.draft_history"):
+        RolloutSection(draft_history=0)
+    base = dict(max_slots=64, page_size=16, max_prompt_len=96, max_new_tokens=64)
+    assert not [p for p in plan(**base, passes_per_dispatch=8).programs(spec=False) if p.kind == "spec_chunk"]
+    chunked = plan(**base, passes_per_dispatch=8)
+    spec = [p for p in chunked.programs(spec=True) if p.kind == "spec_chunk"]
+    verify = [p for p in chunked.programs(spec=True) if p.kind == "verify"]
+    assert sorted((p.tokens, p.rows, p.q_len, p.width) for p in spec) == sorted(
+        (p.tokens, p.rows, p.q_len, p.width) for p in verify)
