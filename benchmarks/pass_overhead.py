@@ -9,6 +9,7 @@ Usage::
 
     python -m benchmarks.pass_overhead                                   # demo model, 64 slots, N = 1 vs 8, 16
     python -m benchmarks.pass_overhead --model configs/models/smollm2-135m --rounds 2
+    python -m benchmarks.pass_overhead --histospec --temperature 0.3    # every engine drafts (chunks on the device)
 
 Writes ``pass_overhead_<model>.json`` / ``.md`` under ``--out``.
 """
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--histospec", action="store_true",
+                    help="every engine drafts (history: one rollout of the same prompts with another key)")
+    ap.add_argument("--group", type=int, default=8, help="with --histospec: requests per prompt (a GRPO group)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     from rhyme_jax.rollout.engine import SamplingParams
@@ -48,17 +52,23 @@ def main(argv=None) -> int:
                                         range(args.eos), args.attention)
     batch = pass_overhead.prompts(args.prompts, args.prompt_len, cfg.vocab_size)
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
-    result = pass_overhead.measure(engs, state, batch, sp, args.rounds, log=lambda s: print(s, flush=True))
+    make = None
+    if args.histospec:
+        distinct = pass_overhead.prompts(-(-args.prompts // args.group), args.prompt_len, cfg.vocab_size)
+        batch = [distinct[i // args.group] for i in range(args.prompts)]
+        _, make = pass_overhead.histospec_drafter(engs[1], state, batch, args.group, sp)
+    result = pass_overhead.measure(engs, state, batch, sp, args.rounds, log=lambda s: print(s, flush=True),
+                                   drafter=make)
     import jax
 
-    meta = dict(model=args.model, dtype=args.dtype, slots=args.slots, prompts=args.prompts,
+    meta = dict(model=args.model, dtype=args.dtype, slots=args.slots, prompts=args.prompts, histospec=args.histospec,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, eos=args.eos, rounds=args.rounds,
                 device=jax.devices()[0].device_kind)
     text = pass_overhead.table(meta, result)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = Path(args.model).name
+    name = Path(args.model).name + ("_histospec" if args.histospec else "")
     (out / f"pass_overhead_{name}.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
     (out / f"pass_overhead_{name}.md").write_text(text)
     return 0

@@ -21,42 +21,46 @@ from test_chunked_decode import _sampled_eos
 from test_rollout_engine import MAX_NEW, _engine, _model, _prompts, logprob_atol
 
 
-def _reference(source, pattern_min, pattern_max, max_len, k):
-    """Brute force of ``lookup_drafts`` for one row: the longest (then latest) suffix match."""
-    m_max, n = min(pattern_max, MATCH), len(source)
+def _reference(source, pattern_min, max_len, k, own_from):
+    """Brute force of ``lookup_drafts`` for one row: among occurrences followed by a token, the
+    longest suffix match, then history before own tokens, then the latest."""
+    m_max, n = MATCH, len(source)
     best = None
     for j in range(n - 1):
         m = 0
         while m < m_max and j - m >= 0 and source[n - 1 - m] >= 0 and source[j - m] == source[n - 1 - m]:
             m += 1
-        if m >= pattern_min and (best is None or (m, j) > best):
-            best = (m, j)
+        if m >= pattern_min and source[j + 1] >= 0 and (best is None or (m, j < own_from, j) > best):
+            best = (m, j < own_from, j)
     if best is None:
         return []
     out = []
-    for t in source[best[1] + 1: best[1] + 1 + min(k, max_len)]:
+    for t in source[best[2] + 1: best[2] + 1 + min(k, max_len)]:
         if t < 0:
             break
         out.append(int(t))
     return out
 
 
-@pytest.mark.parametrize("pattern_min,pattern_max", [(1, 7), (3, 12)])
-def test_lookup_drafts_equal_a_brute_force_search(pattern_min, pattern_max):
-    """200 rows over a 4-token vocabulary (many repeats, ties between occurrences) with -1 gaps:
-    every row's draft is the brute-force search's, cut to its max length."""
+@pytest.mark.parametrize("pattern_min", [1, 3])
+def test_lookup_drafts_equal_a_brute_force_search(pattern_min):
+    """200 rows over a 4-token vocabulary (many repeats, ties between occurrences) with -1 gaps,
+    a quarter of them periodic (matches longer than ``MATCH``): every row's draft is the
+    brute-force search's, cut to its max length."""
     rng = np.random.default_rng(0)
-    rows, width, k = 200, 40, 5
+    rows, width, k = 200, 90, 5
     source = rng.integers(0, 4, (rows, width)).astype(np.int32)
+    source[: rows // 4] = np.tile(rng.integers(0, 4, (rows // 4, 7)), 13)[:, :width]
     source[rng.random((rows, width)) < 0.08] = -1
     source[:, -1] = rng.integers(0, 4, rows)  # the pending token is a real token
     max_lens = rng.integers(0, k + 2, rows).astype(np.int32)
-    drafts, lens = jax.jit(lookup_drafts, static_argnums=4)(jnp.asarray(source), jnp.int32(pattern_min),
-                                                            jnp.int32(pattern_max), jnp.asarray(max_lens), k)
+    own_from = 25
+    drafts, lens = jax.jit(lookup_drafts, static_argnums=(3, 4))(jnp.asarray(source), jnp.int32(pattern_min),
+                                                                 jnp.asarray(max_lens), k, own_from)
     drafts, lens = np.asarray(drafts), np.asarray(lens)
     found = 0
     for s in range(rows):
-        want = _reference(source[s].tolist(), pattern_min, pattern_max, int(max_lens[s]), k)
+        want = _reference(source[s].tolist(), pattern_min, int(max_lens[s]), k, own_from)
         assert lens[s] == len(want), s
         assert drafts[s, :lens[s]].tolist() == want and not drafts[s, lens[s]:].any(), s
         found += bool(want)
@@ -65,10 +69,12 @@ def test_lookup_drafts_equal_a_brute_force_search(pattern_min, pattern_max):
 
 
 def test_budget_fit_and_context_append():
-    lens = jnp.array([3, 0, 4, 2], jnp.int32)
-    live = jnp.array([True, True, False, True])
-    # 3 live rows need 3 tokens; 4 more fit: row 0 takes 3, row 3 takes 1, the dead row none
-    assert fit_to_budget(lens, live, 7).tolist() == [3, 0, 0, 1]
+    lens = jnp.array([3, 0, 4, 2, 5], jnp.int32)
+    live = jnp.array([True, True, False, True, True])
+    # 4 live rows need 4 tokens; 6 more fit: equal shares of 1 each (row 1 wants none), then the
+    # 3 left first come: row 0 takes 2 more, row 3 one more, row 4 none; the dead row nothing
+    assert fit_to_budget(lens, live, 10).tolist() == [3, 0, 0, 2, 1]
+    assert fit_to_budget(lens, live, 40).tolist() == [3, 0, 0, 2, 5]
     ctx = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
     new = jnp.array([[7, 8], [9, 0]], jnp.int32)
     assert append_tokens(ctx, new, jnp.array([2, 1], jnp.int32)).tolist() == [[3, 7, 8], [5, 6, 9]]
@@ -123,9 +129,9 @@ def test_history_rows_hold_the_stored_responses_most_recent_last():
                  np.zeros(2))
     store.update(1, np.array([7]), [np.array([1, 2])], [np.array([9, 9, 4])], np.zeros(1))
     with _drafter(store, [7, 3], siblings=False) as d:
-        rows = d.batch([7, 3]).history_rows(np.array([0, 1]), 10)
-    assert rows[0].tolist() == [-1, 5, 6, -1, 8, -1, 9, 9, 4, -1]
-    assert rows[1].tolist() == [-1] * 10  # prompt 3 has no history
+        rows = d.batch([7, 3]).history_rows(np.array([0, 1]), 16)
+    assert rows[0].tolist() == [-1, 1, 2, 5, 6, -1, 1, 2, 8, -1, 1, 2, 9, 9, 4, -1]
+    assert rows[1].tolist() == [-1] * 16  # prompt 3 has no history
 
 
 def test_spec_chunks_are_planned_and_the_history_width_checked():

@@ -46,7 +46,7 @@ class SpecChunkInputs:
     """Host arguments of one ``spec_chunk`` call: ``ChunkInputs`` of the same rows (``base``) plus
     ``history i32[S, H]`` and ``context i32[S, C]`` (-1 = no token), the program's packed tokens
     ``tokens`` (``T``) and ``q_len`` (``Q``: drafts of at most ``Q - 1``), and the drafter's
-    ``pattern_min`` / ``pattern_max``."""
+    ``pattern_min`` (the shortest match it drafts from)."""
 
     base: chunk.ChunkInputs
     history: np.ndarray
@@ -54,7 +54,6 @@ class SpecChunkInputs:
     tokens: int
     q_len: int
     pattern_min: int
-    pattern_max: int
 
     def pass_shape(self) -> PassShape:
         """The ``shapes.PassShape`` of kind ``"spec_chunk"`` this call runs."""
@@ -91,7 +90,7 @@ def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: in
 def spec_chunk(static: StaticModel, leaves, kv, pending: Int[Array, "S"], positions: Int[Array, "S"],
                pages: Int[Array, "S W"], streams: Int[Array, "S"], budgets: Int[Array, "S"], eos: Int[Array, "E"],
                num_live: Int[Array, ""], passes: Int[Array, ""], history: Int[Array, "S H"],
-               context: Int[Array, "S C"], pattern_min: Int[Array, ""], pattern_max: Int[Array, ""], key,
+               context: Int[Array, "S C"], pattern_min: Int[Array, ""], key,
                temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_passes: int,
                total: int, q_len: int, page_size: int, mode: str, attention_impl: str, mesh=None):
     """Up to ``passes`` verify passes of ``S`` rows with drafts made on the device (module docstring).
@@ -120,7 +119,8 @@ def spec_chunk(static: StaticModel, leaves, kv, pending: Int[Array, "S"], positi
         live = ~done
         source = jnp.concatenate([history, ctx], axis=1)
         room = jnp.maximum(budgets - count - 1, 0)
-        drafts, lens = lookup_drafts(source, pattern_min, pattern_max, jnp.minimum(room, q_len - 1), q_len - 1)
+        drafts, lens = lookup_drafts(source, pattern_min, jnp.minimum(room, q_len - 1), q_len - 1,
+                                     own_from=history.shape[1])
         lens = fit_to_budget(lens, live & is_row, total)
         ptok, ppos, pstream, meta, cu = _pack(jnp.where(is_row, tok, 0), jnp.where(is_row, pos, 0), lens, drafts,
                                               is_row, live, pages, streams, total=total, page_size=page_size)
@@ -157,48 +157,53 @@ def call(engine, flat_state, inp: SpecChunkInputs, key, scalars, mode):
               attention_impl=engine.attention_impl, mesh=engine.mesh)
     return spec_chunk, (static, leaves, engine.kv, b.pending, b.positions, b.pages, b.streams, b.budgets, b.eos,
                         np.int32(b.num_live), np.int32(b.passes), inp.history, inp.context,
-                        np.int32(inp.pattern_min), np.int32(inp.pattern_max), key, *scalars), kw
+                        np.int32(inp.pattern_min), key, *scalars), kw
 
 
 def dummy_inputs(shape: PassShape, engine) -> SpecChunkInputs:
     """Inputs of a ``"spec_chunk"`` program with no live row (warm-up: compiles it, runs no pass)."""
     base = chunk.dummy_inputs(PassShape("chunk", shape.rows, shape.rows, 1, shape.width), engine)
     return SpecChunkInputs(base, np.full((shape.rows, engine.draft_history), -1, np.int32),
-                           np.full((shape.rows, CONTEXT), -1, np.int32), shape.tokens, shape.q_len, 1, 1)
+                           np.full((shape.rows, CONTEXT), -1, np.int32), shape.tokens, shape.q_len, 1)
 
 
-def _rows(pieces: list[np.ndarray], width: int) -> np.ndarray:
-    """The last ``width`` tokens of ``pieces`` joined with ``-1`` separators, left-padded with -1."""
-    out = np.full(width, -1, np.int32)
-    parts = []
-    for p in pieces:
-        p = np.asarray(p, np.int32)
-        p = p[p >= 0]
-        if p.size:
-            parts += [p, np.full(1, -1, np.int32)]
-    if parts:
-        joined = np.concatenate(parts)[-width:]
-        out[width - joined.size:] = joined
-    return out
+def _joined(rows: np.ndarray) -> np.ndarray:
+    """The tokens of ``rows`` (``int32[m, W]``, ``-1`` = none) one row after another, each
+    followed by ``-1``."""
+    marked = np.concatenate([rows, np.full((rows.shape[0], 1), -2, np.int32)], axis=1).ravel()
+    kept = marked[marked != -1]
+    return np.where(kept == -2, -1, kept).astype(np.int32)
 
 
 def history(engine, table, ids: np.ndarray, drafter, rows: int) -> np.ndarray:
-    """``int32[rows, H]`` history of live slots ``ids``: the siblings' current tails (rows of the
-    same group, when the drafter drafts from siblings), then the prompt's previous rollouts
-    (``drafter.history_rows``), most recent last."""
-    width = engine.draft_history
+    """``int32[rows, H]`` history of live slots ``ids``: the prompt's previous rollouts
+    (``drafter.history_rows``), then, when the drafter drafts from siblings, the current tails
+    of the rows of its group (at most half of ``H``; a row's own tail among them is harmless:
+    an occurrence followed by ``-1`` is never drafted from)."""
+    width, n = engine.draft_history, ids.size
     reqs = table.req[ids]
-    prev = drafter.history_rows(reqs, width)
     out = np.full((rows, width), -1, np.int32)
+    out[:n] = drafter.history_rows(reqs, width)
     groups = getattr(drafter, "groups", None)
-    tails = table.tails.get(ids) if (groups is not None and getattr(drafter, "siblings", False)) else None
-    for i in range(ids.size):
-        pieces = []
-        if tails is not None:
-            g = groups[reqs[i]]
-            pieces = [tails[j] for j in range(ids.size) if j != i and groups[reqs[j]] == g]
-        out[i] = _rows(pieces + [prev[i]], width) if pieces else prev[i]
+    if groups is None or not getattr(drafter, "siblings", False) or table.tails is None:
+        return out
+    tails, g = table.tails.get(ids), groups[reqs]
+    for group in np.unique(g):
+        members = np.flatnonzero(g == group)
+        if members.size < 2:
+            continue
+        piece = _joined(tails[members])[-(width // 2):]
+        out[members] = np.concatenate([out[members[0], piece.size:], piece])
     return out
+
+
+def _common_prefix(drafts: np.ndarray, toks: np.ndarray, lens: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``int64[n]``: how many of row ``i``'s first ``lens[i]`` draft tokens equal its first
+    emitted tokens ``toks[i, :count[i]]`` (what a verify pass of that draft would have accepted)."""
+    k = min(drafts.shape[1], toks.shape[1])
+    cols = np.arange(k)[None, :]
+    same = (drafts[:, :k] == toks[:, :k]) & (cols < lens[:, None]) & (cols < count[:, None])
+    return np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
 
 
 def decode(engine, table, run, drafter) -> bool:
@@ -207,7 +212,7 @@ def decode(engine, table, run, drafter) -> bool:
     are recorded. Falls back to a plain chunk (``chunk.decode``) when the host drafter's choice
     carries no draft; returns False, having done nothing, when the pool cannot hold the chunk."""
     ids = table.live()
-    _, choice = engine._draft(drafter, table, ids)
+    host_drafts, choice = engine._draft(drafter, table, ids)
     if choice.q_len <= 1 or not hasattr(drafter, "history_rows"):
         return chunk.decode(engine, table, run)
     n_pass = engine.plan.passes
@@ -221,7 +226,7 @@ def decode(engine, table, run, drafter) -> bool:
     w = min(CONTEXT, tails.shape[1])
     ctx[:n, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
     inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, choice.tokens, choice.q_len,
-                          *drafter.patterns)
+                          int(drafter.pattern_min))
     toks, lps, count, tally = run(inp)
     count = np.asarray(count[:n], np.int64)
     n_run, row_passes, n_draft, n_acc = (int(x) for x in tally)
@@ -232,6 +237,8 @@ def decode(engine, table, run, drafter) -> bool:
     s["drafted_tokens"] += n_draft
     s["accepted_tokens"] += n_acc
     toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
+    sent = np.asarray(choice.draft_lens, np.int64)
+    drafter.observe_chunk(table.req[ids], sent, _common_prefix(host_drafts, toks, sent, count), count)
     step = table.tails.width
     for lo in range(0, int(count.max(initial=0)), step):  # the tails take at most their width at once
         part = np.clip(count - lo, 0, step)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from rhyme_jax.config import SpecSection
 
 SELF_LOOKUP_WIDTH = 256  # tokens of the running sequence searched by spec.self_lookup
+PROMPT_TAIL = 8  # prompt tokens before each response in ``DraftBatch.history_rows``
 
 
 def index_of(entry: HistoryEntry) -> SuffixIndex:
@@ -199,7 +200,7 @@ class DraftBatch:
         self.context_width = parent.context_width
         self.groups = np.arange(slots.size, dtype=np.int64) if groups is None else np.asarray(groups, np.int64)
         self.siblings = parent.siblings
-        self.patterns = (parent.pattern_min, parent.pattern_max)
+        self.pattern_min = parent.pattern_min
         self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
         self._history: dict[int, np.ndarray] = {}
         self._pack, self._slots = pack, slots
@@ -292,9 +293,11 @@ class DraftBatch:
 
     def history_rows(self, reqs: Int[np.ndarray, "B"], width: int) -> Int[np.ndarray, "B H"]:
         """``int32[B, width]`` per request: its prompt's stored responses (every kept rollout,
-        oldest first, so the most recent response ends the row), each followed by ``-1``, cut
-        to the last ``width`` tokens and left-padded with ``-1`` (all ``-1`` without history).
-        What ``rollout/chunk_spec.py`` drafts from on the device; built once per prompt."""
+        oldest first, so the most recent response ends the row), each after the prompt's last
+        ``PROMPT_TAIL`` tokens (so a response's first tokens match after the prompt) and followed
+        by ``-1``, cut to the last ``width`` tokens and left-padded with ``-1`` (all ``-1``
+        without history). What ``rollout/chunk_spec.py`` drafts from on the device; built once
+        per prompt."""
         out = np.full((len(reqs), width), -1, np.int32)
         if self._prompt_ids is None:
             return out
@@ -303,8 +306,10 @@ class DraftBatch:
             row = self._history.get(pid)
             if row is None or row.size != width:
                 entry = self.parent.store.entry(pid)
+                head = None if entry is None else np.asarray(entry.prompt, np.int32)[-PROMPT_TAIL:]
                 parts = [] if entry is None else [
-                    np.append(np.asarray(x, np.int32), np.int32(-1)) for ro in entry.rollouts for x in ro.responses]
+                    np.concatenate([head, np.asarray(x, np.int32), [-1]]).astype(np.int32)
+                    for ro in entry.rollouts for x in ro.responses]
                 joined = np.concatenate(parts)[-width:] if parts else np.zeros(0, np.int32)
                 row = np.full(width, -1, np.int32)
                 row[width - joined.size:] = joined
@@ -332,6 +337,19 @@ class DraftBatch:
             raise ValueError("reqs: each request may appear once per observe()")
         p = self.parent
         self._window[r] = next_window(p.window_policy, self._window[r], drafted, accepted, p.fixed_window)
+
+    def observe_chunk(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"],
+                      accepted: Int[np.ndarray, "B"], counts: Int[np.ndarray, "B"]) -> None:
+        """After a chunk of passes that drafted on the device (``rollout/chunk_spec.py``):
+        ``drafted`` / ``accepted``: the last ``draft``'s lengths as sent and how many of them
+        the chunk emitted (the outcome a verify pass would have had); ``counts``: tokens each
+        request emitted in the chunk. Goodput: ``GoodputDrafts.observe_chunk``; the window
+        policies: the window update of ``observe``."""
+        r = _int64(reqs)
+        if self._goodput is not None:
+            self._goodput.observe_chunk(r, _int64(drafted), _int64(accepted), _int64(counts), self._emitted)
+            return
+        self.observe(r, drafted, accepted)
 
     @property
     def idle(self) -> bool:

@@ -220,3 +220,16 @@ class GoodputDrafts:
         """
         self.calibration.update(reqs, self.cells, self.ests, drafted, accepted)
         _note(reqs, accepted, self.grow, emitted)
+
+    def observe_chunk(self, reqs: Int[np.ndarray, "B"], drafted: Int[np.ndarray, "B"],
+                      accepted: Int[np.ndarray, "B"], counts: Int[np.ndarray, "B"], emitted: Int[np.ndarray, "R"]) -> None:
+        """After a chunk of passes drafted on the device (``rollout/chunk_spec.py``): the last
+        host draft's outcome had it been verified (``accepted``: how many of its first ``drafted``
+        tokens the chunk emitted) feeds the calibration; each request emitted ``counts`` tokens
+        (added to ``emitted``). The tails' growth stays unknown (the next draft re-reads them).
+
+        Raises:
+          ValueError: as ``observe``.
+        """
+        self.calibration.update(reqs, self.cells, self.ests, drafted, accepted)
+        emitted[reqs] += counts

@@ -14,7 +14,10 @@ compile round. From each ``generate``'s ``RolloutResult.stats``:
 * ``drafting_share``: ``drafting_seconds / seconds``.
 
 Figures are medians over the rounds. ``same_tokens`` says whether every engine emitted the
-per-pass engine's tokens. ``python -m benchmarks.pass_overhead`` is the command line.
+per-pass engine's tokens. With HistoSpec (``histospec_drafter``) every engine also drafts: the
+per-pass engine on the host before each pass, the chunked ones on the device inside each chunk
+(``rollout/chunk_spec.py``); ``accepted_per_pass`` and ``drafted_tokens`` then say how much the
+drafts carried. ``python -m benchmarks.pass_overhead`` is the command line.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import numpy as np
 from rhyme_jax.model.config import ModelConfig
 
 FIELDS = ("host_ms_per_pass", "device_ms_per_pass", "tokens_per_s", "bound_tokens_per_s", "of_bound",
-          "drafting_share", "decode_steps", "decode_dispatches", "generated_tokens")
+          "drafting_share", "decode_steps", "decode_dispatches", "generated_tokens", "drafted_tokens",
+          "accepted_tokens")
 
 
 def engines(cfg: ModelConfig, dtype: str, slots: int, prompt_len: int, new_tokens: int, chunks: list[int],
@@ -66,22 +70,51 @@ def figures(stats: dict) -> dict:
                 tokens_per_s=float(stats["tokens_per_s"]), bound_tokens_per_s=bound,
                 of_bound=float(stats["tokens_per_s"]) / bound, drafting_share=stats["drafting_seconds"] / secs,
                 decode_steps=int(stats["decode_steps"]), decode_dispatches=int(stats["decode_dispatches"]),
-                generated_tokens=int(stats["generated_tokens"]))
+                generated_tokens=int(stats["generated_tokens"]), drafted_tokens=int(stats.get("drafted_tokens", 0)),
+                accepted_tokens=int(stats.get("accepted_tokens", 0)))
 
 
-def measure(engs: dict, state, batch: list[list[int]], sampling, rounds: int, log=print) -> dict:
+def histospec_drafter(engine, state, batch: list[list[int]], group: int, sampling, history_key: int = 1):
+    """``(store, make)``: a HistoSpec drafter's history from one per-pass rollout of ``batch``
+    with key ``history_key`` (the previous epoch's rollout of the same prompts; requests
+    ``group`` at a time share a prompt id), and ``make()`` -> a fresh ``DraftBatch`` (goodput
+    window, self-lookup and siblings, pattern 1..7, the engine's pass-cost model) per call."""
+    import jax
+    from types import SimpleNamespace
+
+    from rhyme_jax.spec.drafter import Drafter
+    from rhyme_jax.spec.history import HistoryStore
+
+    pids = np.arange(len(batch)) // max(1, group)
+    prev = engine.generate(state, batch, sampling, jax.random.key(history_key))
+    store = HistoryStore()
+    store.update(0, pids, [np.asarray(p) for p in batch], prev.tokens, np.zeros(len(batch)))
+    cfg = SimpleNamespace(enabled=True, branch="reward", window="goodput", fixed_window=8, min_token_prob=0.0,
+                          pattern_max=7, pattern_min=1, history_depth=1, self_lookup=True, siblings=True,
+                          step_cost="prior")
+    drafter = Drafter(cfg, store)
+    drafter.rebuild(pids)
+    return drafter, lambda: drafter.batch(pids)
+
+
+def measure(engs: dict, state, batch: list[list[int]], sampling, rounds: int, log=print, drafter=None) -> dict:
     """Alternate ``rounds`` timed ``generate`` calls of every engine (after one untimed compile
-    round; key 0 each time). Returns ``{"engines": {n: medians of FIELDS}, "same_tokens": bool}``."""
+    round; key 0 each time; ``drafter()``, when given, makes each call's drafter). Returns
+    ``{"engines": {n: medians of FIELDS}, "same_tokens": bool}``."""
     import jax
 
     key = jax.random.key(0)
-    first = {n: e.generate(state, batch, sampling, key) for n, e in engs.items()}  # compiles
+    make = drafter or (lambda: None)
+    if drafter is not None:  # drafts pick among many programs: compile them all before timing
+        for e in engs.values():
+            e.warmup(state, sampling, spec=True)
+    first = {n: e.generate(state, batch, sampling, key, drafter=make()) for n, e in engs.items()}  # compiles
     base = first[1].tokens
     same = all(all(np.array_equal(a, b) for a, b in zip(base, r.tokens)) for r in first.values())
     runs: dict = {n: [] for n in engs}
     for r in range(rounds):
         for n, e in engs.items():
-            f = figures(e.generate(state, batch, sampling, key).stats)
+            f = figures(e.generate(state, batch, sampling, key, drafter=make()).stats)
             runs[n].append(f)
             if log:
                 log(f"round {r} N={n}: host {f['host_ms_per_pass']:.3f} ms/pass, device "
@@ -94,9 +127,10 @@ def table(meta: dict, result: dict) -> str:
     """Markdown table of ``measure``'s result, one row per engine, ``meta`` on the first line."""
     lines = [f"{meta}", "", f"same tokens as the per-pass engine: {result['same_tokens']}", "",
              "| passes/dispatch | host ms/pass | device ms/pass | tokens/s | device-only bound | of bound | "
-             "drafting share | passes | dispatches |", "|---|---|---|---|---|---|---|---|---|"]
+             "drafting share | passes | dispatches | drafted | accepted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, f in sorted(result["engines"].items()):
         lines.append(f"| {n} | {f['host_ms_per_pass']:.3f} | {f['device_ms_per_pass']:.3f} | {f['tokens_per_s']:.0f} | "
                      f"{f['bound_tokens_per_s']:.0f} | {f['of_bound']:.1%} | {f['drafting_share']:.1%} | "
-                     f"{f['decode_steps']:.0f} | {f['decode_dispatches']:.0f} |")
+                     f"{f['decode_steps']:.0f} | {f['decode_dispatches']:.0f} | {f.get('drafted_tokens', 0):.0f} | "
+                     f"{f.get('accepted_tokens', 0):.0f} |")
     return "\n".join(lines) + "\n"
