@@ -144,3 +144,19 @@ def test_spec_chunks_are_planned_and_the_history_width_checked():
     verify = [p for p in chunked.programs(spec=True) if p.kind == "verify"]
     assert sorted((p.tokens, p.rows, p.q_len, p.width) for p in spec) == sorted(
         (p.tokens, p.rows, p.q_len, p.width) for p in verify)
+
+
+def test_chunk_history_puts_sibling_tails_before_the_previous_rollouts():
+    """Rows 0 and 1 share group 0, row 2 is alone: the group's rows get both tails (each
+    followed by -1), then the stored responses, right-aligned; the lone row its responses only."""
+    from rhyme_jax.rollout.chunk_spec import history
+
+    prev = np.array([[-1, -1, -1, -1, 4, 5, -1], [-1, -1, -1, -1, 4, 5, -1], [-1, -1, -1, 6, 6, 6, -1]], np.int32)
+    tails = np.array([[-1, 1, 2], [3, 3, 3], [9, 9, 9]], np.int32)
+    drafter = SimpleNamespace(history_rows=lambda reqs, width: prev[reqs], groups=np.array([0, 0, 1]), siblings=True)
+    table = SimpleNamespace(req=np.arange(3), tails=SimpleNamespace(get=lambda ids: tails[ids]))
+    engine = SimpleNamespace(draft_history=7)
+    out = history(engine, table, np.arange(3), drafter, 4)
+    # group 0: tails "1 2 -1 3 3 3 -1" (7 tokens) are cut to the last 3 (half of 7), then "4 5 -1"
+    assert out[0].tolist() == [-1, 3, 3, -1, 4, 5, -1] == out[1].tolist()
+    assert out[2].tolist() == prev[2].tolist() and out[3].tolist() == [-1] * 7

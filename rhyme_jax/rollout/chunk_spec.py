@@ -176,10 +176,11 @@ def _joined(rows: np.ndarray) -> np.ndarray:
 
 
 def history(engine, table, ids: np.ndarray, drafter, rows: int) -> np.ndarray:
-    """``int32[rows, H]`` history of live slots ``ids``: the prompt's previous rollouts
-    (``drafter.history_rows``), then, when the drafter drafts from siblings, the current tails
-    of the rows of its group (at most half of ``H``; a row's own tail among them is harmless:
-    an occurrence followed by ``-1`` is never drafted from)."""
+    """``int32[rows, H]`` history of live slots ``ids``: when the drafter drafts from siblings,
+    the current tails of the rows of its group (at most half of ``H``; a row's own tail among
+    them is harmless: an occurrence followed by ``-1`` is never drafted from), then the prompt's
+    previous rollouts (``drafter.history_rows``), whose whole responses come last so that equal
+    matches draft from them (the tails end where the chunk starts)."""
     width, n = engine.draft_history, ids.size
     reqs = table.req[ids]
     out = np.full((rows, width), -1, np.int32)
@@ -193,7 +194,10 @@ def history(engine, table, ids: np.ndarray, drafter, rows: int) -> np.ndarray:
         if members.size < 2:
             continue
         piece = _joined(tails[members])[-(width // 2):]
-        out[members] = np.concatenate([out[members[0], piece.size:], piece])
+        prev = out[members[0]].copy()
+        prev = prev[int(np.argmax(prev >= 0)) if (prev >= 0).any() else width:][piece.size - width:]
+        out[members] = -1
+        out[members, width - piece.size - prev.size:] = np.concatenate([piece, prev])
     return out
 
 
