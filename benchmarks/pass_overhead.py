@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--histospec", action="store_true",
                     help="every engine drafts (history: one rollout of the same prompts with another key)")
     ap.add_argument("--group", type=int, default=8, help="with --histospec: requests per prompt (a GRPO group)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="with --histospec: do not compile every program first (a 30-layer model's take long on CPU)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     from rhyme_jax.rollout.engine import SamplingParams
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
         batch = [distinct[i // args.group] for i in range(args.prompts)]
         _, make = pass_overhead.histospec_drafter(engs[1], state, batch, args.group, sp)
     result = pass_overhead.measure(engs, state, batch, sp, args.rounds, log=lambda s: print(s, flush=True),
-                                   drafter=make)
+                                   drafter=make, warmup=not args.no_warmup)
     import jax
 
     meta = dict(model=args.model, dtype=args.dtype, slots=args.slots, prompts=args.prompts, histospec=args.histospec,

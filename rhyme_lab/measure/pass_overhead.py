@@ -97,15 +97,17 @@ def histospec_drafter(engine, state, batch: list[list[int]], group: int, samplin
     return drafter, lambda: drafter.batch(pids)
 
 
-def measure(engs: dict, state, batch: list[list[int]], sampling, rounds: int, log=print, drafter=None) -> dict:
+def measure(engs: dict, state, batch: list[list[int]], sampling, rounds: int, log=print, drafter=None,
+            warmup: bool = True) -> dict:
     """Alternate ``rounds`` timed ``generate`` calls of every engine (after one untimed compile
-    round; key 0 each time; ``drafter()``, when given, makes each call's drafter). Returns
-    ``{"engines": {n: medians of FIELDS}, "same_tokens": bool}``."""
+    round; key 0 each time; ``drafter()``, when given, makes each call's drafter, and with
+    ``warmup`` every program of the engines is compiled first, since drafts pick among many).
+    Returns ``{"engines": {n: medians of FIELDS}, "same_tokens": bool}``."""
     import jax
 
     key = jax.random.key(0)
     make = drafter or (lambda: None)
-    if drafter is not None:  # drafts pick among many programs: compile them all before timing
+    if drafter is not None and warmup:  # drafts pick among many programs: compile them all before timing
         for e in engs.values():
             e.warmup(state, sampling, spec=True)
     first = {n: e.generate(state, batch, sampling, key, drafter=make()) for n, e in engs.items()}  # compiles

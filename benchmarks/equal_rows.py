@@ -1,0 +1,129 @@
+"""Plain decode at equal rows: transformers ``generate`` against rhyme-jax (per-pass and chunked).
+
+Both engines decode the same ``--rows`` random prompts of ``--prompt-len`` tokens on SmolLM2-135M's
+shapes (``configs/models/smollm2-135m``; random weights, float32: a pass costs the same whatever
+the weights), sampling at T = 1 with no stop token, so every row emits exactly ``--new-tokens``
+tokens in both (``min_new_tokens`` for transformers). transformers gets all rows in one
+``generate`` call (batch = rows, KV cache, ``torch.set_num_threads(cores)``); rhyme-jax gets as many
+decode slots as rows, so both run one pass per token over the same rows. Rounds alternate the
+engines after one warm-up call each (compiles rhyme-jax's programs); tokens/s = rows x new tokens
+/ the median wall seconds of a call (prefill included in both). Also printed: rhyme-jax's device
+ms per decode pass and the matmul floor of that pass (its float32 FLOPs at this machine's XLA
+matmul rate per shape, measured in the same run).
+
+Usage (repository root; transformers and torch from the test extras)::
+
+    python -m benchmarks.equal_rows                      # 32 rows, 64-token prompts, 64 new tokens, 3 rounds
+    python -m benchmarks.equal_rows --rows 16 --rounds 2
+
+Writes ``<out>/equal_rows.json`` (default ``runs/bench_equal_rows``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODEL = "configs/models/smollm2-135m"
+
+
+def matmul_floor_ms(cfg, rows: int) -> tuple[float, dict]:
+    """(ms, rates): the decode pass's float32 matmuls (attention projections, MLP, LM head) at
+    ``rows`` rows timed one shape at a time with XLA on this machine, summed over the layers."""
+    import jax
+    import jax.numpy as jnp
+
+    h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    q = cfg.num_heads * cfg.head_dim
+    shapes = {"q": (h, q), "kv": (h, kv), "o": (q, h), "up": (h, f), "down": (f, h), "head": (h, cfg.vocab_size)}
+    per_layer = {"q": 1, "kv": 2, "o": 1, "up": 2, "down": 1, "head": 0}
+    total, rates = 0.0, {}
+    for name, (k, n) in shapes.items():
+        a, b = jnp.ones((rows, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        fn = jax.jit(lambda a, b: a @ b)
+        fn(a, b).block_until_ready()
+        reps = max(5, int(1e9 / (2 * rows * k * n)))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn(a, b).block_until_ready()
+        dt = (time.perf_counter() - t0) / reps
+        rates[name] = 2 * rows * k * n / dt / 1e9
+        total += dt * (per_layer[name] * cfg.num_layers if per_layer[name] else 1)
+    return 1e3 * total, rates
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.equal_rows", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=16, help="passes per dispatch of the chunked engine")
+    ap.add_argument("--out", default="runs/bench_equal_rows")
+    args = ap.parse_args(argv)
+    import jax
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rhyme_jax.rollout.engine import SamplingParams
+    from rhyme_lab.measure import pass_overhead
+    from rhyme_lab.measure.pass_cost import model_config
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL), dtype=torch.float32).eval()
+    prompts = np.random.default_rng(0).integers(3, hf.config.vocab_size, (args.rows, args.prompt_len))
+    ids = torch.tensor(prompts)
+
+    def run_hf() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                              top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              pad_token_id=0)
+        assert out.shape[1] == args.prompt_len + args.new_tokens
+        return time.perf_counter() - t0
+
+    cfg = model_config(MODEL)
+    engs, state = pass_overhead.engines(cfg, "float32", args.rows, args.prompt_len, args.new_tokens, [args.chunk])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+
+    def run_rj(n: int) -> tuple[float, float]:
+        s = engs[n].generate(state, prompts.tolist(), sp, jax.random.key(0)).stats
+        assert s["generated_tokens"] == args.rows * args.new_tokens
+        return s["seconds"], 1e3 * s["device_wait_seconds"] / s["decode_steps"]
+
+    run_hf(), run_rj(1), run_rj(args.chunk)  # warm-up and compiles
+    secs: dict = {"transformers": [], "rhyme-jax per-pass": [], f"rhyme-jax {args.chunk} passes/dispatch": []}
+    device_ms = []
+    for r in range(args.rounds):
+        secs["transformers"].append(run_hf())
+        secs["rhyme-jax per-pass"].append(run_rj(1)[0])
+        s, dev = run_rj(args.chunk)
+        secs[f"rhyme-jax {args.chunk} passes/dispatch"].append(s)
+        device_ms.append(dev)
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in secs.items()), flush=True)
+    floor, rates = matmul_floor_ms(cfg, args.rows)
+    tps = {k: args.rows * args.new_tokens / statistics.median(v) for k, v in secs.items()}
+    best_peer = tps["transformers"]
+    report = dict(rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
+                  tokens_per_s=tps, over_transformers={k: v / best_peer for k, v in tps.items()},
+                  rhyme_device_ms_per_pass=statistics.median(device_ms), matmul_floor_ms_per_pass=floor,
+                  xla_matmul_gflops=rates, transformers_ms_per_token_step=1e3 * statistics.median(
+                      secs["transformers"]) / args.new_tokens, cores=os.cpu_count(), torch=torch.__version__)
+    print(json.dumps(report, indent=1))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "equal_rows.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
