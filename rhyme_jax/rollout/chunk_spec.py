@@ -36,7 +36,7 @@ from rhyme_jax.rollout import chunk
 from rhyme_jax.rollout.device_drafts import append_tokens, fit_to_budget, lookup_drafts
 from rhyme_jax.rollout.forward import RaggedMeta
 from rhyme_jax.rollout.passes import StaticModel, verify_pass
-from rhyme_jax.rollout.shapes import PassShape
+from rhyme_jax.rollout.shapes import PassShape, seq_bucket, verify_pairs
 
 CONTEXT = 256  # C: own tokens of each row searched on the device (the host drafter's self-lookup width)
 
@@ -210,26 +210,36 @@ def _common_prefix(drafts: np.ndarray, toks: np.ndarray, lens: np.ndarray, count
     return np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
 
 
+def program(plan, rows: int, want: int) -> tuple[int, int]:
+    """``(T, Q)`` of a chunk of ``rows`` rows: the smallest verify pair of the row bucket
+    (``shapes.verify_pairs``, ``Q > 1``) with ``T >= want`` packed tokens, else its largest."""
+    pairs = [(t, q) for t, q in verify_pairs(rows, plan.verify_budget) if q > 1]
+    return next(((t, q) for t, q in pairs if t >= want), pairs[-1])
+
+
 def decode(engine, table, run, drafter) -> bool:
-    """One chunk of verify passes with device drafts over the live slots of ``table``: the host
-    drafter sizes the program, pages are reserved, the chunk runs and every row's emitted tokens
-    are recorded. Falls back to a plain chunk (``chunk.decode``) when the host drafter's choice
+    """One chunk of verify passes with device drafts over the live slots of ``table``: the
+    program fits the live rows plus the larger of the draft tokens the host's goodput choice
+    sends now and 1.5 x the draft tokens the last chunk accepted per pass (``program``; the
+    device's drafts carry no estimates, so the last chunk's outcome sizes the next); pages are
+    reserved, the chunk runs and every row's emitted tokens are recorded. Falls back to a plain chunk (``chunk.decode``) when the host drafter's choice
     carries no draft; returns False, having done nothing, when the pool cannot hold the chunk."""
     ids = table.live()
     host_drafts, choice = engine._draft(drafter, table, ids)
     if choice.q_len <= 1 or not hasattr(drafter, "history_rows"):
         return chunk.decode(engine, table, run)
-    n_pass = engine.plan.passes
-    budgets = chunk.reserve(table, ids, n_pass * choice.q_len)
+    n, rows = ids.size, seq_bucket(ids.size, engine.max_slots)
+    last = getattr(table, "chunk_accepted_per_pass", 0.0)
+    total, q_len = program(engine.plan, rows, n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last))))
+    budgets = chunk.reserve(table, ids, engine.plan.passes * q_len)
     if budgets is None:
         return False
     base = chunk.inputs(engine, table, ids, budgets)
-    rows, n = base.pending.shape[0], ids.size
     ctx = np.full((rows, CONTEXT), -1, np.int32)
     tails = table.tails.get(ids)
     w = min(CONTEXT, tails.shape[1])
     ctx[:n, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
-    inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, choice.tokens, choice.q_len,
+    inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, total, q_len,
                           int(drafter.pattern_min))
     toks, lps, count, tally = run(inp)
     count = np.asarray(count[:n], np.int64)
@@ -240,6 +250,7 @@ def decode(engine, table, run, drafter) -> bool:
     s["sequence_steps"] += row_passes
     s["drafted_tokens"] += n_draft
     s["accepted_tokens"] += n_acc
+    table.chunk_accepted_per_pass = n_acc / max(n_run, 1)
     toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
     sent = np.asarray(choice.draft_lens, np.int64)
     drafter.observe_chunk(table.req[ids], sent, _common_prefix(host_drafts, toks, sent, count), count)
