@@ -266,11 +266,31 @@ if want buckets; then
   done
 fi
 
+# Issue 50, several passes per dispatch: host and device ms per pass, plain decode and HistoSpec
+# (history drafts made on the device inside each chunk, rollout/chunk_spec.py) against the
+# per-pass engine, same tokens; demo model at 16 / 64 / 128 slots, SmolLM2 shapes at 64 slots.
+#   run(command="PHASES=passover bash benchmarks/device_check.sh", timeout_s=540)
+# CPU smoke (demo model, 16 slots, 16 new tokens; ~1 min):
+#   DEVICE_CHECK_CPU_SMOKE=1 PHASES=passover bash benchmarks/device_check.sh
+if want passover; then
+  if [ "$SMOKE" = 1 ]; then PO=("--slots 16 --prompts 16 --chunks 8 --rounds 1"); PO_NEW=16
+  else PO=("--slots 16 --prompts 16" "--slots 64 --prompts 64" "--slots 128 --prompts 128"
+           "--model configs/models/smollm2-135m --slots 64 --prompts 64 --no-warmup"); fi
+  i=0
+  for args in "${PO[@]}"; do
+    for hs in "" "--histospec --temperature 0"; do
+      i=$((i + 1))
+      phase "passover[$i]" "${T_PASSOVER:-60}" "$PY" -m benchmarks.pass_overhead $args $hs \
+        --new-tokens "${PO_NEW:-128}" --out "$OUT/passover_$i"
+    done
+  done
+fi
+
 {
   echo "=== summary [$(date +%T)]"
   printf '%s\n' "${STATUS[@]}"
   grep -E '^(FAIL|[0-9]+ passed)' "$LOG" || true
-  for f in "$OUT"/rollout_device*.md "$OUT"/buckets_*.md; do [ -f "$f" ] && cat "$f"; done
+  for f in "$OUT"/rollout_device*.md "$OUT"/buckets_*.md "$OUT"/passover_*/*.md; do [ -f "$f" ] && cat "$f"; done
   [ -f "$OUT/kernels.md" ] && sed -n '/^## Targets/,/^Best decode/p' "$OUT/kernels.md"
   ls -l "$OUT"
 } 2>&1 | tee -a "$LOG"

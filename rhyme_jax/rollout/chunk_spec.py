@@ -36,7 +36,7 @@ from rhyme_jax.rollout import chunk
 from rhyme_jax.rollout.device_drafts import append_tokens, fit_to_budget, lookup_drafts
 from rhyme_jax.rollout.forward import RaggedMeta
 from rhyme_jax.rollout.passes import StaticModel, verify_pass
-from rhyme_jax.rollout.shapes import PassShape, seq_bucket, verify_pairs
+from rhyme_jax.rollout.shapes import PassShape, seq_bucket, seq_buckets, verify_pairs
 
 CONTEXT = 256  # C: own tokens of each row searched on the device (the host drafter's self-lookup width)
 
@@ -46,7 +46,8 @@ class SpecChunkInputs:
     """Host arguments of one ``spec_chunk`` call: ``ChunkInputs`` of the same rows (``base``) plus
     ``history i32[S, H]`` and ``context i32[S, C]`` (-1 = no token), the program's packed tokens
     ``tokens`` (``T``) and ``q_len`` (``Q``: drafts of at most ``Q - 1``), and the drafter's
-    ``pattern_min`` (the shortest match it drafts from)."""
+    ``pattern_min`` (the shortest match it drafts from); the chunk ends early once at most
+    ``min_live`` rows still run."""
 
     base: chunk.ChunkInputs
     history: np.ndarray
@@ -54,6 +55,7 @@ class SpecChunkInputs:
     tokens: int
     q_len: int
     pattern_min: int
+    min_live: int = 0
 
     def pass_shape(self) -> PassShape:
         """The ``shapes.PassShape`` of kind ``"spec_chunk"`` this call runs."""
@@ -89,14 +91,15 @@ def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: in
                    donate_argnums=(2,))
 def spec_chunk(static: StaticModel, leaves, kv, pending: Int[Array, "S"], positions: Int[Array, "S"],
                pages: Int[Array, "S W"], streams: Int[Array, "S"], budgets: Int[Array, "S"], eos: Int[Array, "E"],
-               num_live: Int[Array, ""], passes: Int[Array, ""], history: Int[Array, "S H"],
+               num_live: Int[Array, ""], passes: Int[Array, ""], min_live: Int[Array, ""], history: Int[Array, "S H"],
                context: Int[Array, "S C"], pattern_min: Int[Array, ""], key,
                temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""], *, max_passes: int,
                total: int, q_len: int, page_size: int, mode: str, attention_impl: str, mesh=None):
     """Up to ``passes`` verify passes of ``S`` rows with drafts made on the device (module docstring).
 
     A row is done after emitting an ``eos`` token or ``budgets`` tokens; the loop ends after
-    ``passes`` passes or when every row is done.
+    ``passes`` passes or when at most ``min_live`` rows are still running (the host then runs the
+    rest in a smaller row bucket; 0: when every row is done).
 
     Returns:
       ``(tokens i32[S, N * Q], behaviour logprobs f32[S, N * Q], emitted i32[S], counts i32[4],
@@ -112,7 +115,7 @@ def spec_chunk(static: StaticModel, leaves, kv, pending: Int[Array, "S"], positi
     row_ix = jnp.arange(rows, dtype=jnp.int32)[:, None]
 
     def cond(c):
-        return (c[0] < passes) & ~jnp.all(c[4])
+        return (c[0] < passes) & (jnp.sum(~c[4]) > min_live)
 
     def body(c):
         i, kv, tok, pos, done, count, ctx, out_t, out_l, tally = c
@@ -156,7 +159,7 @@ def call(engine, flat_state, inp: SpecChunkInputs, key, scalars, mode):
     kw = dict(max_passes=b.max_passes, total=inp.tokens, q_len=inp.q_len, page_size=engine.page_size, mode=mode,
               attention_impl=engine.attention_impl, mesh=engine.mesh)
     return spec_chunk, (static, leaves, engine.kv, b.pending, b.positions, b.pages, b.streams, b.budgets, b.eos,
-                        np.int32(b.num_live), np.int32(b.passes), inp.history, inp.context,
+                        np.int32(b.num_live), np.int32(b.passes), np.int32(inp.min_live), inp.history, inp.context,
                         np.int32(inp.pattern_min), key, *scalars), kw
 
 
@@ -239,8 +242,9 @@ def decode(engine, table, run, drafter) -> bool:
     tails = table.tails.get(ids)
     w = min(CONTEXT, tails.shape[1])
     ctx[:n, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
+    smaller = [b for b in seq_buckets(engine.max_slots) if b < rows]
     inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, total, q_len,
-                          int(drafter.pattern_min))
+                          int(drafter.pattern_min), max(smaller, default=0))
     toks, lps, count, tally = run(inp)
     count = np.asarray(count[:n], np.int64)
     n_run, row_passes, n_draft, n_acc = (int(x) for x in tally)
