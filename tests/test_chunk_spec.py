@@ -102,11 +102,12 @@ whose host choice always sends its drafts, where goodput would choose plain chun
     prompts = [prompts[i // 2] for i in range(6)]  # 3 prompts x 2 samples
     pids = np.arange(6) // 2
     sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
-    want = _engine(max_slots=3, eos_ids=(eos,)).generate(state, prompts, sp, jax.random.key(3))
-    hist = _engine(max_slots=3, eos_ids=(eos,)).generate(state, prompts, sp, jax.random.key(history_key))
+    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)  # the programs _sampled_eos compiled
+    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
+    hist = _engine(**kw).generate(state, prompts, sp, jax.random.key(history_key))
     store = HistoryStore()
     store.update(0, pids, [np.asarray(p) for p in prompts], hist.tokens, np.zeros(6))
-    eng = _engine(max_slots=3, eos_ids=(eos,), passes_per_dispatch=4)
+    eng = _engine(**kw, passes_per_dispatch=4)
     with _drafter(store, pids, window=window) as d:
         got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
     atol = logprob_atol(prompts, want.tokens)

@@ -152,6 +152,7 @@ def test_sampled_rollout_with_drafts_draws_plain_tokens_with_the_same_key(corrup
         np.testing.assert_allclose(la, lb, rtol=0, atol=atol)
 
 
+@pytest.mark.slow  # CI time (15 s): right drafts are accepted and keep plain tokens in test_greedy_with_drafts_equals_plain and tests/test_chunk_spec.py; rhyme_lab/ablate/paired.py stays covered by tests/test_learning_suite.py
 def test_always_right_drafter_is_always_accepted_and_draws_plain_tokens():
     """``measure.oracle_drafters.AlwaysRightDrafter`` (the ``--oracle`` bound of ``benchmarks.rollout``):
     drafting the plain rollout's own tokens, every draft token is accepted, the tokens are plain
