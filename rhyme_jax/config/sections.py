@@ -270,6 +270,9 @@ class SFTSection:
     schedule: LRSchedule = "constant"  # after linear warmup
     weight_decay: float = 0.0  # AdamW decoupled weight decay (parameters of rank >= 2)
     max_tokens: int = 0  # warm start only on problems whose prompt + solution fit (tokens); 0 = all (long-tailed tasks: SFT on the short ones, RL on all)
+    # pack each batch's problems back to back into buffers of the longest problem's length (segment ids, positions
+    # per segment; train/packing.py) instead of one padded row each: long-tailed tasks pay for their real tokens
+    padding_free: bool = False
 
     def __post_init__(self):
         check_fields(self)

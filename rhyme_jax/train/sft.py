@@ -18,6 +18,7 @@ from jaxtyping import Array, Float
 
 from rhyme_jax.config import SFTSection
 from rhyme_jax.train.losses import sequence_batch, token_logprobs
+from rhyme_jax.train.packing import pack_minibatch
 from rhyme_jax.train.optim import make_optimizer
 
 SFT_MAX_GRAD_NORM = 1.0  # not in SFTSection; fixed here
@@ -37,7 +38,9 @@ def sft_loss(model: Callable, batch: dict[str, Array]) -> tuple[Float[Array, ""]
       model: callable ``model(tokens i32[B,T], positions i32[B,T], mask bool[B,T]) -> f32[B,T,V]``
         (an ``nnx.Module`` such as ``rhyme_jax.model.transformer.Decoder``).
       batch: ``losses.sequence_batch`` output: ``tokens``, ``positions``, ``attn_mask``,
-        ``loss_mask`` (``logits[:, t]`` predicts ``tokens[:, t+1]``; scored where ``loss_mask[:, t]``).
+        ``loss_mask`` (``logits[:, t]`` predicts ``tokens[:, t+1]``; scored where ``loss_mask[:, t]``),
+        or ``pack_sft_batch`` of it (adds ``segment_ids``; the model then needs ``hidden`` and
+        ``unembed``, as ``Decoder`` has).
 
     Returns:
       (loss f32[] in nats/token, metrics ``{"loss", "token_accuracy", "num_tokens"}``).
@@ -49,7 +52,11 @@ def sft_loss(model: Callable, batch: dict[str, Array]) -> tuple[Float[Array, ""]
     if missing:
         raise SFTError(f"sft.sft_loss: batch is missing {missing} (build it with losses.sequence_batch)")
     tokens = batch["tokens"]
-    logits = model(tokens, batch["positions"], batch["attn_mask"])
+    if "segment_ids" in batch:  # packed rows (sft.padding_free): attention within each segment
+        logits = model.unembed(model.hidden(tokens, batch["positions"], batch["attn_mask"],
+                                            segment_ids=batch["segment_ids"])).astype(jnp.float32)
+    else:
+        logits = model(tokens, batch["positions"], batch["attn_mask"])
     logits = logits[:, :-1]
     targets = tokens[:, 1:]
     mask = batch["loss_mask"][:, :-1].astype(jnp.float32)
@@ -125,6 +132,21 @@ def _encode_problems(tokenizer, problems: Sequence[Any], prompt_template: str):
     return prompts, responses
 
 
+def pack_sft_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``sequence_batch``'s ``B x T`` rows packed back to back into ``B' <= B`` buffers of ``T``
+    tokens (``packing.pack_minibatch``: first-fit decreasing, ``positions`` restarting per
+    segment, ``segment_ids``). The loss is unchanged: a segment's last token scores nothing (its
+    ``loss_mask`` is 0, as a padded row's last real token), so no target crosses segments.
+
+    Returns:
+      ``tokens``, ``positions``, ``attn_mask``, ``loss_mask``, ``segment_ids`` of ``[B', T]``.
+    """
+    rows, width = batch["tokens"].shape
+    dummy = dict(batch, old_logprobs=np.zeros((rows, width - 1), np.float32), advantages=np.zeros(rows, np.float32))
+    packed = pack_minibatch(dummy, "token_mean")
+    return {k: packed[k] for k in (*_BATCH_KEYS, "segment_ids")}
+
+
 def run_sft(
     model: nnx.Module,
     tokenizer: Any,
@@ -140,7 +162,7 @@ def run_sft(
 
     Problems are shuffled each epoch by ``np.random.default_rng(seed)`` and taken
     ``cfg_sft.batch_size`` at a time; every batch is padded to the longest encoded problem (one
-    compile). With ``cfg_sft.max_tokens > 0`` only problems whose prompt + solution + eos fit in
+    compile), and with ``cfg_sft.padding_free`` packed (``pack_sft_batch``: at most 8 shapes). With ``cfg_sft.max_tokens > 0`` only problems whose prompt + solution + eos fit in
     it are trained on. Optimizer: ``make_optimizer(cfg_sft.learning_rate, cfg_sft.steps,
     cfg_sft.warmup_steps, cfg_sft.weight_decay, max_grad_norm=1.0, schedule=cfg_sft.schedule)``
     (``constant`` or ``cosine`` after warmup; ``cosine`` when the section has no schedule field).
@@ -196,7 +218,10 @@ def run_sft(
         nb = sequence_batch(
             [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_id, max_len=max_len
         )
-        batch = {k: jnp.asarray(nb[k]) for k in _BATCH_KEYS}
+        keys = _BATCH_KEYS
+        if getattr(cfg_sft, "padding_free", False):
+            nb, keys = pack_sft_batch(nb), (*_BATCH_KEYS, "segment_ids")
+        batch = {k: jnp.asarray(nb[k]) for k in keys}
         state, opt_state, metrics = step_fn(state, opt_state, batch)
         if log_fn is not None or progress:
             m = {k: float(v) for k, v in metrics.items()}
