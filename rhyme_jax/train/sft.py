@@ -147,6 +147,15 @@ def pack_sft_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: packed[k] for k in (*_BATCH_KEYS, "segment_ids")}
 
 
+def _step_batch(prompts, responses, pad_id: int, max_len: int, packed: bool) -> dict[str, Array]:
+    """One SFT step's device batch: ``sequence_batch`` padded to ``max_len``, packed when asked."""
+    nb = sequence_batch(prompts, responses, pad_id, max_len=max_len)
+    keys = _BATCH_KEYS
+    if packed:
+        nb, keys = pack_sft_batch(nb), (*_BATCH_KEYS, "segment_ids")
+    return {k: jnp.asarray(nb[k]) for k in keys}
+
+
 def run_sft(
     model: nnx.Module,
     tokenizer: Any,
@@ -215,13 +224,8 @@ def run_sft(
         while len(order) < batch_size:
             order = np.concatenate([order, rng.permutation(len(prompts))])
         idx, order = order[:batch_size], order[batch_size:]
-        nb = sequence_batch(
-            [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_id, max_len=max_len
-        )
-        keys = _BATCH_KEYS
-        if getattr(cfg_sft, "padding_free", False):
-            nb, keys = pack_sft_batch(nb), (*_BATCH_KEYS, "segment_ids")
-        batch = {k: jnp.asarray(nb[k]) for k in keys}
+        batch = _step_batch([prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_id, max_len,
+                            bool(getattr(cfg_sft, "padding_free", False)))
         state, opt_state, metrics = step_fn(state, opt_state, batch)
         if log_fn is not None or progress:
             m = {k: float(v) for k, v in metrics.items()}
