@@ -229,7 +229,7 @@ def decode(engine, table, run, drafter) -> bool:
     carries no draft; returns False, having done nothing, when the pool cannot hold the chunk."""
     ids = table.live()
     host_drafts, choice = engine._draft(drafter, table, ids)
-    if choice.q_len <= 1 or not hasattr(drafter, "history_rows"):
+    if choice.q_len <= 1:  # no draft pays now: a plain chunk
         return chunk.decode(engine, table, run)
     n, rows = ids.size, seq_bucket(ids.size, engine.max_slots)
     last = getattr(table, "chunk_accepted_per_pass", 0.0)
