@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "longtail.yaml"))
     ap.add_argument("--draws", type=int, default=5)
     ap.add_argument("--rows", type=int, default=32, help="rows of a minibatch (longtail.yaml: 8 x 8 / 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed updates per layout after the compile (median)")
     ap.add_argument("--out", default="runs/bench_packed")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, [])
@@ -47,9 +48,12 @@ def main(argv=None) -> int:
         probs = [train[i] for i in rng.choice(len(train), args.rows, replace=False)]
         draws.append(([tok.encode(tok.format_prompt(cfg.model.prompt_template, p.question)) for p in probs],
                       [tok.encode(p.solution) + [tok.eos_id] for p in probs]))
-    rows = compare(cfg, model_cfg, draws)
+    rows = compare(cfg, model_cfg, draws, repeats=args.repeats)
     print(f"mean over {len(rows)} draws: {np.mean([r['speedup'] for r in rows]):.2f}x faster, "
           f"{np.mean([r['memory_ratio'] for r in rows]):.2f} of the padded update's temporaries")
+    if cfg.grpo.pack_lengths:
+        print(f"length classes: {np.mean([r['classes_speedup'] for r in rows]):.2f}x faster than padded, "
+              f"{np.mean([r['classes_memory_ratio'] for r in rows]):.2f} of its temporaries")
     (out / "packed_update.json").write_text(json.dumps(rows, indent=1))
     print(f"wrote {out / 'packed_update.json'}")
     return 0

@@ -43,6 +43,7 @@ class RunConfig:
         _check_tiny_layout(self)
         _check_learning_signal(self)
         _check_dapo(self)
+        _check_pack_lengths(self)
         _check_tis(self)
 
 
@@ -137,3 +138,16 @@ def _check_dapo(cfg: RunConfig) -> None:
     if cache > budget:
         raise ConfigError(f"reward.soft_overlong_cache={cache} exceeds rollout.max_new_tokens={budget} (the "
                           f"penalty interval is [max_new_tokens - soft_overlong_cache, max_new_tokens])")
+
+
+def _check_pack_lengths(cfg: RunConfig) -> None:
+    """The largest of ``grpo.pack_lengths`` holds the longest sequence a rollout can give
+    (``rollout.max_prompt_len + rollout.max_new_tokens``), so no row is left without a buffer.
+
+    Raises:
+      ConfigError: one line starting with the key.
+    """
+    lengths, longest = cfg.grpo.pack_lengths, cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    if lengths and lengths[-1] < longest:
+        raise ConfigError(f"grpo.pack_lengths={list(lengths)}: the largest must be >= rollout.max_prompt_len + "
+                          f"rollout.max_new_tokens = {longest} (the longest sequence a rollout can give)")

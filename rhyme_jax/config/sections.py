@@ -282,6 +282,19 @@ class SFTSection:
         _check_warmup(self)
 
 
+def _check_pack_lengths(g: Any) -> None:
+    """``grpo.pack_lengths``: increasing multiples of 16, and only with ``grpo.padding_free``."""
+    lengths = list(g.pack_lengths)
+    if not lengths:
+        return
+    if not g.padding_free:
+        raise fail(g, "pack_lengths", "needs grpo.padding_free=true (the lengths are packed buffers')")
+    if any(not isinstance(n, int) or n < 16 or n % 16 for n in lengths):
+        raise fail(g, "pack_lengths", "must hold multiples of 16 (tokens per buffer)")
+    if any(b <= a for a, b in zip(lengths, lengths[1:])):
+        raise fail(g, "pack_lengths", "must be strictly increasing")
+
+
 @dataclass(frozen=True)
 class GRPOSection:
     """GRPO family objective (``train/losses.py``; the keys against TRL's GRPOConfig: docs/trl_mapping.md)."""
@@ -316,6 +329,10 @@ class GRPOSection:
     logit_chunk: int = 0  # tokens whose [tokens, vocab] logits exist at once; 0 = unchunked
     remat: bool = False  # recompute each decoder block in the backward pass
     padding_free: bool = False  # pack each minibatch's sequences into full-length rows (segment ids): memory and FLOPs follow real tokens (TRL padding_free)
+    # padding_free: buffer lengths to pack into (e.g. [256, 512, ..., 8192]): each row goes into a buffer of the
+    # smallest that holds it, so attention follows each row's length, not the longest row's; the gradient is
+    # accumulated over calls of micro_batch_tokens (train/length_classes.py). Empty = one length, the longest row's
+    pack_lengths: list[int] = field(default_factory=list, hash=False)
     learning_rate: float = 1e-3  # AdamW peak learning rate
     warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x num_iterations x minibatches optimizer steps)
     schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x num_iterations x minibatches)
@@ -342,6 +359,7 @@ class GRPOSection:
             raise fail(self, "kl_ratio_weighted", "needs grpo.kl_coef > 0 (it weights the KL term)")
         above(self, 0.0, "learning_rate")
         at_least(self, 1.0, "tis_cap")
+        _check_pack_lengths(self)
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
         batch = f"the rollout batch grpo.prompts_per_step * grpo.samples_per_prompt = {rows}"

@@ -340,7 +340,7 @@ class RolloutEngine:
 
     def _page_cut(self, table: SlotTable, ids: np.ndarray, got: np.ndarray) -> np.ndarray:
         """Draft lengths ``got`` cut to the pages each slot holds after taking the pages the pool
-        can give without preempting anyone (``int64[n]``)."""
+        can give without preempting anyone (``int64[n]``, ``>= 0``)."""
         ps, alloc = self.page_size, self.allocator
         got = np.asarray(got, np.int64)
         lens = table.length[ids]
@@ -348,7 +348,9 @@ class RolloutEngine:
         for i in np.flatnonzero((got > 0) & (need > 0)):  # drafts crossing into pages not held yet
             if alloc.can_alloc(int(need[i])):
                 alloc.ensure(int(ids[i]), int(lens[i]) + 1 + int(got[i]))
-        return np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1)
+        # never below 0: a slot whose held pages are full (its pending token opens the next page,
+        # which a chunk reserves only after drafting) sends no draft, not a negative one
+        return np.maximum(np.minimum(got, alloc.num_held[ids].astype(np.int64) * ps - lens - 1), 0)
 
     def _pass_inputs(self, ids, drafts, choice: PassChoice, table: SlotTable) -> batching.VerifyInputs:
         """Pack one decode/verify step of live slots ``ids`` as ``choice`` sized it. Counts

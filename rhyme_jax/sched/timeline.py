@@ -150,6 +150,8 @@ def plot_gantt(
     num_workers: int | None = None,
     max_steps: int = 8,
     title: str | None = None,
+    labels: Mapping[int, str] | None = None,
+    same_scale: bool = False,
 ) -> Path:
     """Gantt chart, one subplot per step (one row per worker, time relative to the step start, the
     step's bubble fraction in the subplot title). Readable for long runs: at most ``max_steps``
@@ -163,6 +165,8 @@ def plot_gantt(
       num_workers: rows per subplot (default: 1 + the largest worker index seen).
       max_steps: most subplots drawn.
       title: figure title prefix.
+      labels: subplot titles by key (default ``"step <key>"``), e.g. two placements of one step.
+      same_scale: one time axis for every subplot (the longest makespan), to compare placements.
 
     Returns:
       ``path``.
@@ -184,6 +188,7 @@ def plot_gantt(
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
     kinds = set()
+    span = max(bubble_metrics(intervals_by_step[k], W)["makespan_s"] for k in shown)
     for ax, step in zip(axes.flat, shown):
         ivs = intervals_by_step[step]
         m = bubble_metrics(ivs, W)
@@ -195,9 +200,10 @@ def plot_gantt(
         ax.set_yticks(range(W))
         ax.set_yticklabels([f"w{w}" for w in range(W)], fontsize=7)
         ax.set_ylim(W - 0.5, -0.5)
-        ax.set_xlim(0, max(m["makespan_s"], 1e-12))
+        ax.set_xlim(0, max(span if same_scale else m["makespan_s"], 1e-12))
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(f"step {step}: bubble {m['bubble_fraction']:.0%}", fontsize=8)
+        name = (labels or {}).get(step, f"step {step}")
+        ax.set_title(f"{name}: makespan {m['makespan_s']:.3g} s, bubble {m['bubble_fraction']:.0%}", fontsize=8)
     for ax in list(axes.flat)[len(shown):]:
         ax.axis("off")
     for ax in axes[-1]:

@@ -61,7 +61,8 @@ from rhyme_jax.sched.scheduler import RolloutScheduler
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
 from rhyme_jax.train.callbacks import CallbackList, TrainerCallback
-from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options, make_grpo_step, make_logprob_fn
+from rhyme_jax.train.accumulate import update_step_maker
+from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options, make_logprob_fn
 from rhyme_jax.train.lora_state import LoRAParts, build_lora, lora_learner
 from rhyme_jax.train.optim import grpo_optimizer
 from rhyme_jax.train.pipeline import RolloutPipeline, make_pipeline
@@ -302,7 +303,8 @@ class Learner:
     Attributes:
       optimizer: the optax transformation (``grpo`` section).
       layout: shardings of the jitted train programs (params, optimizer state, batch).
-      step_fn: ``(state, opt_state, batch) -> (state, opt_state, metrics)`` (``make_grpo_step``).
+      step_fn: ``(state, opt_state, batch) -> (state, opt_state, metrics)`` (``make_grpo_step``;
+        with ``grpo.pack_lengths`` ``batch`` is a list of packed calls, ``accumulate.make_accumulating_step``).
       ref_logprob_fn: ``(state, batch) -> f32[B, T-1]`` logprobs under given params: the KL
         reference's, and with ``grpo.tis`` the old policy's recompute (``trainer._truncated_is``).
       ref_state: the frozen KL reference (the starting policy) or None when ``grpo.kl_coef`` is 0.
@@ -335,7 +337,7 @@ def build_learner(cfg: RunConfig, policy: Policy, state: nnx.State,
     if lora is not None:
         return Learner(optimizer, layout, *lora_learner(cfg, policy.graphdef, lora, optimizer, layout)), opt_state
     ref_state = jax.tree.map(jnp.copy, state) if g.kl_coef > 0 else None
-    step_fn = make_grpo_step(policy.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high,
+    step_fn = update_step_maker(g.pack_lengths)(policy.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high,
                              kl_coef=g.kl_coef, loss_agg=g.loss_agg, temperature=cfg.rollout.temperature,
                              shardings=layout, memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat),
                              **loss_options(g))

@@ -79,7 +79,8 @@ def _target_logprobs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict, temp
                                          memory.logit_chunk, entropy_grad=entropy_grad)
 
 
-def _batch_shards(shardings: Optional[TrainShardings]) -> int:
+def batch_shards(shardings: Optional[TrainShardings]) -> int:
+    """Devices the batch rows are split over: the ``data`` x ``fsdp`` mesh axes (1 without shardings)."""
     if shardings is None:
         return 1
     return int(math.prod(shardings.mesh.shape.get(a, 1) for a in ("data", "fsdp")))
@@ -220,6 +221,26 @@ def loss_options(grpo: Any) -> dict[str, Any]:
             "entropy_coef": float(grpo.entropy_coef)}
 
 
+def apply_grads(optimizer: optax.GradientTransformation, state: Any, opt_state: Any,
+                grads_out: tuple[tuple[jax.Array, dict], Any]) -> tuple[Any, Any, dict]:
+    """One optimizer step from ``((loss, metrics), grads)`` (``make_grads_fn``'s output); traced
+    inside the jitted update. A non-finite loss or gradient norm leaves ``state`` and
+    ``opt_state`` as they were. Returns ``(state, opt_state, metrics)``, the metrics f32 scalars
+    with ``loss``, ``grad_norm`` and ``finite`` (1/0) added."""
+    (loss, metrics), grads = grads_out
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = optimizer.update(grads, opt_state, state)
+    new_state = optax.apply_updates(state, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    new_state = jax.tree.map(keep, new_state, state)
+    new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    metrics.update(loss=loss.astype(jnp.float32), grad_norm=grad_norm.astype(jnp.float32),
+                   finite=finite.astype(jnp.float32))
+    return new_state, new_opt_state, metrics
+
+
 def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
                    eps_low: float, eps_high: float, kl_coef: float, loss_agg: str,
                    temperature: float, shardings: Optional[TrainShardings] = None,
@@ -255,24 +276,14 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     """
     mesh = shardings.mesh if shardings is not None else None
     grads_of = make_grads_fn(graphdef, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef, loss_agg=loss_agg,
-                             temperature=temperature, shards=_batch_shards(shardings), memory=memory,
+                             temperature=temperature, shards=batch_shards(shardings), memory=memory,
                              kl_ratio_weighted=kl_ratio_weighted, importance_sampling_level=importance_sampling_level,
                              entropy_coef=entropy_coef)
 
     def step(state, opt_state, batch, frozen=()):
         with activation_mesh(mesh):
-            (loss, metrics), grads = grads_of(state, batch, frozen)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = optimizer.update(grads, opt_state, state)
-        new_state = optax.apply_updates(state, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)
-        new_state = jax.tree.map(keep, new_state, state)
-        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        metrics.update(loss=loss.astype(jnp.float32), grad_norm=grad_norm.astype(jnp.float32),
-                       finite=finite.astype(jnp.float32))
-        return new_state, new_opt_state, metrics
+            out = grads_of(state, batch, frozen)
+        return apply_grads(optimizer, state, opt_state, out)
 
     if shardings is None:
         return jax.jit(step, donate_argnums=(0, 1))

@@ -37,7 +37,8 @@ from flax import nnx
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.lora import LoRASpec, dropout_keys, init_adapters, lora_decoder, merge_adapters, split_lora
 from rhyme_jax.parallel.rules import param_shardings
-from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options, make_grpo_step, make_logprob_fn
+from rhyme_jax.train.accumulate import update_step_maker
+from rhyme_jax.train.grpo_step import TrainShardings, UpdateMemory, loss_options, make_logprob_fn
 from rhyme_jax.train.optim import PARAM_DTYPE
 from rhyme_jax.train.policy import compute_dtype, compute_params
 
@@ -149,7 +150,7 @@ def lora_learner(cfg: RunConfig, base_graphdef: nnx.GraphDef, parts: LoRAParts,
     g = cfg.grpo
     mesh = layout.mesh if layout is not None else None
     frozen_of, frozen_sh = _frozen(parts, mesh)
-    step = make_grpo_step(parts.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=g.kl_coef,
+    step = update_step_maker(g.pack_lengths)(parts.graphdef, optimizer, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=g.kl_coef,
                           loss_agg=g.loss_agg, temperature=cfg.rollout.temperature, shardings=layout,
                           memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat),
                           frozen_shardings=frozen_sh, **loss_options(g))

@@ -92,18 +92,32 @@ def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int
     """
     mask = np.asarray(batch["attn_mask"], bool)
     B, T = mask.shape
+    grid, lengths = target_grid(batch, loss_agg)
+    bins = first_fit_decreasing(lengths, T)
+    return fill_buffers(batch, grid, lengths, bins, packed_rows(len(bins), multiple, max(B, 1)), T)
+
+
+def target_grid(batch: dict[str, np.ndarray], loss_agg: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The padded minibatch's target-grid fields to move (loss weights over the whole minibatch,
+    per-token advantages) and each row's length."""
+    mask = np.asarray(batch["attn_mask"], bool)
+    B, T = mask.shape
     norm = float(np.max(batch["loss_norm"])) if "loss_norm" in batch else None
     loss_w, token_w = (np.asarray(w) for w in losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg, norm))
-    lengths = mask.sum(axis=1)
-    bins = first_fit_decreasing(lengths, T)
-    rows = packed_rows(len(bins), multiple, max(B, 1))
-    out = {k: np.zeros((rows, T), batch[k].dtype) for k in TOKEN_FIELDS}
-    out["positions"] = np.zeros((rows, T), np.int32)
-    out["segment_ids"] = np.zeros((rows, T), np.int32)
     grid = {k: batch[k] for k in TARGET_FIELDS if k in batch}
     grid.update(loss_w=loss_w, token_w=token_w,
                 advantages=np.broadcast_to(np.asarray(batch["advantages"], np.float32)[:, None], (B, T - 1)))
-    for k, v in grid.items():
+    return grid, mask.sum(axis=1)
+
+
+def fill_buffers(batch: dict[str, np.ndarray], grid: dict[str, np.ndarray], lengths: np.ndarray,
+          bins: list[list[int]], rows: int, T: int) -> dict[str, np.ndarray]:
+    """``rows`` buffers of ``T`` tokens holding ``bins`` (rows of ``batch`` back to back, one
+    bin a buffer; the buffers after ``len(bins)`` are padding)."""
+    out = {k: np.zeros((rows, T), batch[k].dtype) for k in TOKEN_FIELDS}
+    out["positions"] = np.zeros((rows, T), np.int32)
+    out["segment_ids"] = np.zeros((rows, T), np.int32)
+    for k in grid:
         out[k] = np.zeros((rows, T - 1), np.float32)
     for b, members in enumerate(bins):
         start = 0
@@ -119,4 +133,3 @@ def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int
                 out[k][b, tgt] = v[r, : n - 1]
             start += n
     return out
-

@@ -116,7 +116,8 @@ def _analysis(run_dir: Path) -> dict:
     return {"overall": result["overall"], "epochs": result["epochs"]}
 
 
-def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", twin: str = "") -> dict:
+def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", twin: str = "",
+               held_out: bool = False) -> dict:
     from rhyme_jax.train.trainer import GRPOTrainer
 
     pairs: list | None = [] if paired else None
@@ -134,7 +135,13 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", t
     try:
         progress(0, cfg.grpo.steps, "compiling the rollout programs")
         warm = warm_up(trainer) if warmup else 0.0
+        if held_out:  # greedy held-out accuracy before and after, per problem (eval/), outside the timed steps
+            progress(0, cfg.grpo.steps, "held-out evaluation before GRPO")
+            trainer.record_eval(0, trainer.evaluate(), before=True)
         steps = _train(trainer, progress, pairs)
+        if held_out:
+            progress(cfg.grpo.steps, cfg.grpo.steps, "held-out evaluation after GRPO")
+            trainer.record_eval(cfg.grpo.steps, trainer.evaluate())
         for row in steps:
             if row["step"] in twins:
                 row["twin"] = twins[row["step"]]
@@ -157,9 +164,10 @@ def pass_cost_rows(cost) -> dict:
     return {"profiled": [[*k, s] for k, s in sorted(cost.seconds.items())], "live": live, "meta": dict(cost.meta)}
 
 
-def run_e2e(cfg, progress, *, skip: int = 1, warmup: bool = True) -> dict:
-    """GRPO steps on the config's rollout workers, timed end to end (module docstring)."""
-    out = _grpo_unit(cfg, progress, paired=False, warmup=warmup)
+def run_e2e(cfg, progress, *, skip: int = 1, warmup: bool = True, held_out: bool = False) -> dict:
+    """GRPO steps on the config's rollout workers, timed end to end (module docstring); with
+    ``held_out`` the greedy held-out evaluation before and after them (``eval/``, untimed)."""
+    out = _grpo_unit(cfg, progress, paired=False, warmup=warmup, held_out=held_out)
     out["skip"] = skip
     return out
 
@@ -174,11 +182,13 @@ def run_twin_placement(cfg, progress, *, skip: int = 1, warmup: bool = True, twi
     return out
 
 
-def run_paired(cfg, progress, *, skip: int = 1, warmup: bool = True, oracle: str = "") -> dict:
+def run_paired(cfg, progress, *, skip: int = 1, warmup: bool = True, oracle: str = "",
+               held_out: bool = False) -> dict:
     """GRPO steps whose every rollout is generated plain and with HistoSpec (``paired``); with
     ``oracle`` (``paired.ORACLES``) the second rollout drafts with that oracle drafter instead
-    (over the prompt's last ``spec.history_depth`` rollouts for ``"sources"``)."""
-    out = _grpo_unit(cfg, progress, paired=True, warmup=warmup, oracle=oracle)
+    (over the prompt's last ``spec.history_depth`` rollouts for ``"sources"``); ``held_out``: as
+    ``run_e2e``."""
+    out = _grpo_unit(cfg, progress, paired=True, warmup=warmup, oracle=oracle, held_out=held_out)
     out["oracle"] = oracle
     out["skip"] = skip
     return out

@@ -41,6 +41,8 @@ class Unit:
         ``""``: the config's drafter).
       twin: for kind ``learn_twin``, the ``sched.mode`` of the twin placement every rollout also
         gets (``paired_placement``).
+      held_out: a GRPO unit also evaluates greedy held-out accuracy before and after its steps
+        (per problem, the run's ``eval/``; untimed), for its paired gain.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Unit:
     what: str = ""
     oracle: str = ""
     twin: str = ""
+    held_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,13 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
     Unit("learn_workers_paired", "learn_twin", _cfg("learn_workers_histopipe"), 8, ("demo_sft",),
          "learn_workers_histopipe with every rollout also placed fifo, back to back (same weights, prompts, key)",
          twin="fifo"),
+    Unit("longtail_sft", "sft", _cfg("longtail_goodput"),
+         what="SFT warm start on the ledger task (configs/longtail.yaml: packed, problems up to 512 tokens)"),
+    Unit("longtail_goodput_paired", "learn_paired", _cfg("longtail_goodput"), 1, ("longtail_sft",),
+         "GRPO on the ledger task (4,096 new tokens, long tail), every rollout plain and with HistoSpec back to back",
+         held_out=True),
+    Unit("longtail_plain_seed1", "learn", _cfg("longtail_plain_seed1"), 1, ("longtail_sft",),
+         "the ledger task's GRPO with run seed 1, HistoSpec off (the second learning seed)", held_out=True),
     Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
          what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
     Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
@@ -173,6 +183,11 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              "end-to-end ratio vs sync; final-window reward within 2 SE",
              "off-policy lag keeps accuracy (verl / AReaL practice)",
              ("learn_plain", "learn_one_step_off", "learn_cross_step")),
+    Ablation("L5", "the paper's regime: long-tailed reasoning rollouts (ledger task, 4,096 new tokens)",
+             "per epoch: length p50/p90/p99/max, reward, rollout share, HistoSpec paired rollout and end-to-end "
+             "ratios, acceptance; HistoPipe vs fifo replayed on 4 workers, Gantt; held-out gain of two seeds",
+             "rollout 84-91% of a step; HistoSpec 1.86x, HistoPipe 1.68x, 2.6x end to end",
+             ("longtail_goodput_paired", "longtail_plain_seed1")),
     Ablation("L4", "fifo vs HistoPipe tiers on 4 rollout workers over the learning run (demo)",
              "rollout makespan, idle share of the workers, end-to-end ratio vs fifo (epochs with history)",
              "HistoPipe 1.43-1.56x end to end (Math-14B, GPU cluster)",
@@ -184,6 +199,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "histopipe": ("A1", "A2", "A6", "O6"),
     "histospec": ("A3", "A4", "A5", "A10", "K1", "K2", "K3", "K4", "K6", "O5"),
     "learning": ("L1", "L2", "L3", "L4"),
+    "longtail": ("L5",),
 }
 
 

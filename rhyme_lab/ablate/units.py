@@ -76,12 +76,13 @@ class Progress:
 
 
 def wiring(unit: Unit, out: Path) -> list[str]:
-    """Overrides that place the unit's run under ``out`` and start it from ``demo_sft``'s params
-    and tokenizer when that run trained any (a real model with ``sft.steps=0`` starts from
+    """Overrides that place the unit's run under ``out`` and start it from its warm start's params
+    and tokenizer (the ``sft`` unit it needs: ``demo_sft``, ``longtail_sft``) when that run trained any (a real model with ``sft.steps=0`` starts from
     ``model.path``)."""
     sets = [f"run.runs_dir={Path(out) / RUNS_DIR}", f"run.name={unit.name}", "run.progress=false"]
-    sft = Path(out) / RUNS_DIR / "demo_sft"
-    if "demo_sft" in unit.needs and (sft / "sft" / "params").exists():
+    warm = next((n for n in unit.needs if UNITS[n].kind == "sft"), None)
+    sft = Path(out) / RUNS_DIR / str(warm)
+    if warm and (sft / "sft" / "params").exists():
         sets += [f"run.init_from={sft / 'sft' / 'params'}", f"model.tokenizer_path={sft / 'tokenizer.json'}"]
     return sets
 
@@ -136,6 +137,8 @@ def run_unit(name: str, out: Path, scale_name: str, extra: tuple[str, ...] = ())
         kw = {"oracle": unit.oracle} if unit.oracle else {}
         if unit.twin:
             kw["twin"] = unit.twin
+        if unit.held_out:
+            kw["held_out"] = True
         result = run(cfg, progress, skip=scale.e2e_steps_skipped, warmup=scale.warmup, **kw)
     doc = {"unit": name, "kind": unit.kind, "scale": scale_name, "config": path, "overrides": overrides,
            "seconds": time.perf_counter() - t0, **provenance.stamp(_accelerator()), "result": result}

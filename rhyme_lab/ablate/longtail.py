@@ -1,0 +1,182 @@
+"""L5: the paper's regime at CPU scale, on the ledger task's learning run (``configs/longtail.yaml``).
+
+One GRPO run (unit ``longtail_goodput_paired``: every rollout decoded plain and with HistoSpec's
+goodput drafter back to back on the same weights, prompts and key, ``paired.PairedRollouts``)
+gives, per epoch of its prompts:
+
+* the response-length distribution (p50, p90, p99, max of the saved rollouts) beside the reward;
+* the rollout share of a step, as a plain step would have it: plain rollout seconds over plain
+  rollout plus the rest of the step (the update included);
+* HistoSpec's paired rollout ratio, its acceptance, and the end-to-end ratio of the step
+  (``learning.paired_epochs``);
+* HistoPipe on 4 rollout workers against fifo: the run's own steps replayed through the planner
+  and the worker simulation (``rhyme_lab.schedule.replay``) under the cost model fitted to the
+  run's measured pass costs (``CostModel.from_pass_cost``), since the 4 workers of a 2-core CPU
+  would share its cores; makespan ratio, the workers' idle share, migrated rows; and one Gantt
+  plot of the most tail-heavy step, fifo beside HistoPipe.
+
+The held-out gain of each learning run (this one and the second seed, ``longtail_plain_seed1``)
+is the paired difference of greedy accuracy on the same problems before and after GRPO
+(``io.summary.paired_gain``), with its z.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from rhyme_lab.ablate.learning import by_epoch, paired_epochs
+from rhyme_lab.ablate.measures import Inputs, MissingInput, figure, ratio_of_sums
+
+PAIRED_UNIT = "longtail_goodput_paired"
+SEED_UNITS = (PAIRED_UNIT, "longtail_plain_seed1")
+WORKERS = 4
+PROMPT_TOKENS = 64.0  # a sample's prefill in the cost model (the ledger prompts' median is ~44 tokens, p90 ~100)
+
+
+def length_stats(lengths: np.ndarray) -> dict:
+    """p50 / p90 / p99 / max and mean of response lengths (tokens)."""
+    x = np.asarray(lengths, np.float64).ravel()
+    q = np.percentile(x, [50, 90, 99]) if x.size else [float("nan")] * 3
+    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "max": float(x.max(initial=0)),
+            "mean": float(x.mean()) if x.size else float("nan"), "rows": int(x.size)}
+
+
+def epoch_table(r: dict) -> list[dict]:
+    """Per epoch of a paired unit: lengths, reward, rollout share, HistoSpec ratios, acceptance."""
+    from rhyme_lab.schedule.replay import load_steps
+
+    saved, _ = load_steps(r["run_dir"])
+    lengths = {st.step: st.lengths for st in saved}
+    paired = paired_epochs(r)
+    rows = []
+    for ep, st in sorted(by_epoch(r).items()):
+        plain = np.array([s["plain"]["seconds"] for s in st])
+        rest = np.array([s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] for s in st])
+        share, share_se = ratio_of_sums(plain, plain + rest)
+        drafted = sum(s.get("spec/drafted_tokens", 0.0) for s in st)
+        lens = [lengths[s["step"]] for s in st if s["step"] in lengths]
+        rows.append({"epoch": ep, "steps": len(st),
+                     "reward": float(np.mean([s.get("reward/mean", np.nan) for s in st])),
+                     **length_stats(np.concatenate([x.ravel() for x in lens]) if lens else np.zeros(0)),
+                     "rollout_share": share, "rollout_share_se": share_se,
+                     "plain_rollout_s": float(plain.mean()), "rest_s": float(rest.mean()),
+                     "acceptance": sum(s.get("spec/accepted_tokens", 0.0) for s in st) / drafted if drafted else None,
+                     **{f"histospec_{k}": v for k, v in paired.get(ep, {}).items() if k != "steps"}})
+    return rows
+
+
+def held_out(run_dir: str | Path, steps: int) -> dict | None:
+    """Greedy held-out accuracy before and after ``steps`` GRPO steps and the paired gain (mean,
+    standard error, z), from the run's per-problem eval files; None where either is missing."""
+    from rhyme_jax.io.summary import eval_path, paired_gain
+
+    first, last = eval_path(Path(run_dir), 0), eval_path(Path(run_dir), steps)
+    if not (first.is_file() and last.is_file()):
+        return None
+    a, b = np.load(first)["correct"], np.load(last)["correct"]
+    gain, se = paired_gain(a, b)
+    return {"before": float(np.mean(a)), "after": float(np.mean(b)), "gain": gain, "se": se,
+            "z": gain / se if se > 0 else None, "n": int(a.size)}
+
+
+def cost_model(r: dict, prompt_tokens: float):
+    """``(cost model, source)``: the HistoPipe cost model fitted to the unit's measured pass costs
+    (its ``step_cost``), or the planner's placeholder where the run kept no profile (a run without
+    the compile-ahead warm-up)."""
+    from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel, CostModelError
+
+    prof = r.get("step_cost", {}).get("profiled", [])
+    try:
+        return CostModel.from_pass_cost(SimpleNamespace(seconds={tuple(x[:3]): x[3] for x in prof}),
+                                        prompt_tokens), "fitted to the run's pass-cost profile"
+    except CostModelError as exc:
+        return DEFAULT_COST_MODEL, f"placeholder ({exc})"
+
+
+def placement(r: dict, out: Path | None = None) -> dict:
+    """HistoPipe (tier 1 + 2 + tail migration) against fifo on ``WORKERS`` simulated workers over
+    the run's steps with history; with ``out``, ``gantt_longtail.png``: the step where fifo's
+    longest row exceeds its median row most, both placements on one time axis."""
+    from rhyme_jax.sched.timeline import plot_gantt
+    from rhyme_lab.schedule.replay import FULL, load_steps, replay
+
+    steps, max_new = load_steps(r["run_dir"])
+    cm, source = cost_model(r, PROMPT_TOKENS)
+    res = replay(steps, num_workers=WORKERS, cost=cm, max_new_tokens=max_new)
+    fifo, full = res["configs"]["fifo"], res["configs"][FULL]
+    per_fifo = {x["step"]: x for x in res["per_step"]["fifo"]}
+    per_full = {x["step"]: x for x in res["per_step"][FULL]}
+    ratios = np.array([per_fifo[s]["makespan_s"] / per_full[s]["makespan_s"] for s in per_fifo])
+    doc = {"steps": res["replayed_steps"], "makespan_ratio": fifo["makespan_s"] / full["makespan_s"],
+           "step_ratio_min": float(ratios.min()) if ratios.size else None,
+           "step_ratio_max": float(ratios.max()) if ratios.size else None,
+           "idle_fifo": fifo["bubble_fraction"], "idle_histopipe": full["bubble_fraction"],
+           "migrated_share": full["migrated_share"],
+           "cost_model": {"a": cm.a, "b": cm.b, "c": cm.c, "source": source}}
+    if out is not None and per_fifo:
+        tail = {st.step: float(st.lengths.max() / max(np.median(st.lengths), 1.0)) for st in steps}
+        worst = max(per_fifo, key=lambda s: tail.get(s, 0.0))
+        doc["gantt_step"] = worst
+        doc["gantt"] = str(plot_gantt({0: res["intervals"]["fifo"][worst], 1: res["intervals"][FULL][worst]},
+                                      Path(out) / "gantt_longtail.png", num_workers=WORKERS, same_scale=True,
+                                      labels={0: f"fifo, step {worst}", 1: f"HistoPipe, step {worst}"},
+                                      title="ledger task: one tail-heavy step on 4 rollout workers (replayed)"))
+    return doc
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """The per-epoch markdown table."""
+    f = lambda v, fmt="{:.2f}": "-" if v is None or (isinstance(v, float) and not np.isfinite(v)) else fmt.format(v)  # noqa: E731
+    lines = ["| epoch | steps | reward | length p50 / p90 / p99 / max | rollout share | HistoSpec rollout x | "
+             "acceptance | end-to-end x |", "|" + "---|" * 8]
+    for x in rows:
+        lines.append(f"| {x['epoch']} | {x['steps']} | {f(x['reward'], '{:.3f}')} | {x['p50']:.0f} / {x['p90']:.0f} / "
+                     f"{x['p99']:.0f} / {x['max']:.0f} | {f(x['rollout_share'], '{:.1%}')} | "
+                     f"{f(x.get('histospec_rollout'))} ± {f(x.get('histospec_rollout_se'))} | "
+                     f"{f(x['acceptance'], '{:.1%}')} | {f(x.get('histospec_e2e'))} ± {f(x.get('histospec_e2e_se'))} |")
+    return lines
+
+
+def l5(inp: Inputs) -> dict:
+    """L5 (module docstring): the per-epoch table, the held-out gains, the HistoPipe replay."""
+    r = inp.unit(PAIRED_UNIT)
+    rows = epoch_table(r)
+    later = [x for x in rows if x["epoch"] >= 2]
+    figs = []
+    for x in rows:
+        v = f"epoch {x['epoch']}"
+        figs += [figure("rollout share of the step (plain)", v, x["rollout_share"], x["rollout_share_se"], x["steps"]),
+                 figure("HistoSpec paired rollout speed-up", v, x.get("histospec_rollout"),
+                        x.get("histospec_rollout_se"), x["steps"]),
+                 figure("HistoSpec end-to-end ratio", v, x.get("histospec_e2e"), x.get("histospec_e2e_se"), x["steps"])]
+    gains = {}
+    for name in SEED_UNITS:
+        try:
+            u = inp.unit(name)
+        except MissingInput:
+            continue
+        g = held_out(u["run_dir"], max(s["step"] for s in u["steps"]))
+        if g:
+            gains[name] = g
+            figs.append(figure("held-out greedy accuracy gain (paired)", name, g["gain"], g["se"], g["n"]))
+    sched = placement(r, inp.out)
+    figs.append(figure("HistoPipe makespan ratio vs fifo (replayed, 4 workers)", "epochs with history",
+                       sched["makespan_ratio"], n=sched["steps"]))
+    cells = []
+    if later:
+        roll = [x["histospec_rollout"] for x in later if x.get("histospec_rollout")]
+        cells.append(f"epochs 2-{later[-1]['epoch']}: HistoSpec {min(roll):.2f}-{max(roll):.2f}x rollout" if roll
+                     else "no paired epoch with history")
+    cells.append(f"rollout {min(x['rollout_share'] for x in rows):.0%}-{max(x['rollout_share'] for x in rows):.0%} "
+                 f"of the step" if rows else "no steps")
+    cells.append(f"HistoPipe {sched['makespan_ratio']:.2f}x makespan (replayed), idle {sched['idle_fifo']:.0%} -> "
+                 f"{sched['idle_histopipe']:.0%}")
+    cells += [f"{n}: held-out {g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f} ± {g['se']:.3f}, "
+              f"z {g['z']:.1f})" if g["z"] is not None else f"{n}: no spread" for n, g in gains.items()]
+    return {"ours": "; ".join(cells), "figures": figs, "details": "\n".join(table_lines(rows)), "epochs": rows,
+            "held_out": gains, "histopipe": sched,
+            "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
+                     f"workers under the run's fitted pass costs (a, b, c in 'histopipe')"}

@@ -1,0 +1,37 @@
+"""L5 (suite ``longtail``, ``rhyme_lab/ablate/longtail.py``) at the tiny scale: the ledger task's
+units run (warm start, the paired HistoSpec run, the second seed) and the report gives the
+per-epoch lengths, the paired ratios, the HistoPipe replay with its Gantt plot and both seeds'
+held-out gains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rhyme_lab.ablate import longtail, registry
+
+
+def test_length_stats():
+    s = longtail.length_stats(np.array([[1, 2, 3, 4], [5, 6, 7, 1000]]))
+    assert s["p50"] == 4.5 and s["max"] == 1000 and s["rows"] == 8
+    assert s["p90"] == pytest.approx(np.percentile([1, 2, 3, 4, 5, 6, 7, 1000], 90))
+
+
+@pytest.mark.slow  # three tiny runs of the ledger task (~1 min on 2 cores)
+def test_tiny_longtail_suite(tmp_path, compile_cache):
+    from rhyme_lab.ablate import runner
+    from rhyme_lab.ablate.units import run_unit
+
+    assert registry.units_of(["L5"]) == ["longtail_sft", "longtail_goodput_paired", "longtail_plain_seed1"]
+    for name in registry.units_of(["L5"]):
+        run_unit(name, tmp_path, "tiny")
+    _, results = runner.run_suite("longtail", scale="tiny", out=tmp_path, only="L5", progress=False)
+    r = results["L5"]
+    assert r["status"] == "ok", r.get("reason")
+    rows = r["epochs"]
+    assert rows and all(x["rows"] > 0 and x["p50"] <= x["p90"] <= x["p99"] <= x["max"] for x in rows)
+    assert all(0 < x["rollout_share"] < 1 and x["histospec_rollout"] > 0 for x in rows)
+    assert set(r["held_out"]) == set(longtail.SEED_UNITS)
+    assert r["histopipe"]["steps"] > 0 and r["histopipe"]["makespan_ratio"] > 0
+    assert (tmp_path / "gantt_longtail.png").is_file()
+    assert "| epoch | steps | reward | length p50" in r["details"]
