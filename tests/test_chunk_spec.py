@@ -161,3 +161,16 @@ def test_chunk_history_puts_sibling_tails_before_the_previous_rollouts():
     # group 0: tails "1 2 -1 3 3 3 -1" (7 tokens) are cut to the last 3 (half of 7), then "4 5 -1"
     assert out[0].tolist() == [-1, 3, 3, -1, 4, 5, -1] == out[1].tolist()
     assert out[2].tolist() == prev[2].tolist() and out[3].tolist() == [-1] * 7
+
+
+def test_page_cut_never_sends_a_negative_draft():
+    """A chunk drafts before it reserves pages, so a slot can hold exactly its tokens' pages (its
+    pending token opens the next page): its draft is cut to 0, never to -1 (a -1 once reached the
+    calibration as 'drafted', which refused accepted 0 > drafted -1)."""
+    eng = _engine(max_slots=3)
+    ps = eng.page_size
+    eng.allocator.ensure(0, ps)  # slot 0: one full page
+    eng.allocator.ensure(1, ps)  # slot 1: one full page, a draft of 3 (the pool gives it a page)
+    table = SimpleNamespace(length=np.array([ps, ps, 0]))
+    got = eng._page_cut(table, np.array([0, 1]), np.array([0, 3]))
+    np.testing.assert_array_equal(got, [0, 3])
