@@ -107,3 +107,15 @@ def test_pack_lengths_config_checks(tmp_path):
             load_config("configs/default.yaml", sets.split())
     cfg = load_config("configs/longtail.yaml")
     assert cfg.grpo.pack_lengths[-1] >= cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def test_memory_plan_takes_the_largest_class_call():
+    """``rhyme-jax memory`` with ``grpo.pack_lengths`` plans one call of the largest buffer
+    length: ``micro_batch_tokens // length`` rows (the call with the most attention)."""
+    from rhyme_jax.train.memory_plan import memory_report
+
+    cfg = load_config("configs/tiny_test.yaml", ["rollout.max_prompt_len=32", "rollout.max_new_tokens=16",
+                                                 "grpo.padding_free=true", "grpo.pack_lengths=[32,48]",
+                                                 "grpo.micro_batch_tokens=96"])
+    r = memory_report(cfg, devices=1)
+    assert (r["rows"], r["tokens"], r["pack_lengths_call"]) == (2, 48, True) and r["update_temp_bytes"] > 0

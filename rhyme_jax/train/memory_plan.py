@@ -61,7 +61,9 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
       mean_tokens: mean real tokens per sequence (prompt + response); with ``grpo.padding_free``
         the update packs the rows' tokens into ``packed_rows = ceil(rows x mean_tokens / tokens)``
         full rows (``train/packing.py``; first-fit leaves a little more in practice), and that
-        is what is planned. 0 = plan the padded rows.
+        is what is planned. 0 = plan the padded rows. With ``grpo.pack_lengths`` the plan is
+        one call of the largest buffer length (``micro_batch_tokens // length`` rows, at least one),
+        the call whose attention temporaries are the largest.
 
     Raises:
       ModelConfigError: the model's config.json is missing or invalid.
@@ -97,8 +99,12 @@ def memory_report(cfg: RunConfig, *, model_config: str = "", devices: int = 0, r
         from rhyme_jax.train.update_memory import config_micro_batch, update_memory
 
         plan_rows, plan_tokens = config_micro_batch(cfg, d * f)
+        lengths = cfg.grpo.pack_lengths
+        if lengths:  # the calls of the largest class hold the most attention (train/length_classes.py)
+            plan_rows, plan_tokens = max(1, (cfg.grpo.micro_batch_tokens or lengths[-1]) // lengths[-1]), lengths[-1]
+            out["pack_lengths_call"] = True
         rows, tokens = rows or plan_rows, tokens or plan_tokens
-        if cfg.grpo.padding_free and mean_tokens > 0:
+        if cfg.grpo.padding_free and mean_tokens > 0 and not lengths:
             out["padded_rows"] = rows
             rows = max(1, -(-rows * min(mean_tokens, tokens) // tokens))
         upd = update_memory(model_cfg, cfg, rows, tokens)
@@ -127,6 +133,8 @@ def print_report(r: dict[str, Any]) -> None:
           f"{r['rollout_param_bytes_per_device'] / GIB:.3f} GiB per device in {r['rollout_dtype']} (plus the KV pool)")
     if "update_temp_bytes" in r:
         packed = f" (grpo.padding_free: {r['padded_rows']} padded rows packed)" if "padded_rows" in r else ""
+        if r.get("pack_lengths_call"):
+            packed = " (grpo.pack_lengths: one call of the largest buffer length, the update's peak)"
         print(f"one update over {r['rows']} rows x {r['tokens']} tokens per device{packed} "
               f"(logit_chunk={r['logit_chunk']}, remat={r['remat']}; XLA compiled in {r['compile_s']} s):")
         print(f"  temporaries {r['update_temp_bytes'] / GIB:8.3f} GiB  (of which ~{r['residual_bytes'] / GIB:.3f} "

@@ -114,12 +114,12 @@ def compare(cfg: RunConfig, model_cfg, draws: list[tuple[list[list[int]], list[l
                      classes_temp_bytes=cls_m, classes_speedup=pad_s / cls_s, classes_memory_ratio=cls_m / pad_m,
                      classes_calls=[list(c["tokens"].shape) for c in calls])
         out.append(r)
-        if log and g.pack_lengths:
-            log(f"  length classes: {r['classes_slots']} slots in {len(calls)} calls {cls_s:.2f} s "
-                f"{cls_m / 2**20:.0f} MiB | {r['classes_speedup']:.2f}x faster than padded, "
-                f"{r['classes_memory_ratio']:.2f} of the memory")
         if log:
             log(f"{r['rows']} rows, {r['real_tokens']} tokens: padded {r['padded_slots']} slots {pad_s:.2f} s "
                 f"{pad_m / 2**20:.0f} MiB | packed {r['packed_slots']} slots {pack_s:.2f} s {pack_m / 2**20:.0f} MiB "
                 f"| {r['speedup']:.2f}x faster, {r['memory_ratio']:.2f} of the memory")
+        if log and g.pack_lengths:
+            log(f"  length classes: {r['classes_slots']} slots in {len(calls)} calls {cls_s:.2f} s "
+                f"{cls_m / 2**20:.0f} MiB | {r['classes_speedup']:.2f}x faster than padded, "
+                f"{r['classes_memory_ratio']:.2f} of the memory")
     return out
