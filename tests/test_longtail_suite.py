@@ -35,3 +35,11 @@ def test_tiny_longtail_suite(tmp_path, compile_cache):
     assert r["histopipe"]["steps"] > 0 and r["histopipe"]["makespan_ratio"] > 0
     assert (tmp_path / "gantt_longtail.png").is_file()
     assert "| epoch | steps | reward | length p50" in r["details"]
+
+
+def test_makespan_bound_is_the_longest_row_or_the_shared_work():
+    cm = type("CM", (), {"a": 1.0, "b": 0.5, "c": 2.0})()
+    # one long row: its own serial decode (1 + 0.5) x 100 + 2 bounds the step
+    assert longtail.makespan_bound(np.array([100, 1, 1, 1]), cm, 4) == 152.0
+    # many equal rows on 2 workers: the per-row work split evenly, (0.5 x 80 + 2 x 8) / 2 = 28 > 17
+    assert longtail.makespan_bound(np.full(8, 10), cm, 2) == 28.0
