@@ -28,7 +28,8 @@ def test_every_ablation_config_loads(path):
 
 def test_registry_covers_the_paper_ids_with_loadable_sweeps():
     assert list(SUITES["paper"]) == PAPER_IDS and list(SUITES["learning"]) == ["L1", "L2", "L3", "L4"]
-    assert list(ABLATIONS) == PAPER_IDS + list(SUITES["learning"])
+    assert list(SUITES["longtail"]) == ["L5"]
+    assert list(ABLATIONS) == PAPER_IDS + list(SUITES["learning"]) + list(SUITES["longtail"])
     for a in ABLATIONS.values():
         assert a.units and all(u in UNITS for u in a.units), a.id
         for path in a.configs():
@@ -53,7 +54,7 @@ def test_scales_place_every_unit_on_an_existing_config():
             path, sets = registry.unit_config(unit, scale)
             cfg = load_config(ROOT / path, list(sets))
             assert cfg.run.name.startswith("abl_"), (scale.name, unit.name)
-            if scale.name == "gpu" and unit.kind not in registry.LEARN_KINDS:
+            if scale.name == "gpu" and unit.kind not in registry.LEARN_KINDS and unit.name not in registry.LEARN_WARM_STARTS:
                 assert path.startswith("configs/ablations/gpu/") and cfg.data.source == "gsm8k"
     assert registry.unit_config(UNITS["real_session"], registry.SCALES["tiny"])[0].endswith("histospec_tiny.yaml")
 

@@ -140,6 +140,8 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
 
 LEARN_KINDS = ("learn", "learn_paired", "learn_real", "learn_real_paired", "learn_twin")  # GRPO learning runs (suite `learning`): same configs at every scale but tiny
 
+LEARN_WARM_STARTS = ("longtail_sft",)  # sft units of a learning suite: their config at every scale, as LEARN_KINDS
+
 _E2E = ("e2e_fifo", "e2e_tier1_migration", "e2e_tier12_migration", "e2e_histospec")
 
 ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
@@ -183,15 +185,15 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              "end-to-end ratio vs sync; final-window reward within 2 SE",
              "off-policy lag keeps accuracy (verl / AReaL practice)",
              ("learn_plain", "learn_one_step_off", "learn_cross_step")),
+    Ablation("L4", "fifo vs HistoPipe tiers on 4 rollout workers over the learning run (demo)",
+             "rollout makespan, idle share of the workers, end-to-end ratio vs fifo (epochs with history)",
+             "HistoPipe 1.43-1.56x end to end (Math-14B, GPU cluster)",
+             ("learn_workers_fifo", "learn_workers_histopipe", "learn_workers_paired")),
     Ablation("L5", "the paper's regime: long-tailed reasoning rollouts (ledger task, 4,096 new tokens)",
              "per epoch: length p50/p90/p99/max, reward, rollout share, HistoSpec paired rollout and end-to-end "
              "ratios, acceptance; HistoPipe vs fifo replayed on 4 workers, Gantt; held-out gain of two seeds",
              "rollout 84-91% of a step; HistoSpec 1.86x, HistoPipe 1.68x, 2.6x end to end",
              ("longtail_goodput_paired", "longtail_plain_seed1")),
-    Ablation("L4", "fifo vs HistoPipe tiers on 4 rollout workers over the learning run (demo)",
-             "rollout makespan, idle share of the workers, end-to-end ratio vs fifo (epochs with history)",
-             "HistoPipe 1.43-1.56x end to end (Math-14B, GPU cluster)",
-             ("learn_workers_fifo", "learn_workers_histopipe", "learn_workers_paired")),
 )}
 
 SUITES: dict[str, tuple[str, ...]] = {
@@ -320,7 +322,7 @@ def units_of(ids: list[str]) -> list[str]:
 def unit_config(unit: Unit, scale: Scale) -> tuple[str, tuple[str, ...]]:
     """``(config path, overrides)`` of ``unit`` at ``scale`` (path repository-relative)."""
     path = unit.config
-    if scale.config_dir and unit.kind not in LEARN_KINDS:
+    if scale.config_dir and unit.kind not in LEARN_KINDS and unit.name not in LEARN_WARM_STARTS:
         path = f"{scale.config_dir}/{Path(path).name}"
     path = scale.config_by_kind.get(unit.kind, path)
     return path, scale.overrides.get(unit.kind, ())
