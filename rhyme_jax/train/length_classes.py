@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from jaxtyping import Int
 
-from rhyme_jax.train.packing import fill_buffers, target_grid
+from rhyme_jax.train.packing import fill_buffers, first_fit, target_grid
 
 
 def place_in_classes(lengths: Int[np.ndarray, "B"], classes: list[int]) -> list[tuple[int, list[int]]]:
@@ -43,22 +43,7 @@ def place_in_classes(lengths: Int[np.ndarray, "B"], classes: list[int]) -> list[
     if lengths.size and int(lengths.max()) > classes[-1]:
         raise ValueError(f"packing: a row of {int(lengths.max())} tokens exceeds the largest of "
                          f"grpo.pack_lengths ({classes[-1]})")
-    buffers: list[tuple[int, list[int]]] = []
-    room: list[int] = []
-    for r in np.argsort(-lengths, kind="stable"):
-        n = int(lengths[r])
-        if n == 0:
-            continue
-        for b, free in enumerate(room):
-            if free >= n:
-                buffers[b][1].append(int(r))
-                room[b] -= n
-                break
-        else:
-            size = next(c for c in classes if c >= n)
-            buffers.append((size, [int(r)]))
-            room.append(size - n)
-    return buffers
+    return first_fit(lengths, lambda n: next(c for c in classes if c >= n))
 
 
 def call_rows(buffers: int, full: int, multiple: int) -> list[int]:

@@ -17,6 +17,8 @@ predicted from the previous segment's last) is never a response token, so it car
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 from jaxtyping import Float, Int
 
@@ -43,7 +45,15 @@ def first_fit_decreasing(lengths: Int[np.ndarray, "B"], capacity: int) -> list[l
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and int(lengths.max()) > capacity:
         raise ValueError(f"packing: a row of {int(lengths.max())} tokens exceeds the buffer of {capacity}")
-    bins: list[list[int]] = []
+    return [rows for _, rows in first_fit(lengths, lambda n: capacity)]
+
+
+def first_fit(lengths: Int[np.ndarray, "B"], open_size: Callable[[int], int]) -> list[tuple[int, list[int]]]:
+    """Rows into bins, longest row first, each into the first open bin with room, else into a new
+    bin of ``open_size(row length)`` tokens (``>=`` that length). Returns ``(size, rows)`` per bin
+    in opening order; empty rows are left out."""
+    lengths = np.asarray(lengths, np.int64)
+    bins: list[tuple[int, list[int]]] = []
     room: list[int] = []
     for r in np.argsort(-lengths, kind="stable"):
         n = int(lengths[r])
@@ -51,12 +61,13 @@ def first_fit_decreasing(lengths: Int[np.ndarray, "B"], capacity: int) -> list[l
             continue
         for b, free in enumerate(room):
             if free >= n:
-                bins[b].append(int(r))
+                bins[b][1].append(int(r))
                 room[b] -= n
                 break
         else:
-            bins.append([int(r)])
-            room.append(capacity - n)
+            size = open_size(n)
+            bins.append((size, [int(r)]))
+            room.append(size - n)
     return bins
 
 

@@ -51,13 +51,18 @@ def _timed(step, state, opt_state, batch, repeats: int) -> tuple[float, int]:
     """(median seconds of an update after the compile, XLA temporaries of the program)."""
     dev = {k: jnp.asarray(v) for k, v in batch.items()}
     temp = int(step.lower(state, opt_state, dev).compile().memory_analysis().temp_size_in_bytes)
+    return _median_s(step, state, opt_state, dev, repeats), temp
+
+
+def _median_s(step, state, opt_state, batch, repeats: int) -> float:
+    """Median seconds of ``repeats`` updates after a first (compiling) one, each on fresh copies."""
     times = []
     for _ in range(repeats + 1):
         s, o = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, opt_state)
         t0 = time.perf_counter()
-        jax.block_until_ready(step(s, o, dev))
+        jax.block_until_ready(step(s, o, batch))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:])), temp
+    return float(np.median(times[1:]))
 
 
 def _timed_calls(step, one_call, state, opt_state, calls: list[dict], repeats: int) -> tuple[float, int]:
@@ -67,13 +72,7 @@ def _timed_calls(step, one_call, state, opt_state, calls: list[dict], repeats: i
     shapes = {c["tokens"].shape: c for c in dev}
     temp = max(int(one_call.lower(state, opt_state, c).compile().memory_analysis().temp_size_in_bytes)
                for c in shapes.values())
-    times = []
-    for _ in range(repeats + 1):
-        s, o = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, opt_state)
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(s, o, dev))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:])), temp
+    return _median_s(step, state, opt_state, dev, repeats), temp
 
 
 def compare(cfg: RunConfig, model_cfg, draws: list[tuple[list[list[int]], list[list[int]]]], *,
