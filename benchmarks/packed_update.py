@@ -51,9 +51,10 @@ def main(argv=None) -> int:
     rows = compare(cfg, model_cfg, draws, repeats=args.repeats)
     print(f"mean over {len(rows)} draws: {np.mean([r['speedup'] for r in rows]):.2f}x faster, "
           f"{np.mean([r['memory_ratio'] for r in rows]):.2f} of the padded update's temporaries")
-    if cfg.grpo.pack_lengths:
-        print(f"length classes: {np.mean([r['classes_speedup'] for r in rows]):.2f}x faster than padded, "
-              f"{np.mean([r['classes_memory_ratio'] for r in rows]):.2f} of its temporaries")
+    for name in ("classes", "blocked_padded", "blocked_classes", "blocked_packed"):
+        if f"{name}_s" in rows[0]:
+            print(f"{name.replace('_', ' ')}: {np.mean([r[name + '_speedup'] for r in rows]):.2f}x faster than "
+                  f"padded, {np.mean([r[name + '_memory_ratio'] for r in rows]):.2f} of its temporaries")
     (out / "packed_update.json").write_text(json.dumps(rows, indent=1))
     print(f"wrote {out / 'packed_update.json'}")
     return 0

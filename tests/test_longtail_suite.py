@@ -43,3 +43,28 @@ def test_makespan_bound_is_the_longest_row_or_the_shared_work():
     assert longtail.makespan_bound(np.array([100, 1, 1, 1]), cm, 4) == 152.0
     # many equal rows on 2 workers: the per-row work split evenly, (0.5 x 80 + 2 x 8) / 2 = 28 > 17
     assert longtail.makespan_bound(np.full(8, 10), cm, 2) == 28.0
+
+
+def test_rollout_fit_recovers_the_pass_costs_of_the_runs_rollouts():
+    """Steps whose plain rollouts took a * passes + b * row-passes + c * rows seconds (with a little
+    noise) give back a, b, c; a negative least-squares coefficient is dropped to 0, not kept."""
+    rng = np.random.default_rng(0)
+    a, b, c = 0.005, 0.0005, 0.01
+    steps = []
+    for i in range(12):
+        passes, row_steps = rng.integers(300, 4000), rng.integers(5000, 20000)
+        seconds = (a * passes + b * row_steps + c * 64) * (1 + 0.01 * rng.standard_normal())
+        steps.append({"step": i + 1, "plain": {"seconds": seconds, "forward_passes": passes,
+                                               "sequence_steps": row_steps}})
+    cm, r2, n = longtail.rollout_fit({"rows_per_step": 64, "steps": steps})
+    assert n == 12 and r2 > 0.99
+    assert cm.a == pytest.approx(a, rel=0.05) and cm.b == pytest.approx(b, rel=0.05)
+    assert cm.c == pytest.approx(c, abs=0.01)
+    # seconds falling with the passes: the pass coefficient would be negative, so it is 0
+    flipped = [{"step": s["step"], "plain": {**s["plain"], "seconds": 30.0 - 0.005 * s["plain"]["forward_passes"]}}
+               for s in steps]
+    cm, _, _ = longtail.rollout_fit({"rows_per_step": 64, "steps": flipped})
+    assert cm.a == 0.0 and cm.b >= 0.0 and cm.c >= 0.0
+    assert longtail.rollout_fit({"rows_per_step": 64, "steps": steps[:2]}) is None
+    model, source = longtail.cost_model({"rows_per_step": 64, "steps": steps}, 64.0)
+    assert model.a == pytest.approx(a, rel=0.05) and "12 plain rollouts" in source

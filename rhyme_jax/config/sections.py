@@ -75,6 +75,7 @@ class ModelSection:
     tokenizer_path: str = ""  # tokenizer.json; "" = <path>/tokenizer.json or the demo tokenizer
     dtype: Dtype = "float32"  # compute dtype; parameters and AdamW moments stay float32 (master weights)
     scan_unroll: int = 1  # decoder blocks per lax.scan iteration: 1 = compile cost independent of depth; >= layers = unrolled
+    attention_block: int = 0  # training/scoring buffers longer than this many tokens use block-sparse attention over their segments (O(T * block) memory, blocks outside any segment skipped); 0 = dense
     prompt_template: str = "{question}\n"  # formats a problem into the prompt text
     # none: prompt_template | auto: the tokenizer's chat template, else prompt_template | tokenizer: the tokenizer's
     # (required) | a .jinja file; renders [system_prompt,] question as a user turn + generation prompt (docs/chat_template.md)
@@ -85,6 +86,8 @@ class ModelSection:
     def __post_init__(self):
         check_fields(self)
         at_least(self, 1, "scan_unroll")
+        if self.attention_block < 0 or self.attention_block % 16:
+            raise fail(self, "attention_block", "must be 0 (dense) or a positive multiple of 16")
         if self.chat_template not in ("none", "auto", "tokenizer") and not Path(self.chat_template).is_file():
             raise fail(self, "chat_template", "must be none, auto, tokenizer or an existing jinja file")
         if self.system_prompt and self.chat_template == "none":

@@ -142,7 +142,7 @@ def _attach(layer, spec: LoRASpec, dtype, param_dtype, rngs: nnx.Rngs) -> None:
 
 
 def lora_decoder(cfg: ModelConfig, spec: LoRASpec, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_unroll: int = 1) -> Decoder:
+                 scan_unroll: int = 1, attention_block: int = 0) -> Decoder:
     """An abstract (``nnx.eval_shape``) ``Decoder`` of ``cfg`` whose ``spec.targets`` projections
     are ``LoRALinear``; its state's non-adapter part has the base ``Decoder``'s paths and shapes.
     Use its graphdef with the base params and the adapters (``nnx.merge(graphdef, base,
@@ -154,7 +154,8 @@ def lora_decoder(cfg: ModelConfig, spec: LoRASpec, *, dtype=jnp.float32, param_d
     spec.check()
 
     def build():
-        model = Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), scan_unroll=scan_unroll)
+        model = Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), scan_unroll=scan_unroll,
+                        attention_block=attention_block)
         layers = []
         for _ in range(cfg.num_layers):
             layer = DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from rhyme_jax.model.blocked_attention import blocked_attention, usable
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.layers import INIT_STD, MLP, Attention, RMSNorm, linear
 from rhyme_jax.parallel.rules import constrain
@@ -65,8 +66,12 @@ class DecoderLayer(nnx.Module):
     def __call__(self, h: Float[Array, "B T D"], positions: Int[Array, "B T"],
                  allowed: Bool[Array, "B T T"]) -> Float[Array, "B T D"]:
         """One block with dense attention restricted to ``allowed[b, query, key]``."""
+        return self.apply(h, positions, lambda q, k, v: dense_attention(q, k, v, allowed))
+
+    def apply(self, h: Float[Array, "B T D"], positions: Int[Array, "B T"], attend) -> Float[Array, "B T D"]:
+        """One block whose attention is ``attend(q, k, v) -> [B, T, H, hd]`` (dense or blocked)."""
         q, k, v = self.attn.project_qkv(self.input_norm(h), positions)
-        h = h + self.attn.project_out(dense_attention(q, k, v, allowed))
+        h = h + self.attn.project_out(attend(q, k, v))
         return h + self.mlp(self.post_attn_norm(h))
 
 
@@ -129,13 +134,18 @@ class Decoder(nnx.Module):
     ``scan_unroll`` (``model.scan_unroll``): blocks per ``lax.scan`` iteration in every forward
     (training and rollout); 1 = compile time independent of depth, ``>= num_layers`` = unrolled
     (a few small blocks run faster unrolled on CPU). A plain attribute: set it after loading.
+    ``attention_block`` (``model.attention_block``): in ``hidden`` (training and scoring), buffers
+    longer than this many tokens use ``blocked_attention`` (block-sparse
+    over segments, O(T * block) memory) instead of the dense ``[T, T]`` scores; 0 = always dense.
+    A plain attribute too.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
-                 scan_unroll: int = 1):
+                 scan_unroll: int = 1, attention_block: int = 0):
         dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.cfg = cfg
         self.scan_unroll = int(scan_unroll)
+        self.attention_block = int(attention_block)
         self.dtype = dtype
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
@@ -179,23 +189,35 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"Decoder.__call__: tokens {tokens.shape}, positions {positions.shape}, "
                 f"mask {None if mask is None else mask.shape} must all be the same [B, T]")
-        t = tokens.shape[1]
+        attend = self._attention_op(tokens.shape, mask, segment_ids)
+        # Under parallel.rules.activation_mesh the residual stream stays split by rows (FSDP
+        # gathers parameters, not activations); without it these are no-ops.
+        h = constrain(self.embed_tokens(tokens), ("batch", None, None))
+
+        def block(layer, h, index, extra):
+            return constrain(layer.apply(h, positions, attend), ("batch", None, None)), extra
+
+        h, _ = scan_layers(self.layers, h, block, remat=remat, unroll=self.scan_unroll)
+        return h
+
+    def _attention_op(self, shape, mask, segment_ids):
+        """``attend(q, k, v)`` for ``hidden``: causal, within ``segment_ids``, never to a masked
+        key; blocked (``attention_block``) when the buffer length allows it, else dense."""
+        b, t = shape
+        block = self.attention_block
+        if usable(t, block):
+            segments = jnp.ones(shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+            if mask is not None:
+                segments = jnp.where(mask.astype(bool), segments, 0)
+            return lambda q, k, v: blocked_attention(q, k, v, segments, block)
         allowed = jnp.tril(jnp.ones((t, t), bool))[None]
         if segment_ids is not None:
             allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
         if mask is not None:
             allowed = allowed & mask[:, None, :].astype(bool)
         elif segment_ids is None:
-            allowed = jnp.broadcast_to(allowed, (tokens.shape[0], t, t))
-        # Under parallel.rules.activation_mesh the residual stream stays split by rows (FSDP
-        # gathers parameters, not activations); without it these are no-ops.
-        h = constrain(self.embed_tokens(tokens), ("batch", None, None))
-
-        def block(layer, h, index, extra):
-            return constrain(layer(h, positions, allowed), ("batch", None, None)), extra
-
-        h, _ = scan_layers(self.layers, h, block, remat=remat, unroll=self.scan_unroll)
-        return h
+            allowed = jnp.broadcast_to(allowed, (b, t, t))
+        return lambda q, k, v: dense_attention(q, k, v, allowed)
 
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                  mask: Bool[Array, "B T"] | None = None) -> Float[Array, "B T V"]:

@@ -40,13 +40,19 @@ def config_micro_batch(cfg: RunConfig, shards: int) -> tuple[int, int]:
     return per_device // num_micro_batches(per_device, tokens, 1, g.micro_batch_tokens), tokens
 
 
-def _abstract_batch(rows: int, tokens: int, kl: bool) -> dict:
+def _abstract_batch(rows: int, tokens: int, kl: bool, packed: bool = False) -> dict:
+    """The update's batch as shapes: padded rows, or with ``packed`` the buffers of
+    ``train.packing`` (segment ids, per-token advantages and loss weights)."""
     i32, f32 = jnp.int32, jnp.float32
     sds = jax.ShapeDtypeStruct
     batch = {"tokens": sds((rows, tokens), i32), "positions": sds((rows, tokens), i32),
              "attn_mask": sds((rows, tokens), jnp.bool_), "loss_mask": sds((rows, tokens), f32),
              "old_logprobs": sds((rows, tokens - 1), f32), "advantages": sds((rows,), f32),
              "loss_norm": sds((rows,), f32)}  # read by the normalised grpo.loss_agg modes
+    if packed:
+        del batch["loss_norm"]
+        batch.update(segment_ids=sds((rows, tokens), i32), advantages=sds((rows, tokens - 1), f32),
+                     loss_w=sds((rows, tokens - 1), f32), token_w=sds((rows, tokens - 1), f32))
     if kl:
         batch["ref_logprobs"] = sds((rows, tokens - 1), f32)
     return batch
@@ -55,8 +61,9 @@ def _abstract_batch(rows: int, tokens: int, kl: bool) -> dict:
 def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int) -> dict[str, Any]:
     """Compile one update over a micro-batch of ``rows x tokens`` (one device) and report bytes.
 
-    The micro-batch is the whole batch of the compiled step (no further split); logit chunking
-    and remat follow ``cfg.grpo``; parameters and optimizer moments are float32 (``PARAM_DTYPE``,
+    The micro-batch is the whole batch of the compiled step (no further split); logit chunking,
+    remat and the packed layout (``grpo.padding_free``: segment ids) follow ``cfg.grpo``, the
+    layer scan's unroll and the attention op (``model.attention_block``) follow ``cfg.model``; parameters and optimizer moments are float32 (``PARAM_DTYPE``,
     so the gradients are float32 too) and the forward / backward compute in ``cfg.model.dtype``.
 
     Args:
@@ -79,7 +86,9 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     tokens = -(-tokens // SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE
     g = cfg.grpo
     dtype = jnp.dtype(cfg.model.dtype)
-    abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0),
+                                              scan_unroll=cfg.model.scan_unroll,
+                                              attention_block=cfg.model.attention_block))
     graphdef, state = nnx.split(abstract)
     frozen = ()
     if cfg.lora.rank > 0:  # LoRA: adapters differentiated and updated, base (and dropout keys) frozen
@@ -92,7 +101,8 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
                           loss_agg=g.loss_agg, temperature=cfg.rollout.temperature, memory=memory,
                           **loss_options(g))
     t0 = time.perf_counter()
-    compiled = step.lower(state, opt_state, _abstract_batch(rows, tokens, g.kl_coef > 0), frozen).compile()
+    batch = _abstract_batch(rows, tokens, g.kl_coef > 0, packed=g.padding_free)
+    compiled = step.lower(state, opt_state, batch, frozen).compile()
     seconds = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     chunk = rows * (tokens - 1) if g.logit_chunk == 0 else min(rows * (tokens - 1), g.logit_chunk)

@@ -11,7 +11,7 @@ gives, per epoch of its prompts:
   (``learning.paired_epochs``);
 * HistoPipe on 4 rollout workers against fifo: the run's own steps replayed through the planner
   and the worker simulation (``rhyme_lab.schedule.replay``) under the cost model fitted to the
-  run's measured pass costs (``CostModel.from_pass_cost``), since the 4 workers of a 2-core CPU
+  run's own plain rollouts (``rollout_fit``: seconds against passes, row-passes and rows), since the 4 workers of a 2-core CPU
   would share its cores; makespan ratio, the workers' idle share, migrated rows; and one Gantt
   plot of the most tail-heavy step, fifo beside HistoPipe.
 
@@ -82,12 +82,56 @@ def held_out(run_dir: str | Path, steps: int) -> dict | None:
             "z": gain / se if se > 0 else None, "n": int(a.size)}
 
 
+def rollout_fit(r: dict):
+    """``(CostModel, r2, steps)`` fitted to the run's own plain rollouts, or None with fewer than 3.
+
+    Each step's plain rollout (the paired unit's ``plain`` record, else the step's own rollout)
+    decoded its rows in ``forward_passes`` passes over ``sequence_steps`` row-passes, so under
+    the planner's model its seconds are ``a * passes + b * row_steps + c * rows``
+    (``CostModel.decode_cost``). (a, b, c) >= 0 minimise the squared error over the steps
+    (non-negative least squares by enumerating the active sets of the 3 coefficients); ``r2`` is
+    the fit's coefficient of determination. The passes ran at their live context lengths, so
+    this is the cost of the run's passes, not of a profile at the pool's full width.
+    """
+    from rhyme_jax.sched.cost_model import CostModel
+
+    rows = float(r.get("rows_per_step", 0))
+    x, y = [], []
+    for s in r.get("steps", []):
+        p = s.get("plain") or {"seconds": s.get("time/rollout_s"), "forward_passes": s.get("rollout/forward_passes"),
+                               "sequence_steps": s.get("rollout/generated_tokens")}
+        if p.get("seconds") and p.get("forward_passes") and p.get("sequence_steps"):
+            x.append([p["forward_passes"], p["sequence_steps"], rows])
+            y.append(p["seconds"])
+    if len(y) < 3:
+        return None
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    best = None
+    for mask in range(1, 8):
+        cols = [i for i in range(3) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        err = float(np.sum((x @ full - y) ** 2))
+        if best is None or err < best[1]:
+            best = (full, err)
+    full, err = best if best is not None else (np.zeros(3), float(np.sum(y ** 2)))
+    total = float(np.sum((y - y.mean()) ** 2))
+    return CostModel(*full), (1.0 - err / total if total > 0 else None), len(y)
+
+
 def cost_model(r: dict, prompt_tokens: float):
-    """``(cost model, source)``: the HistoPipe cost model fitted to the unit's measured pass costs
-    (its ``step_cost``), or the planner's placeholder where the run kept no profile (a run without
-    the compile-ahead warm-up)."""
+    """``(cost model, source)``: fitted to the run's own plain rollouts (``rollout_fit``), else to
+    its pass-cost profile (passes timed at the pool's full context width: far above a live pass
+    at this task's lengths), else the planner's placeholder."""
     from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL, CostModel, CostModelError
 
+    fit = rollout_fit(r)
+    if fit is not None:
+        r2 = "-" if fit[1] is None else f"{fit[1]:.3f}"
+        return fit[0], f"fitted to the run's {fit[2]} plain rollouts (seconds = a passes + b row-passes + c rows; R^2 {r2})"
     prof = r.get("step_cost", {}).get("profiled", [])
     try:
         return CostModel.from_pass_cost(SimpleNamespace(seconds={tuple(x[:3]): x[3] for x in prof}),
@@ -195,4 +239,4 @@ def l5(inp: Inputs) -> dict:
     return {"ours": "; ".join(cells), "figures": figs, "details": "\n".join(table_lines(rows)), "epochs": rows,
             "held_out": gains, "histopipe": sched,
             "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
-                     f"workers under the run's fitted pass costs (a, b, c in 'histopipe')"}
+                     f"workers under the cost model fitted to the run's plain rollouts (a, b, c and the fit in 'histopipe')"}

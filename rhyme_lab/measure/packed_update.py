@@ -75,6 +75,16 @@ def _timed_calls(step, one_call, state, opt_state, calls: list[dict], repeats: i
     return _median_s(step, state, opt_state, dev, repeats), temp
 
 
+def _steps(cfg: RunConfig, graphdef) -> tuple:
+    """(one-call GRPO update, accumulating update over class calls) of ``graphdef`` under the
+    run's ``grpo`` memory settings."""
+    g = cfg.grpo
+    opt = grpo_optimizer(g)
+    kw = dict(eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=0.0, loss_agg=g.loss_agg,
+              temperature=cfg.rollout.temperature, memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat))
+    return make_grpo_step(graphdef, opt, **kw), make_accumulating_step(graphdef, opt, **kw)
+
+
 def compare(cfg: RunConfig, model_cfg, draws: list[tuple[list[list[int]], list[list[int]]]], *,
             repeats: int = 3, log=print) -> list[dict]:
     """Padded vs packed update for each draw of ``(prompts, responses)`` token lists.
@@ -83,18 +93,19 @@ def compare(cfg: RunConfig, model_cfg, draws: list[tuple[list[list[int]], list[l
     length of each minibatch), ``padded_s`` / ``packed_s`` (median seconds of one update),
     ``padded_temp_bytes`` / ``packed_temp_bytes`` and the ratios ``speedup`` and ``memory_ratio``
     (packed / padded); with ``grpo.pack_lengths`` the same for the class calls (``classes_*``,
-    ``classes_calls``: each call's ``[rows, length]``)."""
+    ``classes_calls``: each call's ``[rows, length]``). All of these use dense attention. With
+    ``model.attention_block`` also ``blocked_padded_*`` and ``blocked_classes_*`` (or
+    ``blocked_packed_*`` without classes): the same batches with block-sparse attention
+    (``model.blocked_attention``), their ratios still against the dense padded update."""
     g = cfg.grpo
-    graphdef, state = nnx.split(Decoder(model_cfg, dtype=jnp.dtype(cfg.model.dtype), param_dtype=PARAM_DTYPE,
-                                        rngs=nnx.Rngs(0)))
-    opt = grpo_optimizer(g)
-    opt_state = opt.init(state)
-    step = make_grpo_step(graphdef, opt, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=0.0, loss_agg=g.loss_agg,
-                          temperature=cfg.rollout.temperature,
-                          memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat))
-    classes = make_accumulating_step(graphdef, opt, eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=0.0,
-                                     loss_agg=g.loss_agg, temperature=cfg.rollout.temperature,
-                                     memory=UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat))
+    dense_model = Decoder(model_cfg, dtype=jnp.dtype(cfg.model.dtype), param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(dense_model)
+    step, classes = _steps(cfg, graphdef)
+    opt_state = grpo_optimizer(g).init(state)
+    blocked = None
+    if cfg.model.attention_block:
+        dense_model.attention_block = cfg.model.attention_block
+        blocked = _steps(cfg, nnx.split(dense_model)[0])
     rng = np.random.default_rng(0)
     out = []
     for prompts, responses in draws:
@@ -106,19 +117,32 @@ def compare(cfg: RunConfig, model_cfg, draws: list[tuple[list[list[int]], list[l
              "padded_slots": int(padded["tokens"].size), "packed_slots": int(packed["tokens"].size),
              "padded_s": pad_s, "packed_s": pack_s, "padded_temp_bytes": pad_m, "packed_temp_bytes": pack_m,
              "speedup": pad_s / pack_s, "memory_ratio": pack_m / pad_m}
-        if g.pack_lengths:
-            calls = pack_by_length(padded, g.loss_agg, list(g.pack_lengths), g.micro_batch_tokens)
-            cls_s, cls_m = _timed_calls(classes, step, state, opt_state, calls, repeats)
-            r.update(classes_slots=int(sum(c["tokens"].size for c in calls)), classes_s=cls_s,
-                     classes_temp_bytes=cls_m, classes_speedup=pad_s / cls_s, classes_memory_ratio=cls_m / pad_m,
-                     classes_calls=[list(c["tokens"].shape) for c in calls])
-        out.append(r)
         if log:
             log(f"{r['rows']} rows, {r['real_tokens']} tokens: padded {r['padded_slots']} slots {pad_s:.2f} s "
                 f"{pad_m / 2**20:.0f} MiB | packed {r['packed_slots']} slots {pack_s:.2f} s {pack_m / 2**20:.0f} MiB "
                 f"| {r['speedup']:.2f}x faster, {r['memory_ratio']:.2f} of the memory")
-        if log and g.pack_lengths:
-            log(f"  length classes: {r['classes_slots']} slots in {len(calls)} calls {cls_s:.2f} s "
-                f"{cls_m / 2**20:.0f} MiB | {r['classes_speedup']:.2f}x faster than padded, "
-                f"{r['classes_memory_ratio']:.2f} of the memory")
+        calls = pack_by_length(padded, g.loss_agg, list(g.pack_lengths), g.micro_batch_tokens) if g.pack_lengths else None
+        if calls:
+            _record(r, "classes", _timed_calls(classes, step, state, opt_state, calls, repeats), calls, log)
+        if blocked is not None:
+            _record(r, "blocked_padded", _timed(blocked[0], state, opt_state, padded, repeats), [padded], log)
+            if calls:
+                _record(r, "blocked_classes", _timed_calls(blocked[1], blocked[0], state, opt_state, calls, repeats),
+                        calls, log)
+            else:
+                _record(r, "blocked_packed", _timed(blocked[0], state, opt_state, packed, repeats), [packed], log)
+        out.append(r)
     return out
+
+
+def _record(r: dict, name: str, timed: tuple[float, int], calls: list[dict], log) -> None:
+    """Store one layout's slots, seconds, temporaries and its ratios against the dense padded update."""
+    seconds, temp = timed
+    r.update({f"{name}_slots": int(sum(c["tokens"].size for c in calls)), f"{name}_s": seconds,
+              f"{name}_temp_bytes": temp, f"{name}_speedup": r["padded_s"] / seconds,
+              f"{name}_memory_ratio": temp / r["padded_temp_bytes"],
+              f"{name}_calls": [list(c["tokens"].shape) for c in calls]})
+    if log:
+        log(f"  {name.replace('_', ' ')}: {r[f'{name}_slots']} slots in {len(calls)} calls {seconds:.2f} s "
+            f"{temp / 2**20:.0f} MiB | {r[f'{name}_speedup']:.2f}x faster than padded, "
+            f"{r[f'{name}_memory_ratio']:.2f} of the memory")
