@@ -68,3 +68,29 @@ def test_rollout_fit_recovers_the_pass_costs_of_the_runs_rollouts():
     assert longtail.rollout_fit({"rows_per_step": 64, "steps": steps[:2]}) is None
     model, source = longtail.cost_model({"rows_per_step": 64, "steps": steps}, 64.0)
     assert model.a == pytest.approx(a, rel=0.05) and "12 plain rollouts" in source
+
+
+def test_oracle_grouped_is_the_best_contiguous_placement_and_above_the_bound():
+    """Against brute force over every assignment of 7 rows to 3 workers: the oracle equals the best
+    placement of contiguous runs of the sorted rows, is never below the true optimum or the bound."""
+    import itertools
+
+    from rhyme_jax.sched.cost_model import CostModel
+
+    cm = CostModel(a=0.005, b=0.0005, c=0.01)
+    lengths = np.array([659, 40, 310, 95, 95, 12, 200], np.float64)
+
+    def worker_cost(rows):
+        return cm.decode_cost(lengths[list(rows)]) if len(rows) else 0.0
+
+    best_any = min(max(worker_cost([i for i in range(7) if a[i] == w]) for w in range(3))
+                   for a in itertools.product(range(3), repeat=7))
+    order = np.argsort(-lengths)
+    best_contiguous = min(max(worker_cost(order[i:j]) for i, j in zip((0, *cuts), (*cuts, 7)))
+                          for cuts in itertools.combinations_with_replacement(range(8), 2) if cuts[0] <= cuts[1])
+    got = longtail.oracle_grouped(lengths, cm, 3)
+    assert got == pytest.approx(best_contiguous)
+    assert got >= best_any - 1e-12 and got >= longtail.makespan_bound(lengths, cm, 3) - 1e-12
+    # a-dominated: the longest row alone on its worker beats spreading the rows evenly
+    even = max(worker_cost(list(order[w::3])) for w in range(3))
+    assert got < even

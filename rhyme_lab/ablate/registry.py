@@ -127,6 +127,8 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          held_out=True),
     Unit("longtail_plain_seed1", "learn", _cfg("longtail_plain_seed1"), 1, ("longtail_sft",),
          "the ledger task's GRPO with run seed 1, HistoSpec off (the second learning seed)", held_out=True),
+    Unit("longtail_smollm2_paired", "learn_real_paired", _cfg("longtail_smollm2"),
+         what="SmolLM2-135M-Instruct on GSM8K with 1,024 new tokens, 4 steps, every rollout plain and with HistoSpec"),
     Unit("learn_real_plain", "learn_real", _cfg("learn_real_plain"),
          what="SmolLM2-135M-Instruct arithmetic recipe, prompts recurring each 4 steps, plain decode"),
     Unit("learn_real_aimd", "learn_real", _cfg("learn_real_aimd"), what="learn_real_plain + HistoSpec (AIMD)"),
