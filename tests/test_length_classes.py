@@ -119,3 +119,19 @@ def test_memory_plan_takes_the_largest_class_call():
                                                  "grpo.micro_batch_tokens=96"])
     r = memory_report(cfg, devices=1)
     assert (r["rows"], r["tokens"], r["pack_lengths_call"]) == (2, 48, True) and r["update_temp_bytes"] > 0
+
+
+def test_memory_plan_compiles_the_runs_attention_and_unroll():
+    """The plan compiles the update the run compiles: the config's layer unroll and attention op
+    on the packed batch. Dense attention holds [H, T, T] scores; block-sparse attention (``model.attention_block``) holds O(T x block)."""
+    from rhyme_jax.train.memory_plan import memory_report
+
+    base = ["rollout.max_prompt_len=256", "rollout.max_new_tokens=256", "grpo.padding_free=true",
+            "grpo.micro_batch_tokens=512", "model.tiny.num_layers=2", "model.tiny.num_heads=4",
+            "model.tiny.num_kv_heads=2"]
+    temp = {name: memory_report(load_config("configs/tiny_test.yaml", base + sets), devices=1)["update_temp_bytes"]
+            for name, sets in {"dense": ["model.scan_unroll=1"], "unrolled": ["model.scan_unroll=2"],
+                               "blocked": ["model.scan_unroll=2", "model.attention_block=128"]}.items()}
+    scores = 4 * 512 * 512 * 4  # one f32 [H, T, T]
+    assert temp["unrolled"] != temp["dense"]  # the unroll reaches the compiled program
+    assert temp["dense"] >= scores and temp["blocked"] < min(temp["dense"], temp["unrolled"]) / 2
