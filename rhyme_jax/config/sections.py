@@ -83,6 +83,11 @@ class ModelSection:
     system_prompt: str = ""  # with a chat template: a system turn before the question; "" = none (the template's default)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
+    def decoder_options(self) -> dict:
+        """The ``Decoder``'s plain attributes this section sets: ``scan_unroll`` and
+        ``attention_block`` (constructor keywords, or attributes to set after loading)."""
+        return {"scan_unroll": self.scan_unroll, "attention_block": self.attention_block}
+
     def __post_init__(self):
         check_fields(self)
         at_least(self, 1, "scan_unroll")

@@ -61,7 +61,7 @@ def lora_structure(model_cfg: ModelConfig, cfg: RunConfig) -> tuple[nnx.GraphDef
       LoRAError: ``lora.*`` out of range.
     """
     model = lora_decoder(model_cfg, lora_spec(cfg), dtype=compute_dtype(cfg.model.dtype), param_dtype=PARAM_DTYPE,
-                         scan_unroll=cfg.model.scan_unroll, attention_block=cfg.model.attention_block)
+                         **cfg.model.decoder_options())
     graphdef, adapters, keys, _ = split_lora(model)
     return graphdef, adapters, keys
 

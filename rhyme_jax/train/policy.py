@@ -156,15 +156,14 @@ def build_model(cfg: RunConfig, tokenizer: Tokenizer, seed: int) -> Decoder:
     dtype = compute_dtype(cfg.model.dtype)
     if cfg.model.path:
         _, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, param_dtype=PARAM_DTYPE)
-        model.scan_unroll = cfg.model.scan_unroll
-        model.attention_block = cfg.model.attention_block
+        for name, value in cfg.model.decoder_options().items():
+            setattr(model, name, value)
         return model
     # The same jitted initialisation as build_sharded on one device, so both give equal values.
     model_cfg = tiny_model_config(cfg, tokenizer)
     graphdef, state, _ = create_sharded(
         lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(seed),
-                        scan_unroll=cfg.model.scan_unroll,
-                        attention_block=cfg.model.attention_block), train_mesh(1, 1, 1))
+                        **cfg.model.decoder_options()), train_mesh(1, 1, 1))
     return nnx.merge(graphdef, state)
 
 
@@ -180,15 +179,14 @@ def build_sharded(cfg: RunConfig, tokenizer: Tokenizer, seed: int, mesh) -> tupl
     if cfg.model.path:
         model_cfg, model = load_hf_checkpoint(hub.ensure(cfg.model.path), dtype=dtype, param_dtype=PARAM_DTYPE,
                                               mesh=mesh)
-        model.scan_unroll = cfg.model.scan_unroll
-        model.attention_block = cfg.model.attention_block
+        for name, value in cfg.model.decoder_options().items():
+            setattr(model, name, value)
         graphdef, state = nnx.split(model)
         return graphdef, state, model_cfg
     model_cfg = tiny_model_config(cfg, tokenizer)
     graphdef, state, _ = create_sharded(
         lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(seed),
-                        scan_unroll=cfg.model.scan_unroll,
-                        attention_block=cfg.model.attention_block), mesh)
+                        **cfg.model.decoder_options()), mesh)
     return graphdef, state, model_cfg
 
 

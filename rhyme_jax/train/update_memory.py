@@ -63,8 +63,8 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
 
     The micro-batch is the whole batch of the compiled step (no further split); logit chunking,
     remat and the packed layout (``grpo.padding_free``: segment ids) follow ``cfg.grpo``, the
-    layer scan's unroll and the attention op (``model.attention_block``) follow ``cfg.model``; parameters and optimizer moments are float32 (``PARAM_DTYPE``,
-    so the gradients are float32 too) and the forward / backward compute in ``cfg.model.dtype``.
+    layer scan's unroll and the attention op (``model.attention_block``) follow ``cfg.model``;
+    parameters and optimizer moments are float32 (``PARAM_DTYPE``, so the gradients are float32 too) and the forward / backward compute in ``cfg.model.dtype``.
 
     Args:
       model_cfg: architecture.
@@ -87,8 +87,7 @@ def update_memory(model_cfg: ModelConfig, cfg: RunConfig, rows: int, tokens: int
     g = cfg.grpo
     dtype = jnp.dtype(cfg.model.dtype)
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0),
-                                              scan_unroll=cfg.model.scan_unroll,
-                                              attention_block=cfg.model.attention_block))
+                                              **cfg.model.decoder_options()))
     graphdef, state = nnx.split(abstract)
     frozen = ()
     if cfg.lora.rank > 0:  # LoRA: adapters differentiated and updated, base (and dropout keys) frozen
