@@ -14,6 +14,7 @@ from rhyme_jax.config import RolloutSection
 from rhyme_jax.config.checks import ConfigError
 from rhyme_jax.rollout.device_drafts import MATCH, append_tokens, fit_to_budget, lookup_drafts
 from rhyme_jax.rollout.engine import SamplingParams
+from rhyme_jax.rollout.pass_cost import PassCost
 from rhyme_jax.rollout.shapes import plan
 from rhyme_jax.spec.drafter import Drafter
 from rhyme_jax.spec.history import HistoryStore
@@ -111,6 +112,16 @@ whose host choice always sends its drafts, where goodput would choose plain chun
     store = HistoryStore()
     store.update(0, pids, [np.asarray(p) for p in prompts], hist.tokens, np.zeros(6))
     eng = _engine(**kw, passes_per_dispatch=4)
+    # a profile where every program costs the same (drafts look free), and a log of what the chunks observe
+    seen = []
+
+    class Logged(PassCost):
+        def observe(self, *args):
+            seen.append(args)
+            super().observe(*args)
+
+    eng.pass_cost = Logged({(p.rows, p.tokens, p.q_len): 1.0 for p in eng.programs() if p.kind in ("decode", "verify")},
+                           {"source": "test"})
     with _drafter(store, pids, window=window) as d:
         got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
     atol = logprob_atol(prompts, want.tokens)
@@ -122,6 +133,15 @@ whose host choice always sends its drafts, where goodput would choose plain chun
     assert s["generated_tokens"] == want.stats["generated_tokens"]
     assert any(p.kind == "spec_chunk" for p in eng.programs_run) and eng.programs_run <= set(eng.programs())
     assert s["decode_dispatches"] < s["decode_steps"] and 0 <= s["accepted_tokens"] <= s["drafted_tokens"]
+    # every chunk's seconds per pass reached the pass-cost model under its decode / verify program's key
+    keys = {(p.rows, p.tokens, p.q_len): p.kind for p in eng.programs() if p.kind in ("decode", "verify")}
+    assert seen and all(k[:3] in keys for k in seen) and "verify" in {keys[k[:3]] for k in seen}
+    spec_seen = sum(sec for *k, sec in seen if keys[tuple(k)] == "verify")
+    assert 0 < s["spec_chunk_passes"] <= s["decode_steps"] and s["spec_chunk_row_passes"] <= s["sequence_steps"]
+    # each chunk ran 1..4 passes and its per-pass time is its call's time over them (the host's own work around
+    # the call is small beside the passes: a factor 2 of slack)
+    assert 0 < spec_seen <= s["spec_chunk_seconds"] <= 2 * 4 * spec_seen
+    assert set(eng.pass_cost.live) == {k[:3] for k in seen}  # kept as live times (medians: test_allocation)
     if history_key == 3:  # the history is the output itself: most drafts land, fewer passes than plain
         assert s["accepted_tokens"] >= 0.8 * s["drafted_tokens"] > 0
         assert s["decode_steps"] < want.stats["decode_steps"]

@@ -94,3 +94,66 @@ def test_oracle_grouped_is_the_best_contiguous_placement_and_above_the_bound():
     # a-dominated: the longest row alone on its worker beats spreading the rows evenly
     even = max(worker_cost(list(order[w::3])) for w in range(3))
     assert got < even
+
+
+def test_held_out_gains_greedy_and_sampled_paired(tmp_path):
+    """The per-problem eval files of a run give the paired greedy gain and, where the run sampled,
+    the paired mean@k gain: mean of the per-problem differences, their standard error and z."""
+    from rhyme_jax.io.summary import eval_path
+    from rhyme_jax.train.evaluate import EvalResult
+
+    def save(step, correct, sampled):
+        c = np.asarray(correct, float)
+        EvalResult(float(c.mean()), 0.0, c.size, 10.0, c, samples=4,
+                   sampled_per_problem=np.asarray(sampled, float)).save(eval_path(tmp_path, step))
+
+    save(0, [1, 0, 0, 1], [0.5, 0.0, 0.25, 0.75])
+    save(6, [1, 1, 0, 1], [1.0, 0.25, 0.5, 0.75])
+    g = longtail.held_out(tmp_path, 6)
+    assert (g["before"], g["after"], g["n"]) == (0.5, 0.75, 4) and g["gain"] == 0.25
+    assert g["se"] == pytest.approx(np.std([0, 1, 0, 0], ddof=1) / 2)
+    s = g["sampled"]
+    d = np.array([0.5, 0.25, 0.25, 0.0])
+    assert s["gain"] == pytest.approx(d.mean()) and s["z"] == pytest.approx(d.mean() / (d.std(ddof=1) / 2))
+    assert longtail.held_out(tmp_path, 7) is None
+
+
+def test_oracle_prompts_is_the_best_placement_of_whole_prompts():
+    """Against brute force over every assignment of 5 prompts (3 samples each) to 3 workers: the
+    subset DP gives the best whole-prompt makespan, never below the bound on any placement, and
+    above the best row-level contiguous placement when one prompt holds both a long and short rows."""
+    import itertools
+
+    from rhyme_jax.sched.cost_model import CostModel
+
+    cm = CostModel(a=0.005, b=0.0005, c=0.01)
+    lengths = np.array([[659, 40, 12], [310, 95, 95], [200, 30, 31], [20, 22, 25], [90, 400, 15]], np.float64)
+
+    def worker_cost(prompts):
+        return cm.decode_cost(lengths[list(prompts)].ravel()) if len(prompts) else 0.0
+
+    brute = min(max(worker_cost([p for p in range(5) if a[p] == w]) for w in range(3))
+                for a in itertools.product(range(3), repeat=5))
+    got = longtail.oracle_prompts(lengths, cm, 3)
+    assert got == pytest.approx(brute)
+    assert got >= longtail.makespan_bound(lengths, cm, 3) - 1e-12
+    assert got > longtail.oracle_grouped(lengths, cm, 3)  # the rows of a prompt, split by length, do better
+    assert longtail.oracle_prompts(lengths[:1], cm, 3) == pytest.approx(worker_cost([0]))
+    with pytest.raises(ValueError, match="13 prompts"):
+        longtail.oracle_prompts(np.ones((13, 2)), cm, 4)
+
+
+def test_length_rhyme_ranks_prompts_by_their_last_rollout():
+    """Prompts whose lengths keep their order between epochs correlate at 1; a row longer than twice
+    its prompt's previous longest row counts as an unpredicted tail."""
+    from rhyme_lab.schedule.replay import StepLengths
+
+    ids = np.arange(4)
+    first = np.array([[10, 12], [50, 40], [100, 90], [300, 200]])
+    second = np.array([[11, 13], [45, 60], [120, 80], [250, 4096]])
+    r = longtail.length_rhyme([StepLengths(1, ids, first), StepLengths(2, ids, second)])
+    assert r["prompts"] == 4 and r["spearman_mean"] == pytest.approx(1.0) and r["spearman_max"] == pytest.approx(1.0)
+    assert r["rows_over_2x_prev_max"] == pytest.approx(1 / 8)
+    flipped = longtail.length_rhyme([StepLengths(1, ids, first), StepLengths(2, ids, first[::-1])])
+    assert flipped["spearman_mean"] == pytest.approx(-1.0)
+    assert longtail.length_rhyme([StepLengths(1, ids, first)])["spearman_mean"] is None

@@ -25,6 +25,7 @@ budget); rows that finish leave at the chunk's end, as in ``rollout/chunk.py``.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import jax
@@ -245,10 +246,14 @@ def decode(engine, table, run, drafter) -> bool:
     smaller = [b for b in seq_buckets(engine.max_slots) if b < rows]
     inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, total, q_len,
                           int(drafter.pattern_min), max(smaller, default=0))
+    t0 = time.perf_counter()
     toks, lps, count, tally = run(inp)
     count = np.asarray(count[:n], np.int64)
     n_run, row_passes, n_draft, n_acc = (int(x) for x in tally)
     s = table.stats
+    s["spec_chunk_seconds"] += time.perf_counter() - t0
+    s["spec_chunk_passes"] += n_run
+    s["spec_chunk_row_passes"] += row_passes
     s["decode_steps"] += n_run
     s["decode_dispatches"] += 1
     s["sequence_steps"] += row_passes

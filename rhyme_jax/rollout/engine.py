@@ -299,11 +299,24 @@ class RolloutEngine:
         t1 = time.perf_counter()
         out = jax.device_get(tuple(out))
         self.device_wait_seconds += time.perf_counter() - t1
-        if live and shape.kind in ("decode", "verify"):
-            self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, time.perf_counter() - t0)
+        if live:
+            self._observe(shape, out, time.perf_counter() - t0)
         if self.check_invariants:
             self.allocator.check()
         return out
+
+    def _observe(self, shape: shapes.PassShape, out: tuple, seconds: float) -> None:
+        """A live call's seconds per pass to the pass-cost model (``PassCost.observe``): a
+        decode/verify pass as timed; a chunk's time over the passes it ran, under the key of the
+        program its passes run (plain chunk of ``S`` rows: decode ``(S, S, 1)``; HistoSpec chunk:
+        verify ``(S, T, Q)``, its device drafting included). Without it the chunked engine's
+        goodput choice saw only the profile, timed at the widest page table."""
+        if shape.kind in ("decode", "verify"):
+            self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds)
+        elif shape.kind in ("chunk", "spec_chunk"):
+            ran = int(np.ravel(out[3])[0])  # plain chunk: passes run; HistoSpec chunk: its tally starts with them
+            if ran > 0:
+                self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds / ran)
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
                backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:

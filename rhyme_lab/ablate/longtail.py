@@ -70,14 +70,23 @@ def epoch_table(r: dict) -> list[dict]:
 
 
 def held_out(run_dir: str | Path, steps: int) -> dict | None:
-    """Greedy held-out accuracy before and after ``steps`` GRPO steps and the paired gain (mean,
-    standard error, z), from the run's per-problem eval files; None where either is missing."""
+    """Held-out accuracy before and after ``steps`` GRPO steps and the paired gain (mean, standard
+    error, z) from the run's per-problem eval files: greedy, and where the run sampled
+    (``run.eval_samples``) the mean@k under ``"sampled"`` (each problem's share of its k samples
+    correct, paired the same way); None where either file is missing."""
     from rhyme_jax.io.summary import eval_path, paired_gain
 
     first, last = eval_path(Path(run_dir), 0), eval_path(Path(run_dir), steps)
     if not (first.is_file() and last.is_file()):
         return None
-    a, b = np.load(first)["correct"], np.load(last)["correct"]
+    a, b = np.load(first), np.load(last)
+    out = _gain(a["correct"], b["correct"], paired_gain)
+    if a["sampled"].size and a["sampled"].shape == b["sampled"].shape:
+        out["sampled"] = _gain(a["sampled"], b["sampled"], paired_gain)
+    return out
+
+
+def _gain(a: np.ndarray, b: np.ndarray, paired_gain) -> dict:
     gain, se = paired_gain(a, b)
     return {"before": float(np.mean(a)), "after": float(np.mean(b)), "gain": gain, "se": se,
             "z": gain / se if se > 0 else None, "n": int(a.size)}
@@ -180,6 +189,61 @@ def oracle_grouped(lengths: np.ndarray, cm, workers: int) -> float:
     return float(best[n])
 
 
+def oracle_prompts(lengths: np.ndarray, cm, workers: int) -> float:
+    """The makespan (seconds) of the best placement of whole prompts that knows each prompt's
+    lengths this step (``lengths int[P, n]``: a prompt's ``n`` samples stay on one worker, as
+    HistoSpec's groups and HistoPipe's tiers place them), under ``CostModel.decode_cost`` per
+    worker (``a max(L) + b sum(L) + c rows``). Exact: dynamic programming over subsets of prompts
+    (``3^P`` submask steps per worker; P <= 12). A prompt-level placement by history cannot do
+    better than this clairvoyant one, so it bounds what HistoPipe's whole-prompt placement can
+    reach on the step.
+
+    Raises:
+      ValueError: more than 12 prompts in the step.
+    """
+    x = np.asarray(lengths, np.float64)
+    p = x.shape[0]
+    if p > 12:
+        raise ValueError(f"oracle_prompts: {p} prompts (at most 12)")
+    if not p:
+        return 0.0
+    full = (1 << p) - 1
+    members = (np.arange(1 << p)[:, None] >> np.arange(p)[None, :]) & 1  # [2^P, P]
+    top = np.max(np.where(members > 0, x.max(axis=1)[None, :], 0.0), axis=1)
+    cost = cm.a * top + cm.b * (members @ x.sum(axis=1)) + cm.c * (members @ np.full(p, x.shape[1]))
+    best = cost.copy()  # one worker: the whole subset on it
+    for _ in range(min(workers, p) - 1):
+        nxt = best.copy()
+        for mask in range(1, full + 1):
+            sub = (mask - 1) & mask
+            while sub:  # the last worker takes mask ^ sub, the others sub
+                nxt[mask] = min(nxt[mask], max(best[sub], cost[mask ^ sub]))
+                sub = (sub - 1) & mask
+        best = nxt
+    return float(best[full])
+
+
+def length_rhyme(steps) -> dict:
+    """How well a prompt's last rollout predicts its lengths now (RhymeRL s.3: "length ranks
+    barely move"), over the prompts of ``steps`` (``replay.StepLengths``) seen before: the rank
+    correlation (Spearman, no ties correction) of the prompt's previous and current mean length and
+    max length, and the share of rows longer than twice the longest row of the prompt's previous
+    rollout (a tail no prompt-level history predicts). None-valued where fewer than 3 prompts recur."""
+    last, prev_mean, now_mean, prev_max, now_max, over, rows = {}, [], [], [], [], 0, 0
+    for st in steps:
+        for pid, lens in zip(st.prompt_ids.tolist(), np.asarray(st.lengths, np.float64)):
+            if pid in last:
+                old = last[pid]
+                prev_mean.append(old.mean()); now_mean.append(lens.mean())
+                prev_max.append(old.max()); now_max.append(lens.max())
+                over += int(np.sum(lens > 2 * old.max())); rows += lens.size
+            last[pid] = lens
+    rank = lambda v: np.argsort(np.argsort(v)).astype(np.float64)  # noqa: E731
+    corr = (lambda a, b: float(np.corrcoef(rank(a), rank(b))[0, 1])) if len(prev_mean) >= 3 else (lambda a, b: None)
+    return {"prompts": len(prev_mean), "spearman_mean": corr(prev_mean, now_mean),
+            "spearman_max": corr(prev_max, now_max), "rows_over_2x_prev_max": over / rows if rows else None}
+
+
 def placement(r: dict, out: Path | None = None) -> dict:
     """HistoPipe (tier 1 + 2 + tail migration) against fifo on ``WORKERS`` simulated workers over
     the run's steps with history; with ``out``, ``gantt_longtail.png``: the step where fifo's
@@ -196,15 +260,18 @@ def placement(r: dict, out: Path | None = None) -> dict:
     ratios = np.array([per_fifo[s]["makespan_s"] / per_full[s]["makespan_s"] for s in per_fifo])
     bound = sum(makespan_bound(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
     oracle = sum(oracle_grouped(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
+    prompts = sum(oracle_prompts(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
     doc = {"steps": res["replayed_steps"], "makespan_ratio": fifo["makespan_s"] / full["makespan_s"],
            "bound_ratio": fifo["makespan_s"] / bound if bound else None,
            "of_bound": bound / full["makespan_s"] if bound else None,
            "oracle_ratio": fifo["makespan_s"] / oracle if oracle else None,
+           "prompt_oracle_ratio": fifo["makespan_s"] / prompts if prompts else None,
+           "of_prompt_oracle": prompts / full["makespan_s"] if prompts else None,
            "step_ratio_min": float(ratios.min()) if ratios.size else None,
            "step_ratio_max": float(ratios.max()) if ratios.size else None,
            "idle_fifo": fifo["bubble_fraction"], "idle_histopipe": full["bubble_fraction"],
            "migrated_share": full["migrated_share"],
-           "cost_model": {"a": cm.a, "b": cm.b, "c": cm.c, "source": source}}
+           "cost_model": {"a": cm.a, "b": cm.b, "c": cm.c, "source": source}, "length_rhyme": length_rhyme(steps)}
     if out is not None and per_fifo:
         tail = {st.step: float(st.lengths.max() / max(np.median(st.lengths), 1.0)) for st in steps}
         worst = max(per_fifo, key=lambda s: tail.get(s, 0.0))
@@ -251,13 +318,18 @@ def l5(inp: Inputs) -> dict:
         if g:
             gains[name] = g
             figs.append(figure("held-out greedy accuracy gain (paired)", name, g["gain"], g["se"], g["n"]))
+            if "sampled" in g:
+                sg = g["sampled"]
+                figs.append(figure("held-out sampled accuracy (mean@k) gain (paired)", name, sg["gain"], sg["se"], sg["n"]))
     sched = placement(r, inp.out)
     figs += [figure("HistoPipe makespan ratio vs fifo (replayed, 4 workers)", "epochs with history",
                     sched["makespan_ratio"], n=sched["steps"]),
              figure("bound on any placement's makespan ratio vs fifo", "epochs with history", sched["bound_ratio"],
                     n=sched["steps"]),
              figure("exact-length grouped placement's makespan ratio vs fifo (oracle)", "epochs with history",
-                    sched["oracle_ratio"], n=sched["steps"])]
+                    sched["oracle_ratio"], n=sched["steps"]),
+             figure("best whole-prompt placement's makespan ratio vs fifo (oracle)", "epochs with history",
+                    sched["prompt_oracle_ratio"], n=sched["steps"])]
     cells = []
     if later:
         roll = [x["histospec_rollout"] for x in later if x.get("histospec_rollout")]
@@ -265,11 +337,16 @@ def l5(inp: Inputs) -> dict:
                      else "no paired epoch with history")
     cells.append(f"rollout {min(x['rollout_share'] for x in rows):.0%}-{max(x['rollout_share'] for x in rows):.0%} "
                  f"of the step" if rows else "no steps")
-    cells.append(f"HistoPipe {sched['makespan_ratio']:.2f}x makespan (replayed; the exact-length grouped placement "
+    cells.append(f"HistoPipe {sched['makespan_ratio']:.2f}x makespan (replayed; the best whole-prompt placement "
+                 f"{sched['prompt_oracle_ratio']:.2f}x, the exact-length grouped placement "
                  f"{sched['oracle_ratio']:.2f}x, any placement at most {sched['bound_ratio']:.2f}x), "
                  f"idle {sched['idle_fifo']:.0%} -> {sched['idle_histopipe']:.0%}")
-    cells += [f"{n}: held-out {g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f} ± {g['se']:.3f}, "
-              f"z {g['z']:.1f})" if g["z"] is not None else f"{n}: no spread" for n, g in gains.items()]
+    lr = sched["length_rhyme"]
+    if lr["spearman_mean"] is not None:
+        cells.append(f"length ranks from the prompt's last rollout: Spearman {lr['spearman_mean']:.2f} (mean), "
+                     f"{lr['spearman_max']:.2f} (max); {lr['rows_over_2x_prev_max']:.1%} of rows past twice its last max")
+    cells += [f"{n}: held-out {_gain_cell(g)}" + (f"; sampled mean@k {_gain_cell(g['sampled'])}" if "sampled" in g else "")
+              for n, g in gains.items()]
     details = "\n".join(table_lines(rows))
     real = _real_model(inp)
     if real:
@@ -279,6 +356,12 @@ def l5(inp: Inputs) -> dict:
             "held_out": gains, "histopipe": sched, "real_model": real,
             "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
                      f"workers under the cost model fitted to the run's plain rollouts (a, b, c and the fit in 'histopipe')"}
+
+
+def _gain_cell(g: dict) -> str:
+    if g["z"] is None:
+        return f"{g['before']:.3f} -> {g['after']:.3f} (no spread)"
+    return f"{g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f} ± {g['se']:.3f}, z {g['z']:.1f})"
 
 
 def _real_model(inp: Inputs) -> dict | None:
