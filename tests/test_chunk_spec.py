@@ -197,3 +197,28 @@ def test_page_cut_never_sends_a_negative_draft():
     table = SimpleNamespace(length=np.array([ps, ps, 0]))
     got = eng._page_cut(table, np.array([0, 1]), np.array([0, 3]))
     np.testing.assert_array_equal(got, [0, 3])
+
+
+def test_always_right_drafts_on_the_device_in_chunks():
+    """The always-right oracle in the chunked engine (``history_rows``: each row's known sequence
+    from just before its place): the device finds the row's own place, every drafted token is
+    accepted, the tokens are plain decode's, and the rollout needs fewer passes and dispatches;
+    the source-bound oracle refuses chunks (its device drafts would not be cut to the sources)."""
+    from rhyme_lab.ablate.paired import AlwaysRightDrafter, SourceBoundDrafter
+
+    state, eos = _model()[1], _sampled_eos(3)
+    prompts = _prompts(0)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
+    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
+    eng = _engine(**kw, passes_per_dispatch=4)
+    got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=AlwaysRightDrafter(prompts, want.tokens, MAX_NEW))
+    for g, w in zip(got.tokens, want.tokens):
+        np.testing.assert_array_equal(g, w)
+    s = got.stats
+    assert any(p.kind == "spec_chunk" for p in eng.programs_run)
+    assert s["drafted_tokens"] > 0 and s["accepted_tokens"] == s["drafted_tokens"]
+    assert s["decode_steps"] < want.stats["decode_steps"] and s["decode_dispatches"] < s["decode_steps"]
+    bound = SourceBoundDrafter(prompts, want.tokens, MAX_NEW, [[] for _ in prompts])
+    with pytest.raises(NotImplementedError, match="passes_per_dispatch=1"):
+        bound.history_rows(np.arange(2), 8)

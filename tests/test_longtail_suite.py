@@ -157,3 +157,17 @@ def test_length_rhyme_ranks_prompts_by_their_last_rollout():
     flipped = longtail.length_rhyme([StepLengths(1, ids, first), StepLengths(2, ids, first[::-1])])
     assert flipped["spearman_mean"] == pytest.approx(-1.0)
     assert longtail.length_rhyme([StepLengths(1, ids, first)])["spearman_mean"] is None
+
+
+def test_histospec_bound_is_the_plain_over_oracle_rollout_time():
+    """The bound unit's steps after the compiling one: plain / oracle and plain / own drafter
+    seconds as ratios of sums, and the own drafter's share of the bound."""
+    def step(i, plain, own, oracle):
+        return {"step": i, **{k: {"seconds": v, "forward_passes": 10 * v} for k, v in
+                              (("plain", plain), ("own", own), ("spec", oracle))}}
+
+    r = {"skip": 1, "steps": [step(1, 99.0, 1.0, 1.0), step(2, 10.0, 8.0, 5.0), step(3, 20.0, 17.0, 10.0)]}
+    b = longtail.histospec_bound(r)
+    assert b["steps"] == 2 and b["bound"] == pytest.approx(2.0) and b["own"] == pytest.approx(30 / 25)
+    assert b["of_bound"] == pytest.approx(0.6) and b["passes_plain"] == 300
+    assert longtail.histospec_bound({"steps": [step(1, 1.0, 1.0, 1.0)]}) is None

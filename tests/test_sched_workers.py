@@ -204,7 +204,7 @@ def test_one_step_off_deferral_survives_a_resume(tmp_path, cross_step):
 # change sizes as well as switches; the configs that include them switch one part each.
 SCALED_ABLATION_RUNS = {"e2e_fifo.yaml", "histospec_per_step.yaml", "histospec_real.yaml", "histospec_tiny.yaml",
                         "learn_plain.yaml", "learn_real_plain.yaml", "learn_workers_fifo.yaml",
-                        "longtail_goodput.yaml", "longtail_smollm2.yaml"}  # the learning suites' base runs
+                        "longtail_goodput.yaml", "longtail_bound.yaml", "longtail_smollm2.yaml"}  # the learning suites' base runs
 
 
 def test_ablation_configs_load_and_switch_one_part_each():
@@ -232,4 +232,4 @@ def test_ablation_configs_load_and_switch_one_part_each():
             assert cfg.spec == base.spec and cfg.parallel == base.parallel, path.name
         else:
             assert cfg.spec != base.spec and cfg.parallel == base.parallel, path.name
-    assert len(seen) == 31
+    assert len(seen) == 32

@@ -21,7 +21,8 @@ KEEP = ("time/rollout_s", "time/train_s", "time/rollout_makespan_s", "rollout/ge
         "spec/drafted_tokens", "spec/accepted_tokens", "spec/acceptance_rate", "spec/drafting_share",
         "reward/mean", "response_length/mean")
 PAIR_STATS = ("generated_tokens", "seconds", "forward_passes", "sequence_steps", "drafted_tokens",
-              "accepted_tokens", "drafting_seconds", "compiles")
+              "accepted_tokens", "drafting_seconds", "compiles", "decode_dispatches", "spec_chunk_seconds",
+              "spec_chunk_passes", "spec_chunk_row_passes")
 
 
 def run_sft_unit(cfg, progress, *, skip: int = 0, warmup: bool = True) -> dict:

@@ -33,6 +33,7 @@ from rhyme_lab.ablate.measures import Inputs, MissingInput, figure, ratio_of_sum
 PAIRED_UNIT = "longtail_goodput_paired"
 SEED_UNITS = (PAIRED_UNIT, "longtail_plain_seed1")
 REAL_UNIT = "longtail_smollm2_paired"  # optional: SmolLM2 at 1,024 new tokens (run by hand, quick)
+BOUND_UNIT = "longtail_bound_paired"  # optional: the always-right oracle beside the run's drafter (run by hand, quick)
 WORKERS = 4
 PROMPT_TOKENS = 64.0  # a sample's prefill in the cost model (the ledger prompts' median is ~44 tokens, p90 ~100)
 
@@ -348,12 +349,21 @@ def l5(inp: Inputs) -> dict:
     cells += [f"{n}: held-out {_gain_cell(g)}" + (f"; sampled mean@k {_gain_cell(g['sampled'])}" if "sampled" in g else "")
               for n, g in gains.items()]
     details = "\n".join(table_lines(rows))
+    try:
+        bound = histospec_bound(inp.unit(BOUND_UNIT))
+    except MissingInput:
+        bound = None
+    if bound:
+        cells.append(f"HistoSpec bound (always-right drafts, same engine, {bound['steps']} steps): {bound['bound']:.2f}x "
+                     f"rollout; the run's drafter {bound['own']:.2f}x there ({bound['of_bound']:.0%} of the bound)")
+        figs.append(figure("HistoSpec bound: always-right oracle rollout speed-up", "epoch 1", bound["bound"],
+                           bound["bound_se"], bound["steps"]))
     real = _real_model(inp)
     if real:
         cells.append(real["cell"])
         details += f"\n\n{REAL_UNIT}:\n" + "\n".join(table_lines(real["epochs"]))
     return {"ours": "; ".join(cells), "figures": figs, "details": details, "epochs": rows,
-            "held_out": gains, "histopipe": sched, "real_model": real,
+            "held_out": gains, "histopipe": sched, "real_model": real, "histospec_bound": bound,
             "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
                      f"workers under the cost model fitted to the run's plain rollouts (a, b, c and the fit in 'histopipe')"}
 
@@ -362,6 +372,23 @@ def _gain_cell(g: dict) -> str:
     if g["z"] is None:
         return f"{g['before']:.3f} -> {g['after']:.3f} (no spread)"
     return f"{g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f} ± {g['se']:.3f}, z {g['z']:.1f})"
+
+
+def histospec_bound(r: dict) -> dict | None:
+    """HistoSpec's bound in this regime from a unit paired with the always-right oracle
+    (``BOUND_UNIT``): over its steps after the first ``skip`` (compiles), the plain rollout's
+    seconds over the oracle's (``bound``: no drafter through this engine on this machine does
+    better) and over the run's own drafter's in the same steps (``own``), ratios of sums with
+    their standard errors, and the own drafter's share of the bound. None without such steps."""
+    st = [s for s in r.get("steps", []) if s["step"] > r.get("skip", 1) and {"plain", "own", "spec"} <= set(s)]
+    if not st:
+        return None
+    plain, own, bound = (np.array([s[k]["seconds"] for s in st]) for k in ("plain", "own", "spec"))
+    b, b_se = ratio_of_sums(plain, bound)
+    o, o_se = ratio_of_sums(plain, own)
+    passes = lambda k: float(sum(s[k]["forward_passes"] for s in st))  # noqa: E731
+    return {"steps": len(st), "bound": b, "bound_se": b_se, "own": o, "own_se": o_se, "of_bound": o / b,
+            "passes_plain": passes("plain"), "passes_bound": passes("spec"), "passes_own": passes("own")}
 
 
 def _real_model(inp: Inputs) -> dict | None:

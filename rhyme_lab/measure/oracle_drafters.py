@@ -22,6 +22,7 @@ from collections import deque
 import numpy as np
 from jaxtyping import Int
 
+from rhyme_jax.rollout.device_drafts import MATCH
 from rhyme_jax.rollout.shapes import MAX_DRAFT
 
 ORACLES = ("always-right", "sources")
@@ -40,8 +41,13 @@ class AlwaysRightDrafter:
     (``float32[n]`` tokens each row has left), so the allocation weighs long rows as it does the
     real drafter's predictions (``benchmarks.replay_bound``)."""
 
+    pattern_min = MATCH // 2  # chunked engine: the device drafts only from a match this long (the row's own place)
+
     def __init__(self, prompts, responses, max_new_tokens: int, rank: bool = False):
         self.prompt_lens = np.array([len(p) for p in prompts], np.int64)
+        self.sequences = [np.concatenate([np.asarray(p, np.int32), np.asarray(r, np.int32)])
+                          for p, r in zip(prompts, responses)]
+        self._made: dict[int, int] = {}
         self.responses = [np.asarray(r, np.int32) for r in responses]
         self.context_width = int(self.prompt_lens.max(initial=1)) + int(max_new_tokens)
         self.rank = rank
@@ -57,6 +63,7 @@ class AlwaysRightDrafter:
         ``(int32[n, MAX_DRAFT], int32[n])``."""
         reqs = np.asarray(reqs, np.int64)
         made = self.made(reqs, tails)
+        self._made.update(zip(reqs.tolist(), made.tolist()))
         lens = np.zeros(reqs.size, np.int32)
         out = np.zeros((reqs.size, MAX_DRAFT), np.int32)
         for i, (r, n, b) in enumerate(zip(reqs, made, np.asarray(budgets))):
@@ -68,6 +75,21 @@ class AlwaysRightDrafter:
         return out, lens
 
     def observe(self, reqs, draft_lens, accepted) -> None:
+        """Nothing to learn."""
+
+    def history_rows(self, reqs: Int[np.ndarray, "B"], width: int) -> Int[np.ndarray, "B H"]:
+        """The chunked engine's device history (``rollout/chunk_spec.py``): ``int32[B, width]``,
+        each row's known sequence (prompt + response) from ``MATCH`` tokens before where the row
+        stood at its last ``draft`` on, so the device's suffix match finds the row's own place
+        and drafts what it will emit for the whole chunk (``-1`` after the end)."""
+        out = np.full((len(reqs), width), -1, np.int32)
+        for i, r in enumerate(np.asarray(reqs, np.int64).tolist()):
+            at = int(self.prompt_lens[r]) + self._made.get(r, 0)
+            piece = self.sequences[r][max(at - MATCH, 0): max(at - MATCH, 0) + width]
+            out[i, : piece.size] = piece
+        return out
+
+    def observe_chunk(self, reqs, drafted, accepted, counts) -> None:
         """Nothing to learn."""
 
 
@@ -126,6 +148,14 @@ class SourceBoundDrafter(AlwaysRightDrafter):
             lens[i] = held_run(self.history[r] + sibs, ctx, out[i, : lens[i]])
         self.estimates = (np.arange(MAX_DRAFT)[None, :] < lens[:, None]).astype(np.float32)
         return out, lens
+
+    def history_rows(self, reqs, width):
+        """Not a bound in the chunked engine: its device drafts would not be cut to the sources.
+
+        Raises:
+          NotImplementedError: always (run it with ``rollout.passes_per_dispatch: 1``)."""
+        raise NotImplementedError("SourceBoundDrafter bounds the per-pass engine only: set "
+                                  "rollout.passes_per_dispatch=1 (the chunk's device drafts are not cut to the sources)")
 
     def observe(self, reqs, draft_lens, accepted) -> None:
         """Siblings see each row's tokens as soon as they are emitted."""
