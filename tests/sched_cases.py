@@ -32,6 +32,7 @@ class Sched:
     def __init__(self, **kw):
         self.mode, self.pipeline, self.tier1, self.tier2, self.migration = "histopipe", "sync", True, True, True
         self.num_groups, self.length_stat, self.growth, self.tail_fraction, self.cost_model = 0, "mean", 1.5, 0.1, ""
+        self.placement = "tiers"
         self.__dict__.update(kw)
 
 

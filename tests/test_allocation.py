@@ -175,6 +175,22 @@ def test_live_step_times_replace_the_profiled_ones(tmp_path):
     assert prior(4, 8, 3) == 16.0
 
 
+def test_live_costs_are_kept_per_page_table_width():
+    """A program's live times at one page-table width neither answer for another width nor scale
+    its programs there: decode timed on short rows (width 2) and verify timed on long ones (width
+    8) are not compared; at a width with no live time the profile's own ratio holds."""
+    from rhyme_jax.rollout.pass_cost import LIVE_MIN
+
+    cost = PassCost({(4, 4, 1): 2.0, (4, 8, 3): 3.0})
+    for _ in range(LIVE_MIN):
+        cost.observe(4, 4, 1, 0.1, width=2)
+        cost.observe(4, 8, 3, 6.0, width=8)
+    assert cost(4, 4, 1, width=2) == 0.1 and cost(4, 8, 3, width=2) == pytest.approx(0.15)  # scaled as decode there
+    assert cost(4, 8, 3, width=8) == 6.0 and cost(4, 4, 1, width=8) == pytest.approx(4.0)  # scaled as verify there
+    assert cost(4, 4, 1, width=32) == 2.0 and cost(4, 8, 3, width=32) == 3.0  # nothing live there: the profile
+    assert cost(4, 4, 1) == 2.0  # width not given: its own key
+
+
 def test_profile_times_each_decode_program_once_per_widest_table(monkeypatch, tmp_path):
     calls = []
     progs = [shapes.PassShape("prefill", 64, 16, 16, 4), shapes.PassShape("decode", 4, 4, 1, 2),

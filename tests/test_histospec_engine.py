@@ -326,8 +326,8 @@ def test_pass_cost_profile_times_every_program_and_leaves_outputs_unchanged():
     res = eng.generate(_model()[1], prompts, sp, jax.random.key(0))
     for got, exp in zip(res.tokens, want):
         np.testing.assert_array_equal(got, exp)
-    ran = {(s.rows, s.tokens, s.q_len) for s in eng.programs_run if s.kind != "prefill"}
-    assert set(cost.live) == ran and ran
+    ran = {(s.rows, s.tokens, s.q_len, s.width) for s in eng.programs_run if s.kind != "prefill"}
+    assert set(cost.live) == ran and ran  # each program at each page-table width it ran at
     assert sum(len(times) for times, _ in cost.live.values()) == min(res.stats["decode_steps"], 15 * len(ran))
 
 

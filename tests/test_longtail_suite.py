@@ -141,6 +141,10 @@ def test_oracle_prompts_is_the_best_placement_of_whole_prompts():
     assert longtail.oracle_prompts(lengths[:1], cm, 3) == pytest.approx(worker_cost([0]))
     with pytest.raises(ValueError, match="13 prompts"):
         longtail.oracle_prompts(np.ones((13, 2)), cm, 4)
+    from rhyme_jax.sched.exact_placement import best_subsets
+
+    _, masks = best_subsets(lengths, cm, 3)
+    assert len(masks) <= 3 and sum(masks) == 31 and all(not masks[i] & masks[j] for i in range(len(masks)) for j in range(i))
 
 
 def test_length_rhyme_ranks_prompts_by_their_last_rollout():
@@ -171,3 +175,20 @@ def test_histospec_bound_is_the_plain_over_oracle_rollout_time():
     assert b["steps"] == 2 and b["bound"] == pytest.approx(2.0) and b["own"] == pytest.approx(30 / 25)
     assert b["of_bound"] == pytest.approx(0.6) and b["passes_plain"] == 300
     assert longtail.histospec_bound({"steps": [step(1, 1.0, 1.0, 1.0)]}) is None
+
+
+def test_history_dp_plans_from_the_last_rollout_and_is_timed_on_the_true_lengths():
+    """Steps 1 and 2 hold the same prompts; step 2's plan comes from step 1's lengths. With the same
+    lengths again it is the clairvoyant whole-prompt placement; with the prompts' lengths swapped it
+    is that plan timed on the swapped lengths (worse); a step with an unseen prompt is not planned."""
+    from rhyme_jax.sched.cost_model import CostModel
+    from rhyme_lab.schedule.replay import StepLengths
+
+    cm = CostModel(a=0.005, b=0.0005, c=0.01)
+    x = np.array([[900, 40], [300, 95], [200, 30], [20, 22], [90, 40]], np.float64)
+    ids = np.arange(5)
+    same = longtail.history_dp([StepLengths(1, ids, x), StepLengths(2, ids, x)], cm, 2)
+    assert list(same) == [2] and same[2] == pytest.approx(longtail.oracle_prompts(x, cm, 2))
+    swapped = longtail.history_dp([StepLengths(1, ids, x), StepLengths(2, ids, x[::-1])], cm, 2)
+    assert swapped[2] > longtail.oracle_prompts(x[::-1], cm, 2)
+    assert longtail.history_dp([StepLengths(1, ids, x), StepLengths(2, ids + 1, x)], cm, 2) == {}

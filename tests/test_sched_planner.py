@@ -313,3 +313,37 @@ def test_long_tail_row_is_migrated_and_bounds_the_makespan():
         assert len(mig) == 1 and mig[0].worker != src.worker
         for run in (still, ivs):
             assert max(iv.end for iv in run) >= bound
+
+
+def test_exact_placement_is_the_best_whole_prompt_plan():
+    """``sched.placement: exact`` (``plan_step(exact=True)``): against brute force over every
+    assignment of 6 prompts to 3 workers, its plan has the least predicted makespan under the cost
+    model's ``decode_cost`` (every sample at its prompt's predicted length); every row once, a
+    prompt's rows on one worker; never above the tiers' plan; beyond ``MAX_PROMPTS`` prompts the
+    tiers plan, with a note; the config key is checked at load time."""
+    from rhyme_jax.sched.exact_placement import MAX_PROMPTS
+
+    cost = CostModel(a=5e-3, b=5e-4, c=1e-3)  # a pass costs 10 rows: the CPU's regime
+    pred, n, W = np.array([900.0, 40.0, 300.0, 95.0, 20.0, 210.0]), 4, 3
+    plan = plan_step(2, pred, n, W, cost, exact=True)
+    check_plan(plan, pred.size)
+    assert plan.notes == ["exact placement"]
+
+    def makespan(worker_prompts):
+        return max(cost.decode_cost(np.repeat(pred[list(ps)], n)) if ps else 0.0 for ps in worker_prompts)
+
+    got = makespan([np.unique(r // n).tolist() for r in plan.worker_rows])
+    brute = min(makespan([[p for p in range(6) if a[p] == w] for w in range(W)])
+                for a in itertools.product(range(W), repeat=6))
+    assert got == pytest.approx(brute)
+    tiers = plan_step(2, pred, n, W, cost)
+    assert got <= makespan([np.unique(r // n).tolist() for r in tiers.worker_rows]) + 1e-12
+    many = plan_step(1, np.arange(1.0, MAX_PROMPTS + 2), 2, 4, cost, exact=True)
+    check_plan(many, MAX_PROMPTS + 1)
+    assert any("tiers used" in note for note in many.notes)
+    from rhyme_jax.config import load_config
+    from rhyme_jax.config.checks import ConfigError
+
+    assert load_config(ROOT / "configs/default.yaml", ["sched.placement=exact"]).sched.placement == "exact"
+    with pytest.raises(ConfigError, match="placement"):
+        load_config(ROOT / "configs/default.yaml", ["sched.placement=dp"])

@@ -24,6 +24,7 @@ its only static arguments are shape-like (bucket sizes) or the sampling program 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -309,14 +310,15 @@ class RolloutEngine:
         """A live call's seconds per pass to the pass-cost model (``PassCost.observe``): a
         decode/verify pass as timed; a chunk's time over the passes it ran, under the key of the
         program its passes run (plain chunk of ``S`` rows: decode ``(S, S, 1)``; HistoSpec chunk:
-        verify ``(S, T, Q)``, its device drafting included). Without it the chunked engine's
-        goodput choice saw only the profile, timed at the widest page table."""
+        verify ``(S, T, Q)``, its device drafting included), at the call's page-table width.
+        Without it the chunked engine's goodput choice saw only the profile, timed at the widest
+        page table."""
         if shape.kind in ("decode", "verify"):
-            self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds)
+            self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds, width=shape.width)
         elif shape.kind in ("chunk", "spec_chunk"):
             ran = int(np.ravel(out[3])[0])  # plain chunk: passes run; HistoSpec chunk: its tally starts with them
             if ran > 0:
-                self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds / ran)
+                self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds / ran, width=shape.width)
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
                backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:
@@ -344,7 +346,8 @@ class RolloutEngine:
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
         if not got.any():  # nothing proposed: the plain decode step, no choice to make
             return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
-        choice, curve = allocation.choose_pass(self.plan, got, est, self.pass_cost, prio)
+        width = self.plan.width(int(self.allocator.num_held[ids].max()))  # the programs' costs at this table width
+        choice, curve = allocation.choose_pass(self.plan, got, est, functools.partial(self.pass_cost, width=width), prio)
         if backoff is not None and est is not None:
             backoff.chose(True, bool(choice.draft_lens.any()))  # proposed: got has a draft
         lens = self._page_cut(table, ids, choice.draft_lens)

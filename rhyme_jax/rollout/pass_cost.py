@@ -58,38 +58,44 @@ class PassCost:
     Attributes:
       seconds: ``{(rows, tokens, max_q_len): seconds}`` measured per program (empty = prior).
       meta: what the profile was measured on (backend, device, model; informational).
-      live: ``{(rows, tokens, max_q_len): (recent seconds, median or None)}`` from ``observe``
-        (rollout passes; not saved, not compared).
-      scale: ``{rows: factor}``, the median of live median / profiled time over a row bucket's
-        programs with a live median (``observe``); the bucket's other programs cost their
-        profiled time times it.
+      live: ``{(rows, tokens, max_q_len, width): (recent seconds, median or None)}`` from
+        ``observe`` (rollout passes at page-table width ``width``, 0 = not given; not saved, not
+        compared).
+      scale: ``{(rows, width): factor}``, the median of live median / profiled time over the
+        programs of a row bucket with a live median at that width (``observe``); the bucket's
+        other programs cost their profiled time times it at that width.
     """
 
     seconds: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict, compare=False, repr=False)  # key -> (recent times, median)
-    scale: dict = field(default_factory=dict, compare=False, repr=False)  # rows -> live / profiled
-    _medians: dict = field(default_factory=dict, compare=False, repr=False)  # rows -> {key: live median}
+    scale: dict = field(default_factory=dict, compare=False, repr=False)  # (rows, width) -> live / profiled
+    _medians: dict = field(default_factory=dict, compare=False, repr=False)  # (rows, width) -> {key: live median}
 
     @classmethod
     def prior(cls) -> "PassCost":
         """The analytical stand-in (no measurements): ``2 * rows + tokens``."""
         return cls({}, {"source": "prior"})
 
-    def __call__(self, rows: int, tokens: int, q_len: int) -> float:
-        """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program: its live median once
-        ``observe`` has ``LIVE_MIN`` times of it, else its profiled time times the row bucket's
-        live scale (``scale``: 1 until a program of the bucket has a live median). A shape that was not
-        profiled is scaled from the profiled program of the same rows with the nearest token
-        count (cost proportional to ``2 * rows + tokens``); a row bucket that was not profiled at
-        all (another engine's plan, e.g. a replay with other ``--rows``) uses the least-squares
-        fit ``a + b * rows + c * tokens`` (``a, b, c >= 0``) of the profile; no profile: the prior."""
+    def __call__(self, rows: int, tokens: int, q_len: int, width: int = 0) -> float:
+        """Seconds (or prior units) of the ``(rows, tokens, q_len)`` program at page-table width
+        ``width`` (0: not given): its live median there once ``observe`` has ``LIVE_MIN`` times
+        of it, else its profiled time times the live scale of its row bucket at that width
+        (``scale``: 1 until a program of the bucket has a live median there). A pass's cost
+        depends on the width (its attention covers the whole page table: on the ledger task's
+        pool a 64-row decode pass took about 4x longer at each wider table, 24 / 96 / 384 pages),
+        so programs are compared at one width, never a verify program timed on short rows
+        against a decode program timed on long ones. A shape that was not profiled is scaled
+        from the profiled program of the same rows with the nearest token count (cost
+        proportional to ``2 * rows + tokens``); a row bucket that was not profiled at all
+        (another engine's plan, e.g. a replay with other ``--rows``) uses the least-squares fit
+        ``a + b * rows + c * tokens`` (``a, b, c >= 0``) of the profile; no profile: the prior."""
         key = (int(rows), int(tokens), int(q_len))
-        live = self.live.get(key)
+        live = self.live.get((*key, int(width)))
         if live is not None and live[1] is not None:
             return live[1]
         hit = self.seconds.get(key)
-        factor = self.scale.get(key[0], 1.0)
+        factor = self.scale.get((key[0], int(width)), 1.0)
         if hit is not None:
             return hit * factor
         prior = PRIOR_ROW_TOKENS * rows + tokens
@@ -102,34 +108,35 @@ class PassCost:
         a, b, c = self._linear()
         return (a + b * rows + c * tokens) * factor
 
-    def observe(self, rows: int, tokens: int, q_len: int, seconds: float) -> None:
+    def observe(self, rows: int, tokens: int, q_len: int, seconds: float, width: int = 0) -> None:
         """Record one live step time (seconds, the engine's pass on the host clock) of the
-        ``(rows, tokens, q_len)`` program in a rollout. Once a program has ``LIVE_MIN`` live
-        times, ``__call__`` returns the median of its last ``LIVE_WINDOW`` instead of the profiled
-        figure: the profile times programs in rounds on dummy rows, and a rollout runs them in
-        its own order (on CPU, 32 rows of the demo: plain decode steps back to back ran at 0.80x
+        ``(rows, tokens, q_len)`` program at page-table width ``width`` in a rollout. Once a
+        program has ``LIVE_MIN`` live times at a width, ``__call__`` returns the median of its
+        last ``LIVE_WINDOW`` there instead of the profiled figure: the profile times programs in
+        rounds on dummy rows at the widest table, and a rollout runs them in its own order at its
+        own widths (on CPU, 32 rows of the demo: plain decode steps back to back ran at 0.80x
         their profiled time while verify steps matched theirs, so verify looked cheaper than it
-        was and HistoSpec ran at 0.88x plain). The programs of the bucket that have no live median
-        yet are scaled by the bucket's median live / profiled ratio (``scale``): a profile taken
-        under other conditions (a cached file, a busy machine) can put every program at twice
-        its rollout time, and a decode program corrected alone would make every verify program
-        look twice as dear as it is, so that drafting never ran and its verify programs never got
-        live times (the demo's learning run drafted almost nothing for 7 steps of its second
-        epoch: decode 8.7 ms live against 17.9 ms profiled, verify 49.1 ms profiled and 23.9 ms
-        once it ran). Ignored without a profile (the prior's units are not seconds). Not saved: a
-        profile file holds what ``profile`` measured."""
+        was and HistoSpec ran at 0.88x plain). The programs of the bucket that have no live
+        median yet at that width are scaled by the bucket's median live / profiled ratio there
+        (``scale``): a profile taken under other conditions (a cached file, a busy machine) can
+        put every program at twice its rollout time, and a decode program corrected alone would
+        make every verify program look twice as dear as it is, so that drafting never ran and
+        its verify programs never got live times (the demo's learning run drafted almost nothing
+        for 7 steps of its second epoch: decode 8.7 ms live against 17.9 ms profiled, verify
+        49.1 ms profiled and 23.9 ms once it ran). Ignored without a profile (the prior's units
+        are not seconds). Not saved: a profile file holds what ``profile`` measured."""
         if not self.seconds:
             return
-        key = (int(rows), int(tokens), int(q_len))
+        key = (int(rows), int(tokens), int(q_len), int(width))
         times, _ = self.live.get(key, ((), None))
         times = (*times[1 - LIVE_WINDOW:], float(seconds))
         median = sorted(times)[len(times) // 2] if len(times) >= LIVE_MIN else None
         self.live[key] = (times, median)
         if median is None:
             return  # no live median in the bucket changed
-        medians = self._medians.setdefault(key[0], {})  # the bucket's programs with a live median
-        medians[key] = median
-        self.scale.update(bucket_scales(self.seconds, medians))
+        medians = self._medians.setdefault((key[0], key[3]), {})  # the bucket's programs with a live median there
+        medians[key[:3]] = median
+        self.scale.update({(key[0], key[3]): f for f in bucket_scales(self.seconds, medians).values()})
 
     def _linear(self) -> tuple[float, float, float]:
         """Non-negative least-squares ``(a, b, c)`` of ``seconds ~ a + b * rows + c * tokens``."""

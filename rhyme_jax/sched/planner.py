@@ -39,6 +39,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from rhyme_jax.sched.cost_model import CostModel
+from rhyme_jax.sched.exact_placement import MAX_PROMPTS, best_subsets, prompts_of
 
 MODES = ("histopipe", "fifo")
 
@@ -269,6 +270,7 @@ def plan_step(
     tier1: bool = True,
     tier2: bool = True,
     num_groups: int = 0,
+    exact: bool = False,
 ) -> Plan:
     """Plan one step: rows (P prompts x n samples, row r of prompt r // n) onto W workers.
 
@@ -282,6 +284,9 @@ def plan_step(
       tier1: sort into ranking groups and alternate the order by step parity.
       tier2: size the groups' worker counts by the cost model (LPT dealing when G > W).
       num_groups: G; 0 = auto ``max(1, W // 2)``; capped at P.
+      exact: histopipe places whole prompts by ``exact_placement.best_subsets`` on ``pred`` (the
+        least predicted makespan; the tier switches are then unused) when P <= its
+        ``MAX_PROMPTS``, the tiers otherwise (a note says so).
 
     Returns:
       A ``Plan`` (every row exactly once over ``worker_rows``).
@@ -299,6 +304,11 @@ def plan_step(
                        np.array([int(g.size > 0) for g in groups], np.int64), rows,
                        [(w,) if g.size else () for w, g in enumerate(groups)], pred, cost_model, [])
 
+    notes: list[str] = []
+    if exact and P <= MAX_PROMPTS:
+        return _exact(step, pred, n, W, cost_model)
+    if exact:
+        notes.append(f"exact placement: {P} prompts > {MAX_PROMPTS}, tiers used")
     G = min(num_groups or max(1, W // 2), P)
     if tier1:
         groups, ascending = ranking_groups(pred, G), step_ascending(step)
@@ -307,7 +317,6 @@ def plan_step(
         groups, ascending, order = fifo_groups(P, G), None, list(range(G))
     glens = np.array([pred[g].max() for g in groups])
     gprompts = np.array([g.size for g in groups], dtype=np.int64)
-    notes: list[str] = []
     if G <= W:
         k, worker_rows, worker_groups = _spread_groups(groups, order, glens, gprompts, pred, n, W, cost_model,
                                                        tier1=tier1, tier2=tier2)
@@ -361,6 +370,17 @@ def _deal_groups(groups, order, glens, gprompts, n, W, cost_model, *, tier2: boo
         worker_rows.append(np.concatenate([_rows(groups[g], n) for g in gs]) if gs else np.zeros(0, np.int64))
         worker_groups.append(tuple(gs))
     return k, worker_rows, worker_groups
+
+
+def _exact(step: int, pred: np.ndarray, n: int, W: int, cost_model: CostModel) -> Plan:
+    """The exact whole-prompt placement (``exact_placement``): one group per worker used, in worker
+    order; the workers it leaves idle get no rows."""
+    _, masks = best_subsets(np.repeat(pred[:, None], n, axis=1), cost_model, W)
+    groups = [prompts_of(m, pred.size) for m in masks]
+    rows = [_rows(g, n) for g in groups] + [np.zeros(0, np.int64)] * (W - len(groups))
+    wgroups = [(g,) for g in range(len(groups))] + [()] * (W - len(groups))
+    return _finish(step, "histopipe", n, groups, list(range(len(groups))), None, np.ones(len(groups), np.int64),
+                   rows, wgroups, pred, cost_model, ["exact placement"])
 
 
 def _finish(step, mode, n, groups, order, ascending, k, worker_rows, worker_groups, pred,

@@ -158,8 +158,9 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", t
 
 
 def pass_cost_rows(cost) -> dict:
-    """Worker 0's pass-cost model at the end of the run, as JSON: ``profiled`` and ``live``
-    (median of its recent passes, where it has one) rows of ``[rows, tokens, max_q_len, seconds]``
+    """Worker 0's pass-cost model at the end of the run, as JSON: ``profiled`` rows of ``[rows,
+    tokens, max_q_len, seconds]`` and ``live`` rows (median of its recent passes at one page-table
+    width, where it has one) of ``[rows, tokens, max_q_len, width, seconds]``
     and ``meta`` (``rollout.pass_cost.PassCost``; empty rows: the analytical prior)."""
     live = [[*k, v[1]] for k, v in sorted(cost.live.items()) if v[1] is not None]
     return {"profiled": [[*k, s] for k, s in sorted(cost.seconds.items())], "live": live, "meta": dict(cost.meta)}

@@ -58,12 +58,15 @@ def epoch_table(r: dict) -> list[dict]:
         plain = np.array([s["plain"]["seconds"] for s in st])
         rest = np.array([s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] for s in st])
         share, share_se = ratio_of_sums(plain, plain + rest)
+        steady = np.array([s.get("compiles", 1) == 0 for s in st])  # steps that compiled nothing (rollout or update)
+        steady_share = ratio_of_sums(plain[steady], (plain + rest)[steady])[0] if steady.any() else None
         drafted = sum(s.get("spec/drafted_tokens", 0.0) for s in st)
         lens = [lengths[s["step"]] for s in st if s["step"] in lengths]
         rows.append({"epoch": ep, "steps": len(st),
                      "reward": float(np.mean([s.get("reward/mean", np.nan) for s in st])),
                      **length_stats(np.concatenate([x.ravel() for x in lens]) if lens else np.zeros(0)),
                      "rollout_share": share, "rollout_share_se": share_se,
+                     "rollout_share_steady": steady_share, "steady_steps": int(steady.sum()),
                      "plain_rollout_s": float(plain.mean()), "rest_s": float(rest.mean()),
                      "acceptance": sum(s.get("spec/accepted_tokens", 0.0) for s in st) / drafted if drafted else None,
                      **{f"histospec_{k}": v for k, v in paired.get(ep, {}).items() if k != "steps"}})
@@ -194,34 +197,35 @@ def oracle_prompts(lengths: np.ndarray, cm, workers: int) -> float:
     """The makespan (seconds) of the best placement of whole prompts that knows each prompt's
     lengths this step (``lengths int[P, n]``: a prompt's ``n`` samples stay on one worker, as
     HistoSpec's groups and HistoPipe's tiers place them), under ``CostModel.decode_cost`` per
-    worker (``a max(L) + b sum(L) + c rows``). Exact: dynamic programming over subsets of prompts
-    (``3^P`` submask steps per worker; P <= 12). A prompt-level placement by history cannot do
-    better than this clairvoyant one, so it bounds what HistoPipe's whole-prompt placement can
-    reach on the step.
+    worker (``a max(L) + b sum(L) + c rows``): ``sched.exact_placement.best_subsets`` on the true
+    lengths. A placement that keeps prompts whole cannot do better, whatever it predicts.
 
     Raises:
-      ValueError: more than 12 prompts in the step.
+      ValueError: more than ``exact_placement.MAX_PROMPTS`` prompts in the step.
     """
-    x = np.asarray(lengths, np.float64)
-    p = x.shape[0]
-    if p > 12:
-        raise ValueError(f"oracle_prompts: {p} prompts (at most 12)")
-    if not p:
-        return 0.0
-    full = (1 << p) - 1
-    members = (np.arange(1 << p)[:, None] >> np.arange(p)[None, :]) & 1  # [2^P, P]
-    top = np.max(np.where(members > 0, x.max(axis=1)[None, :], 0.0), axis=1)
-    cost = cm.a * top + cm.b * (members @ x.sum(axis=1)) + cm.c * (members @ np.full(p, x.shape[1]))
-    best = cost.copy()  # one worker: the whole subset on it
-    for _ in range(min(workers, p) - 1):
-        nxt = best.copy()
-        for mask in range(1, full + 1):
-            sub = (mask - 1) & mask
-            while sub:  # the last worker takes mask ^ sub, the others sub
-                nxt[mask] = min(nxt[mask], max(best[sub], cost[mask ^ sub]))
-                sub = (sub - 1) & mask
-        best = nxt
-    return float(best[full])
+    from rhyme_jax.sched.exact_placement import best_subsets
+
+    return best_subsets(lengths, cm, workers)[0]
+
+
+def history_dp(steps, cm, workers: int) -> dict[int, float]:
+    """``{step: makespan}`` of whole-prompt placements planned from history: for each step whose
+    prompts all have a previous rollout, ``best_subsets`` over those previous lengths (each
+    prompt's last ``n`` lengths stand for its samples now), the plan then timed on the step's true
+    lengths under the same cost model (all of a worker's rows admitted at once). The planner's
+    ``sched.placement: exact`` plans from one predicted length per prompt instead and is replayed
+    with admission and migration (``placement``'s ``exact_ratio``)."""
+    from rhyme_jax.sched.exact_placement import best_subsets, prompts_of
+
+    last, out = {}, {}
+    for st in steps:
+        ids, x = st.prompt_ids.tolist(), np.asarray(st.lengths, np.float64)
+        if all(p in last for p in ids):
+            _, masks = best_subsets(np.stack([last[p] for p in ids]), cm, workers)
+            out[st.step] = max(cm.decode_cost(x[prompts_of(m, len(ids))].ravel()) for m in masks)
+        for p, lens in zip(ids, x):
+            last[p] = lens
+    return out
 
 
 def length_rhyme(steps) -> dict:
@@ -255,19 +259,24 @@ def placement(r: dict, out: Path | None = None) -> dict:
     steps, max_new = load_steps(r["run_dir"])
     cm, source = cost_model(r, PROMPT_TOKENS)
     res = replay(steps, num_workers=WORKERS, cost=cm, max_new_tokens=max_new)
-    fifo, full = res["configs"]["fifo"], res["configs"][FULL]
+    fifo, full, exact = res["configs"]["fifo"], res["configs"][FULL], res["configs"]["exact+mig"]
     per_fifo = {x["step"]: x for x in res["per_step"]["fifo"]}
     per_full = {x["step"]: x for x in res["per_step"][FULL]}
     ratios = np.array([per_fifo[s]["makespan_s"] / per_full[s]["makespan_s"] for s in per_fifo])
     bound = sum(makespan_bound(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
     oracle = sum(oracle_grouped(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
     prompts = sum(oracle_prompts(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
+    planned = history_dp(steps, cm, WORKERS)
+    fifo_planned = sum(per_fifo[s]["makespan_s"] for s in planned if s in per_fifo)
+    planned_total = sum(v for s, v in planned.items() if s in per_fifo)
     doc = {"steps": res["replayed_steps"], "makespan_ratio": fifo["makespan_s"] / full["makespan_s"],
            "bound_ratio": fifo["makespan_s"] / bound if bound else None,
            "of_bound": bound / full["makespan_s"] if bound else None,
            "oracle_ratio": fifo["makespan_s"] / oracle if oracle else None,
            "prompt_oracle_ratio": fifo["makespan_s"] / prompts if prompts else None,
            "of_prompt_oracle": prompts / full["makespan_s"] if prompts else None,
+           "history_dp_ratio": fifo_planned / planned_total if planned_total else None,
+           "exact_ratio": fifo["makespan_s"] / exact["makespan_s"], "idle_exact": exact["bubble_fraction"],
            "step_ratio_min": float(ratios.min()) if ratios.size else None,
            "step_ratio_max": float(ratios.max()) if ratios.size else None,
            "idle_fifo": fifo["bubble_fraction"], "idle_histopipe": full["bubble_fraction"],
@@ -287,11 +296,12 @@ def placement(r: dict, out: Path | None = None) -> dict:
 def table_lines(rows: list[dict]) -> list[str]:
     """The per-epoch markdown table."""
     f = lambda v, fmt="{:.2f}": "-" if v is None or (isinstance(v, float) and not np.isfinite(v)) else fmt.format(v)  # noqa: E731
-    lines = ["| epoch | steps | reward | length p50 / p90 / p99 / max | rollout share | HistoSpec rollout x | "
-             "acceptance | end-to-end x |", "|" + "---|" * 8]
+    lines = ["| epoch | steps | reward | length p50 / p90 / p99 / max | rollout share (steps without a compile) | "
+             "HistoSpec rollout x | acceptance | end-to-end x |", "|" + "---|" * 8]
     for x in rows:
+        steady = f"{f(x.get('rollout_share_steady'), '{:.1%}')}, {x.get('steady_steps', 0)}"
         lines.append(f"| {x['epoch']} | {x['steps']} | {f(x['reward'], '{:.3f}')} | {x['p50']:.0f} / {x['p90']:.0f} / "
-                     f"{x['p99']:.0f} / {x['max']:.0f} | {f(x['rollout_share'], '{:.1%}')} | "
+                     f"{x['p99']:.0f} / {x['max']:.0f} | {f(x['rollout_share'], '{:.1%}')} ({steady}) | "
                      f"{f(x.get('histospec_rollout'))} ± {f(x.get('histospec_rollout_se'))} | "
                      f"{f(x['acceptance'], '{:.1%}')} | {f(x.get('histospec_e2e'))} ± {f(x.get('histospec_e2e_se'))} |")
     return lines
@@ -338,8 +348,10 @@ def l5(inp: Inputs) -> dict:
                      else "no paired epoch with history")
     cells.append(f"rollout {min(x['rollout_share'] for x in rows):.0%}-{max(x['rollout_share'] for x in rows):.0%} "
                  f"of the step" if rows else "no steps")
-    cells.append(f"HistoPipe {sched['makespan_ratio']:.2f}x makespan (replayed; the best whole-prompt placement "
-                 f"{sched['prompt_oracle_ratio']:.2f}x, the exact-length grouped placement "
+    cells.append(f"HistoPipe {sched['makespan_ratio']:.2f}x makespan with its tiers, {sched['exact_ratio']:.2f}x with "
+                 f"sched.placement exact (replayed; the best whole-prompt placement "
+                 f"{sched['prompt_oracle_ratio']:.2f}x, the same planned exactly from the last rollout's lengths "
+                 f"{_x(sched['history_dp_ratio'])}, the exact-length grouped placement "
                  f"{sched['oracle_ratio']:.2f}x, any placement at most {sched['bound_ratio']:.2f}x), "
                  f"idle {sched['idle_fifo']:.0%} -> {sched['idle_histopipe']:.0%}")
     lr = sched["length_rhyme"]
@@ -366,6 +378,10 @@ def l5(inp: Inputs) -> dict:
             "held_out": gains, "histopipe": sched, "real_model": real, "histospec_bound": bound,
             "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
                      f"workers under the cost model fitted to the run's plain rollouts (a, b, c and the fit in 'histopipe')"}
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def _gain_cell(g: dict) -> str:

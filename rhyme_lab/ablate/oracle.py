@@ -67,7 +67,10 @@ def cost_model(rows: dict) -> tuple[PassCost, bool]:
     row bucket's median live / profiled ratio (as the engine's ``PassCost.observe`` does).
     Returns ``(model, in_seconds)``; no rows: the prior (not seconds)."""
     seconds = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("profiled", [])}
-    live = {(int(r), int(t), int(q)): float(s) for r, t, q, s in rows.get("live", [])}
+    by_program: dict = {}  # live rows are [rows, tokens, q, s] or, per page-table width, [rows, tokens, q, width, s]
+    for x in rows.get("live", []):
+        by_program.setdefault(tuple(int(v) for v in x[:3]), []).append(float(x[-1]))
+    live = {k: float(np.median(v)) for k, v in by_program.items()}  # the widths the run saw, pooled
     scales = bucket_scales(seconds, live)
     seconds = {k: s * scales.get(k[0], 1.0) for k, s in seconds.items()}
     seconds.update(live)

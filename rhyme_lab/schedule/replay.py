@@ -28,6 +28,7 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "tier2": ({"tier1": False}, False),
     "tier1+tier2": ({}, False),
     "tier1+tier2+mig": ({}, True),
+    "exact+mig": ({"exact": True}, True),  # whole prompts by exact_placement (sched.placement: exact)
 }
 FULL = "tier1+tier2+mig"
 
