@@ -271,8 +271,9 @@ def test_pooled_units_give_ratios_with_their_errors(tmp_path):
 
 def test_paired_rollouts_take_turns_going_first():
     """``paired.PairedRollouts``: the compared rollouts of a call alternate their places (a
-    machine can favour a place in a back-to-back sequence); plain stays first where the oracle
-    drafts its tokens, and the trainer always gets the HistoSpec (or oracle) rollout."""
+    machine can favour a place in a back-to-back sequence); with an oracle a first plain rollout
+    gives it its tokens and the three compared rollouts rotate after it; the trainer always gets
+    the HistoSpec (or oracle) rollout."""
     from types import SimpleNamespace
 
     from rhyme_lab.ablate.paired import PairedRollouts
@@ -287,7 +288,8 @@ def test_paired_rollouts_take_turns_going_first():
     sp = SimpleNamespace(max_new_tokens=4)
     own = SimpleNamespace(name="own")
     for oracle, calls in (("", [["plain", "own"], ["own", "plain"], ["plain", "own"]]),
-                          ("sources", [["plain", "own", "oracle"], ["plain", "oracle", "own"]])):
+                          ("sources", [["plain", "plain", "own", "oracle"], ["plain", "own", "oracle", "plain"],
+                                       ["plain", "oracle", "plain", "own"]])):
         rows, order = [], []
         gen = PairedRollouts(rows, oracle=oracle).wrap_generate(fake_generate(order))
         got = []
@@ -296,4 +298,4 @@ def test_paired_rollouts_take_turns_going_first():
             got.append(gen(None, [[1, 2]], sp, None, drafter=own).who)
             assert order == calls[len(got) - 1]
         assert got == ["oracle" if oracle else "own"] * len(calls)
-        assert all(set(r) == ({"plain", "own", "spec"} if oracle else {"plain", "spec"}) for r in rows)
+        assert all(set(r) == ({"first", "plain", "own", "spec"} if oracle else {"plain", "spec"}) for r in rows)

@@ -82,8 +82,8 @@ def warm_up(trainer) -> float:
 
 def _train(trainer, progress, pairs: list | None = None) -> list[dict]:
     """``grpo.steps`` GRPO steps; one row per step (``KEEP`` metrics, ``wall_s``, ``compiles``
-    and, for a paired run, the summed ``plain`` / ``spec`` (and, beside an oracle, ``own``)
-    rollout stats of the step)."""
+    and, for a paired run, the summed ``plain`` / ``spec`` (and, beside an oracle, ``first`` and
+    ``own``) rollout stats of the step)."""
     from rhyme_jax.compile_count import CompileCounter
 
     total = trainer.cfg.grpo.steps
@@ -97,8 +97,8 @@ def _train(trainer, progress, pairs: list | None = None) -> list[dict]:
             row = {"step": step, "wall_s": time.perf_counter() - t0, "compiles": counter.count - c0,
                    **{k: float(m[k]) for k in KEEP if k in m}}
             if pairs is not None:
-                for kind in ("plain", "own", "spec"):  # "own": the run's drafter beside an oracle's
-                    if all(kind in p for p in pairs[n0:]) and (kind != "own" or len(pairs) > n0):
+                for kind in ("first", "plain", "own", "spec"):  # beside an oracle: "first" (its tokens), "own" drafter
+                    if all(kind in p for p in pairs[n0:]) and (kind in ("plain", "spec") or len(pairs) > n0):
                         row[kind] = {k: float(sum(p[kind].get(k, 0) for p in pairs[n0:])) for k in PAIR_STATS}
             rows.append(row)
             progress(step, total, f"GRPO step {step}/{total}")

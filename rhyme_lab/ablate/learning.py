@@ -176,8 +176,9 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
     drafters, whose search over the sources in Python stands for knowledge, not for work a
     drafter has to do (the ratio is then the bound).
 
-    An oracle unit also decodes each step with the run's own drafter (``"own"``; after plain, in
-    turns with the oracle): then ``"own_rollout"`` is that drafter's ratio and
+    An oracle unit also decodes each step with the run's own drafter (``"own"``; in turns with
+    plain and the oracle, after a ``"first"`` plain rollout the oracle drafts from, left out of
+    the step's rest): then ``"own_rollout"`` is that drafter's ratio and
     ``"of_bound"`` its share of the bound in the same steps (oracle seconds / own seconds), with
     ``"of_bound_se"``, its standard error over the epoch's steps, and ``"own_e2e"`` its end-to-end
     ratio (the same rest of the step on both sides). Every ratio is a ratio of sums
@@ -188,7 +189,8 @@ def paired_epochs(r: dict, host_drafting: bool = True) -> dict[int, dict]:
         plain = np.array([s["plain"]["seconds"] for s in st])
         spec = np.array([_bound_s(s, host_drafting) for s in st])
         own = np.array([s.get("own", {}).get("seconds", 0.0) for s in st])
-        rest = np.array([s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] for s in st]) - own
+        first = np.array([s.get("first", {}).get("seconds", 0.0) for s in st])  # the oracle's token source
+        rest = np.array([s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] for s in st]) - own - first
         roll, roll_se = ratio_of_sums(plain, np.maximum(spec, 1e-9))
         e2e, e2e_se = ratio_of_sums(rest + plain, np.maximum(rest + spec, 1e-9))
         out[ep] = {"rollout": roll, "rollout_se": roll_se, "e2e": e2e, "e2e_se": e2e_se, "steps": len(st)}

@@ -31,9 +31,11 @@ class PairedRollouts(TrainerCallback):
     between the two, the run's own drafter decodes the same inputs (``"own"``), so its share of
     the bound is measured in the same steps, free of the drift between separate runs. Order: a
     call's rollouts run back to back, and the machine can favour a place in that order (caches,
-    clocks), so the two compared rollouts take turns: without an oracle, plain goes first on even
-    calls and HistoSpec on odd ones; with one, plain goes first (the oracle drafts its tokens),
-    then the run's own drafter and the oracle, in turns. The call's weights (the update's output
+    clocks: on the ledger task a plain rollout run first after an update took 1.15x the time of
+    the same passes run later), so the compared rollouts take turns: without an oracle, plain goes
+    first on even calls and HistoSpec on odd ones; with one, a plain rollout whose tokens the
+    oracle drafts runs first (``"first"``, not compared), then plain, the run's own drafter and
+    the oracle, rotating which of them goes first. The call's weights (the update's output
     cast to the compute dtype and copied to the worker, dispatched asynchronously) are waited for
     before the first clock starts, so neither place pays for them.
 
@@ -68,9 +70,11 @@ class PairedRollouts(TrainerCallback):
                 row[name] = {**out.stats, "compiles": compiles.count}
                 return out
 
-            if oracle:  # plain first (the oracle drafts its tokens), then own drafter and oracle in turns
-                bound = make(prompts, run("plain").tokens, sampling.max_new_tokens)
-                order = (("spec", bound), ("own", drafter)) if flip else (("own", drafter), ("spec", bound))
+            if oracle:  # a plain rollout the oracle drafts from (not compared), then the three in turns
+                bound = make(prompts, run("first").tokens, sampling.max_new_tokens)
+                three = (("plain", None), ("own", drafter), ("spec", bound))
+                k = (calls[0] - 1) % 3
+                order = three[k:] + three[:k]
             else:  # plain and HistoSpec in turns
                 order = (("spec", drafter), ("plain", None)) if flip else (("plain", None), ("spec", drafter))
             out = {name: run(name, d) for name, d in order}
