@@ -14,6 +14,11 @@ samples; row ``r`` belongs to prompt ``r // n``. From each prompt's predicted le
   (``cost_model.CostModel``); ``len_g`` is the group's longest predicted length. Exact: binary
   search over the finite set of candidate makespans. When G > W tier 2 does not apply and the
   groups are dealt to workers longest-processing-time first.
+* **Exact** (``exact=True``, ``sched.placement: exact``; not in the paper): whole prompts placed to
+  the least predicted makespan under ``CostModel.decode_cost`` (``exact_placement.best_subsets``,
+  dynamic programming over subsets of at most 12 prompts) in place of both tiers. Where a pass
+  costs many row-passes (the CPU) the tiers can lose to fifo (ledger task: 0.96x replayed) while
+  this placement, from the same history, reached 1.17x (docs/results.md, L5).
 * **fifo** (``mode="fifo"``): the prompts split over the workers in order
   (``np.array_split``), no history: what ``parallel.distributed.process_groups`` does for one
   process.
