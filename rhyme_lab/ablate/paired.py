@@ -31,8 +31,9 @@ class PairedRollouts(TrainerCallback):
     between the two, the run's own drafter decodes the same inputs (``"own"``), so its share of
     the bound is measured in the same steps, free of the drift between separate runs. Order: a
     call's rollouts run back to back, and the machine can favour a place in that order (caches,
-    clocks: on the ledger task a plain rollout run first after an update took 1.15x the time of
-    the same passes run later), so the compared rollouts take turns: without an oracle, plain goes
+    clocks; on 2 shared CPU cores one rollout's time varies by 10-20% from one place to the next:
+    over 3 steps of the ledger task the run's drafter, sending no drafts, timed 1.15x plain, which
+    had always gone first), so the compared rollouts take turns: without an oracle, plain goes
     first on even calls and HistoSpec on odd ones; with one, a plain rollout whose tokens the
     oracle drafts runs first (``"first"``, not compared), then plain, the run's own drafter and
     the oracle, rotating which of them goes first. The call's weights (the update's output
