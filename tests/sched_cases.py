@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parallel_cases import CFG, main, model, run_trainer  # noqa: E402
+from rhyme_jax.config import SchedSection  # noqa: E402
 from rhyme_jax.parallel.mesh import rollout_meshes, train_mesh  # noqa: E402
 from rhyme_jax.parallel.reshard import create_sharded, reshard  # noqa: E402
 from rhyme_jax.parallel.rules import param_shardings  # noqa: E402
@@ -26,14 +27,9 @@ from rhyme_jax.sched.scheduler import RolloutScheduler  # noqa: E402
 N = 4  # samples per prompt
 
 
-class Sched:
-    """A ``sched`` config section."""
-
-    def __init__(self, **kw):
-        self.mode, self.pipeline, self.tier1, self.tier2, self.migration = "histopipe", "sync", True, True, True
-        self.num_groups, self.length_stat, self.growth, self.tail_fraction, self.cost_model = 0, "mean", 1.5, 0.1, ""
-        self.placement = "tiers"
-        self.__dict__.update(kw)
+def Sched(**kw):  # noqa: N802
+    """The ``sched`` config section (histopipe, sync, both tiers, migration) with ``kw`` set."""
+    return SchedSection(**{"mode": "histopipe", "pipeline": "sync", "migration": True, **kw})
 
 
 class Lengths:

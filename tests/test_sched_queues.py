@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from rhyme_jax.config import SchedSection
 from rhyme_jax.rollout.gather import COUNT_STATS
 from rhyme_jax.rollout.types import RolloutResult, SamplingParams
 from rhyme_jax.sched.cost_model import DEFAULT_COST_MODEL
@@ -34,9 +35,8 @@ class SleepEngine:
                              [np.zeros(len(p), np.float32) for p in prompts], ["length"] * len(prompts), stats)
 
 
-class Sched:
-    mode, pipeline, cross_step, tier1, tier2, migration = "fifo", "one_step_off", True, True, True, False
-    num_groups, length_stat, growth, tail_fraction, cost_model = 0, "mean", 1.5, 0.1, ""
+def Sched():  # noqa: N802 (the sched config section these tests run under)
+    return SchedSection(mode="fifo", pipeline="one_step_off", cross_step=True, migration=False)
 
 
 def _submit(sch, step, ms, queued, drafter=None):
