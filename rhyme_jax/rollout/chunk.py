@@ -163,7 +163,7 @@ def inputs(engine, table, ids: np.ndarray, budgets: np.ndarray) -> ChunkInputs:
     """The ``ChunkInputs`` of live slots ``ids`` (pages reserved by ``reserve``)."""
     n, alloc = ids.size, engine.allocator
     rows = seq_bucket(n, engine.max_slots)
-    width = engine.plan.width(int(alloc.num_held[ids].max()))
+    width = engine.table_width(ids)
 
     def pad(values, dtype=np.int32):
         out = np.zeros(rows, dtype)

@@ -306,13 +306,14 @@ class RolloutEngine:
             self.allocator.check()
         return out
 
+    def table_width(self, ids: np.ndarray) -> int:
+        """Page-table width (a ``plan.widths`` bucket, pages) of a pass over live slots ``ids``."""
+        return self.plan.width(int(self.allocator.num_held[ids].max()))
+
     def _observe(self, shape: shapes.PassShape, out: tuple, seconds: float) -> None:
-        """A live call's seconds per pass to the pass-cost model (``PassCost.observe``): a
-        decode/verify pass as timed; a chunk's time over the passes it ran, under the key of the
-        program its passes run (plain chunk of ``S`` rows: decode ``(S, S, 1)``; HistoSpec chunk:
-        verify ``(S, T, Q)``, its device drafting included), at the call's page-table width.
-        Without it the chunked engine's goodput choice saw only the profile, timed at the widest
-        page table."""
+        """A live call's seconds per pass to ``PassCost.observe`` at the call's table width: a
+        decode/verify pass as timed; a chunk's time over its passes, under its passes' program
+        (plain chunk: decode ``(S, S, 1)``; HistoSpec chunk: verify ``(S, T, Q)``, drafting included)."""
         if shape.kind in ("decode", "verify"):
             self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds, width=shape.width)
         elif shape.kind in ("chunk", "spec_chunk"):
@@ -346,8 +347,8 @@ class RolloutEngine:
         got = np.minimum(np.minimum(np.minimum(got, budgets), shapes.MAX_DRAFT), d_tok.shape[1]).astype(np.int64)
         if not got.any():  # nothing proposed: the plain decode step, no choice to make
             return d_tok[:, :0], allocation.fixed_rule(self.plan, got)
-        width = self.plan.width(int(self.allocator.num_held[ids].max()))  # the programs' costs at this table width
-        choice, curve = allocation.choose_pass(self.plan, got, est, functools.partial(self.pass_cost, width=width), prio)
+        cost = functools.partial(self.pass_cost, width=self.table_width(ids))  # the programs' costs at this width
+        choice, curve = allocation.choose_pass(self.plan, got, est, cost, prio)
         if backoff is not None and est is not None:
             backoff.chose(True, bool(choice.draft_lens.any()))  # proposed: got has a draft
         lens = self._page_cut(table, ids, choice.draft_lens)
@@ -372,10 +373,9 @@ class RolloutEngine:
         """Pack one decode/verify step of live slots ``ids`` as ``choice`` sized it. Counts
         drafted tokens."""
         table.stats["drafted_tokens"] += int(choice.draft_lens.sum())
-        width = self.plan.width(int(self.allocator.num_held[ids].max()))
         return batching.verify_inputs(ids, table.length, table.pending, drafts, choice.draft_lens,
                                       self.allocator.page_table, self.page_size, choice.rows, choice.tokens,
-                                      choice.q_len, width, slot_streams=table.req)
+                                      choice.q_len, self.table_width(ids), slot_streams=table.req)
 
     def _chunk(self, table: SlotTable, run: "_Passes", drafter: Drafter | None) -> bool:
         """One chunk of ``plan.passes`` passes in one dispatch: plain (``rollout/chunk.py``)

@@ -136,7 +136,9 @@ class PassCost:
             return  # no live median in the bucket changed
         medians = self._medians.setdefault((key[0], key[3]), {})  # the bucket's programs with a live median there
         medians[key[:3]] = median
-        self.scale.update({(key[0], key[3]): f for f in bucket_scales(self.seconds, medians).values()})
+        scale = bucket_scales(self.seconds, medians).get(key[0])
+        if scale is not None:
+            self.scale[(key[0], key[3])] = scale
 
     def _linear(self) -> tuple[float, float, float]:
         """Non-negative least-squares ``(a, b, c)`` of ``seconds ~ a + b * rows + c * tokens``."""

@@ -6,8 +6,8 @@ groups) are a heuristic for this problem. When a pass costs far more than a row 
 ``a`` about 7-10 x ``b``), a worker's time is set by its longest row plus the rows decoded beside
 it, and the heuristic can lose to plain fifo: on the ledger task's run (configs/longtail.yaml,
 prompt lengths ranked by the last rollout at Spearman 0.99) the tiers replayed at 0.96x fifo while
-this placement, planned from the same history, replayed at 1.18x, 99% of the best whole-prompt
-placement that knows the true lengths (docs/results.md, L5).
+this placement, planned from the same history, replayed at 1.17x, 99% of the best whole-prompt
+placement that knows the true lengths (1.18x) (docs/results.md, L5).
 
 Cost of a worker holding prompts ``S`` (``CostModel.decode_cost`` with every sample of a prompt
 at its predicted length): ``a max_S(pred) + b n sum_S(pred) + c n |S|``. Exact over whole-prompt
