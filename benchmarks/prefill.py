@@ -1,17 +1,17 @@
-"""Prefill step cost: the plan's chunked layout against one query tile per sequence.
+"""Prefill step cost at each page-table width of the plan.
 
-A prefill packs up to ``N = min(max_slots, T)`` sequences into ``T`` tokens. The plan
-(``ShapePlan.prefill_layout``) cuts every sequence into attention rows of ``Q = pow2(T / N)``
-tokens (``N + T / Q`` rows, padded query work <= 2 T); the layout it replaced gave every sequence
-one row whose query tile held the longest prompt (``N`` rows of ``pow2(max_prompt_len)``, or of the
-longest prompt in the batch when a program of that size exists). This times both on the engine
-of a config's model (random weights of its shape are enough: the cost does not depend on them),
-each program on dummy inputs, the median of ``--repeats`` runs after two untimed ones.
+A prefill packs up to ``N = min(max_slots, T)`` sequences into ``T`` tokens, cut into attention
+rows of ``Q = pow2(T / N)`` tokens (``ShapePlan.prefill_layout``). Its page-table width is the
+smallest of the plan's widths holding the batch's pages (``engine._prefill``); until commit
+``274f237`` every prefill read all ``pages_per_seq`` columns, which the reference attention
+gathers and scores whether or not a sequence holds them. This times the program of each bucket at
+each width on the engine of a config's model (random weights of its shape are enough: the cost
+does not depend on them), on dummy inputs, the median of ``--repeats`` runs after two untimed ones.
 
 Usage::
 
     python -m benchmarks.prefill                                        # the demo (configs/default.yaml)
-    python -m benchmarks.prefill --config configs/gsm8k_smollm2_135m.yaml --tokens 512,1024
+    python -m benchmarks.prefill --config configs/longtail.yaml --tokens 1024,4096
 
 Prints a markdown table (milliseconds per prefill step). Nothing is written.
 """
@@ -58,18 +58,16 @@ def main(argv=None) -> int:
     runner = engine.runner(state, sampling)
     plan = engine.plan
     buckets = [int(t) for t in args.tokens.split(",") if t] or list(plan.prefill_buckets[-2:])
-    tile = min(plan.q_cap, max(shapes.MIN_PREFILL_Q, shapes.pow2(r.max_prompt_len)))
-    print(f"{args.config} ({source}): max_slots {r.max_slots}, max_prompt_len {r.max_prompt_len}, "
-          f"{plan.pages_per_seq} pages per sequence\n")
-    print("| T | chunked (S, Q) | ms | one tile (N, Q) | ms | ratio |\n|---|---|---|---|---|---|")
+    widths = plan.widths
+    print(f"{args.config} ({source}): max_slots {r.max_slots}, {plan.pages_per_seq} pages per sequence of "
+          f"{r.page_size} tokens\n")
+    print("| T | (S, Q) | " + " | ".join(f"ms at {w} pages" for w in widths) + " | full / narrowest |")
+    print("|---|---|" + "---|" * len(widths) + "---|")
     for t in buckets:
         rows, q = plan.prefill_layout(t)
-        n, q_one = min(r.max_slots, t), min(t, tile)
-        chunked = shapes.PassShape("prefill", t, rows, q, plan.pages_per_seq)
-        one = shapes.PassShape("prefill", t, n, q_one, plan.pages_per_seq)
-        a = time_program(runner, chunked, args.repeats)
-        b = time_program(runner, one, args.repeats)
-        print(f"| {t} | ({rows}, {q}) | {1e3 * a:.1f} | ({n}, {q_one}) | {1e3 * b:.1f} | {b / a:.2f}x |", flush=True)
+        ms = [1e3 * time_program(runner, shapes.PassShape("prefill", t, rows, q, w), args.repeats) for w in widths]
+        print(f"| {t} | ({rows}, {q}) | " + " | ".join(f"{m:.1f}" for m in ms) + f" | {ms[-1] / ms[0]:.1f}x |",
+              flush=True)
     return 0
 
 

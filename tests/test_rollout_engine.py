@@ -223,6 +223,31 @@ def test_chunked_prefill_keeps_greedy_outputs(monkeypatch):
     eng.allocator.check()
 
 
+def test_prefill_runs_at_the_batch_page_table_width(monkeypatch):
+    """A prefill reads only the page-table columns its batch holds (``ShapePlan.width`` of the
+    batch's pages): with widths (2, 7) and one slot, prompts of at most 8 tokens prefill at 2
+    columns, longer ones at 7, and greedy outputs still equal dense greedy."""
+    from rhyme_jax.rollout import shapes
+
+    monkeypatch.setattr(shapes, "MIN_DECODE_WIDTH", 2)
+    prompts, eos, want, _ = _reference_with_eos()
+    eng = _engine(eos_ids=[eos], max_slots=1)
+    assert eng.plan.widths == (2, 7)
+    res = eng.generate(_model()[1], prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),
+                       jax.random.key(0))
+    for got, exp in zip(res.tokens, want):
+        np.testing.assert_array_equal(got, exp)
+    assert {s.width for s in eng.programs_run if s.kind == "prefill"} == {2, 7}
+    assert eng.programs_run <= set(eng.programs(spec=False))
+    table = np.arange(2 * 7, dtype=np.int32).reshape(2, 7)
+    a = np.arange(1, 9, dtype=np.int32)  # 8 tokens: 2 pages of 4
+    inp = batching.prefill_inputs([(0, a, 0)], table, PAGE, 2, 64, 6, 8, width=2)
+    np.testing.assert_array_equal(inp.meta.page_indices[0], table[0, :2])
+    assert inp.meta.page_indices.shape == (6, 2)
+    with pytest.raises(ValueError, match="past a page-table width of 2 pages"):
+        batching.prefill_inputs([(1, a[:3], 6)], table, PAGE, 2, 64, 6, 8, width=2)
+
+
 def test_allocator_shares_and_frees_by_reference_count():
     a = PageAllocator(num_pages=8, page_size=4, max_slots=3, pages_per_seq=4)
     a.ensure(0, 10)  # 3 pages

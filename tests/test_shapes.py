@@ -13,11 +13,11 @@ from test_histospec_engine import HistoryDrafter
 from test_rollout_engine import MAX_NEW, _engine, _model, _prompts, _reference_with_eos
 
 
-def test_real_recipe_compiles_at_most_32_programs():
+def test_real_recipe_compiles_at_most_36_programs():
     cfg = load_config("configs/gsm8k_qwen2.5_1.5b.yaml")
     assert cfg.spec.enabled
     progs = shapes.programs_from_config(cfg)
-    assert len(progs) <= 32
+    assert len(progs) <= 36  # 32 until prefill ran at each page-table width (6 buckets x 2 widths)
     kinds = {p.kind for p in progs}
     assert kinds == {"prefill", "decode", "verify"}
     assert len(set(progs)) == len(progs)

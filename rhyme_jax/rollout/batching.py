@@ -49,7 +49,7 @@ def _streams_of(slot_streams: np.ndarray | None, slots: np.ndarray) -> np.ndarra
 
 def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndarray, page_size: int,
                    max_slots: int, t_b: int, num_rows: int, q_len: int,
-                   slot_streams: np.ndarray | None = None) -> PassInputs:
+                   slot_streams: np.ndarray | None = None, width: int = 0) -> PassInputs:
     """Pack ``[(slot, new tokens i32[L], start)]`` into one prefill step, each sequence cut into
     attention rows (chunks) of at most ``q_len`` tokens.
 
@@ -69,6 +69,11 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     lens = np.array([len(c) for _, c, _ in batch], np.int64)
     total = int(lens.sum())
     chunks = -(-lens // q_len)
+    width = int(width) or page_table.shape[1]
+    ends_at = max((start + len(c) for _, c, start in batch), default=0)
+    if ends_at > width * page_size:
+        raise ValueError(f"prefill reaches position {ends_at - 1}, past a page-table width of {width} "
+                         f"pages of {page_size}")
     if total > t_b or int(chunks.sum()) > num_rows or len(batch) > min(max_slots, t_b):
         raise ValueError(f"prefill of {len(batch)} sequences, {total} tokens in {int(chunks.sum())} chunks "
                          f"does not fit bucket T={t_b}, S={num_rows}, Q={q_len}")
@@ -76,7 +81,7 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     positions = np.zeros(t_b, np.int32)
     slot_mapping = np.zeros(t_b, np.int32)
     kv_lens = np.zeros(num_rows, np.int32)
-    pages = np.zeros((num_rows, page_table.shape[1]), np.int32)
+    pages = np.zeros((num_rows, width), np.int32)
     cu = np.full(num_rows + 1, total, np.int32)
     cu[0] = 0
     row_seq = np.repeat(np.arange(len(batch)), chunks)  # the sequence of every attention row
@@ -87,7 +92,7 @@ def prefill_inputs(batch: list[tuple[int, np.ndarray, int]], page_table: np.ndar
     slots = np.array([b[0] for b in batch], np.int64)
     starts = np.array([b[2] for b in batch], np.int64)
     kv_lens[: row_seq.size] = starts[row_seq] + ends
-    pages[: row_seq.size] = page_table[slots[row_seq]]
+    pages[: row_seq.size] = page_table[slots[row_seq], :width]
     streams = np.zeros(t_b, np.int32)
     seq_streams = _streams_of(slot_streams, slots)
     for i, (slot, ctx, start) in enumerate(batch):
@@ -203,12 +208,12 @@ def unpack_rows(values: np.ndarray, cu_q_lens: np.ndarray, n: int, width: int) -
     return np.asarray(values)[np.minimum(idx, len(values) - 1)]
 
 
-def dummy_prefill(t_b: int, num_rows: int, q_len: int, max_slots: int, pages_per_seq: int) -> PassInputs:
-    """Prefill inputs of bucket ``(t_b, num_rows, q_len)`` with no live sequence (warm-up; page 0
-    only)."""
+def dummy_prefill(t_b: int, num_rows: int, q_len: int, max_slots: int, width: int) -> PassInputs:
+    """Prefill inputs of bucket ``(t_b, num_rows, q_len)`` at page-table ``width`` with no live
+    sequence (warm-up; page 0 only)."""
     z = np.zeros(t_b, np.int32)
     meta = RaggedMeta(kv_lens=np.zeros(num_rows, np.int32),
-                      page_indices=np.zeros((num_rows, pages_per_seq), np.int32),
+                      page_indices=np.zeros((num_rows, width), np.int32),
                       cu_q_lens=np.zeros(num_rows + 1, np.int32), num_seqs=np.zeros(1, np.int32), slot_mapping=z)
     return PassInputs(z, z, meta, np.zeros(min(max_slots, t_b), np.int32), q_len)
 
@@ -246,7 +251,7 @@ def busy_verify(shape, max_slots: int, pages_per_seq: int, page_size: int, num_p
 def pass_inputs(shape, max_slots: int, pages_per_seq: int) -> PassInputs:
     """Dummy inputs of one ``shapes.PassShape`` (warm-up, compile reports)."""
     if shape.kind == "prefill":
-        return dummy_prefill(shape.tokens, shape.rows, shape.q_len, max_slots, pages_per_seq)
+        return dummy_prefill(shape.tokens, shape.rows, shape.q_len, max_slots, shape.width)
     return dummy_verify(shape.rows, shape.tokens, shape.q_len, shape.width, pages_per_seq)
 
 

@@ -390,8 +390,10 @@ class RolloutEngine:
     def _prefill(self, table: SlotTable, batch: list, run: "_Passes") -> None:
         """One packed prefill pass over the rows ``admit`` chose; records each row's first token."""
         total = sum(len(new) for _, new, _ in batch)
+        slots = np.array([b[0] for b in batch], np.int64)
         inp = batching.prefill_inputs(batch, self.allocator.page_table, self.page_size, self.max_slots,
-                                      *self.plan.prefill_shape(total), slot_streams=table.req)
+                                      *self.plan.prefill_shape(total), slot_streams=table.req,
+                                      width=self.table_width(slots))
         toks, lps = run(inp)
         table.stats["prefill_steps"] += 1
         table.stats["sequence_steps"] += len(batch)

@@ -22,8 +22,8 @@ run never compiles a shape outside it (tests check both).
   ``rollout/allocation.py``'s choice. Page-table width ``W``: ``pages_per_seq`` and its quarters (``>= 8``), so the
   reference attention does not gather every column of short sequences.
 
-With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 30 programs (6 prefill +
-3 row buckets x 2 widths x (1 decode + 3 verify pairs)).
+With HistoSpec on, ``configs/gsm8k_qwen2.5_1.5b.yaml`` compiles 36 programs (6 prefill buckets x
+2 widths + 3 row buckets x 2 widths x (1 decode + 3 verify pairs)).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class ShapePlan:
     def programs(self, spec: bool = True) -> list[PassShape]:
         """Every pass program of a run (prefill, decode, with ``spec`` verify, and with ``passes > 1``
         the plain decode chunks of ``rollout/chunk.py``, one per row bucket and width), sorted."""
-        out = [PassShape("prefill", t, *self.prefill_layout(t), self.pages_per_seq) for t in self.prefill_buckets]
+        out = [PassShape("prefill", t, *self.prefill_layout(t), w) for t in self.prefill_buckets for w in self.widths]
         for s in seq_buckets(self.max_slots):
             for t, q in verify_pairs(s, self.verify_budget, spec):
                 out += [PassShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
