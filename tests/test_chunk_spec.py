@@ -222,3 +222,44 @@ def test_always_right_drafts_on_the_device_in_chunks():
     bound = SourceBoundDrafter(prompts, want.tokens, MAX_NEW, [[] for _ in prompts])
     with pytest.raises(NotImplementedError, match="passes_per_dispatch=1"):
         bound.history_rows(np.arange(2), 8)
+
+
+def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
+    """Verify programs priced at 10 decode passes and drafts from another key's history: after the
+    first HistoSpec chunk of a (rows, width) key the guard runs plain chunks (probing every
+    ``PROBE_EVERY``-th), and the tokens stay the plain engine's."""
+    from rhyme_jax.rollout.spec_guard import PROBE_EVERY
+
+    state, eos = _model()[1], _sampled_eos(3)
+    prompts = _prompts(0)
+    prompts = [prompts[i // 2] for i in range(6)]
+    pids = np.arange(6) // 2
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
+    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
+    hist = _engine(**kw).generate(state, prompts, sp, jax.random.key(5))
+    store = HistoryStore()
+    store.update(0, pids, [np.asarray(p) for p in prompts], hist.tokens, np.zeros(6))
+
+    class Priced(PassCost):
+        def __call__(self, rows, tokens, q_len, width=0):
+            return 10.0 if q_len > 1 else 1.0
+
+        def observe(self, *args, width=0):
+            pass
+
+    runs = {}
+    for guarded in (True, False):
+        eng = _engine(**kw, passes_per_dispatch=2)
+        eng.pass_cost = Priced({}, {"source": "test"})
+        eng.spec_guard.enabled = guarded
+        with _drafter(store, pids, window="aimd") as d:  # the AIMD window always sends its drafts
+            runs[guarded] = got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
+        for g, w in zip(got.tokens, want.tokens):
+            np.testing.assert_array_equal(g, w)
+    on, off = runs[True].stats, runs[False].stats
+    assert off["spec_chunks_declined"] == 0 and on["spec_chunks_declined"] > 0
+    assert on["spec_chunk_passes"] < off["spec_chunk_passes"]
+    # every HistoSpec chunk (2 passes at most) the guard let run was a key's first or a probe
+    keys = len(eng.spec_guard.gain)
+    assert 0 < on["spec_chunk_passes"] <= 2 * (keys + on["spec_chunks_declined"] // (PROBE_EVERY - 1))

@@ -29,6 +29,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
+NEG_INF = -1e30  # masked scores (finite: no inf - inf in the softmax)
+
+
 class RaggedAttentionInputError(ValueError):
     """Inconsistent shapes/dtypes passed to ragged paged attention (message names the argument)."""
 
@@ -128,21 +131,22 @@ def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
     k_seq = k_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim)
     v_seq = v_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim)
 
-    scores = jnp.einsum("sqkgd,ksld->skgql", q_seq.astype(jnp.float32), k_seq.astype(jnp.float32))
-    scores = scores * sm_scale
+    # q is scaled before the dot (T x H x hd values, not S x H x Q x L scores) and the softmax is
+    # normalised after the PV product: two fewer passes over the score tensor (``_softmax_parts``)
+    scores = jnp.einsum("sqkgd,ksld->skgql", q_seq.astype(jnp.float32) * sm_scale, k_seq.astype(jnp.float32))
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
 
     q_pos = kv_lens[:, None] - q_lens[:, None] + qi[None, :]  # [S, Q]
     k_pos = jnp.arange(kv_cap, dtype=jnp.int32)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # keys past q_pos, hence past kv_len, are masked
     if sliding_window is not None:
         mask = mask & (q_pos[:, :, None] - k_pos[None, None, :] < sliding_window)
-    mask = mask & row_ok[:, :, None]  # [S, Q, L]
     mask = mask[:, None, None]  # [S, 1, 1, Q, L]
 
-    p = _masked_softmax(scores, mask)
+    p, denom = _softmax_parts(scores, mask)
     out = jnp.einsum("skgql,ksld->sqkgd", p, v_seq.astype(jnp.float32))
+    out = out / denom.transpose(0, 3, 1, 2)[..., None]
     out = out.reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
 
     # Scatter back to packed rows; rows of dead sequences / padding go out of bounds and drop.
@@ -160,15 +164,16 @@ def _layout_sizes(q, k_pages, page_indices):
             pages_per_seq * page_size)
 
 
-def _masked_softmax(scores, mask):
-    """Softmax over the last axis of ``scores`` where ``mask`` (broadcast) holds; 0 elsewhere and
-    on fully masked rows."""
-    scores = jnp.where(mask, scores, -jnp.inf)
+def _softmax_parts(scores, mask):
+    """``(p, denom)`` of a softmax over the last axis of ``scores`` where ``mask`` (broadcast)
+    holds: ``p = exp(scores - max)`` (0 where masked) and its sum, so ``softmax = p / denom``
+    (callers divide the PV product, ``denom`` keeps no last axis). Masked scores are set to
+    ``NEG_INF`` (finite): a row with no unmasked key gets ``p = 1`` everywhere and a finite result
+    that callers drop (every owned query row sees at least its own key); ``denom >= 1``."""
+    scores = jnp.where(mask, scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom > 0, denom, 1.0)
+    p = jnp.exp(scores - m)
+    return p, jnp.sum(p, axis=-1)
 
 
 def token_layout(t_total: int, num_seqs: int, max_q_len: int) -> bool:
@@ -202,17 +207,17 @@ def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_
     pages = jnp.clip(page_indices, 0, k_pages.shape[1] - 1)[seq]  # [T, pps]
     k_tok = k_pages[:, pages].reshape(num_kv_heads, t_total, kv_cap, head_dim)
     v_tok = v_pages[:, pages].reshape(num_kv_heads, t_total, kv_cap, head_dim)
-    q_t = q.reshape(t_total, num_kv_heads, group, head_dim).astype(jnp.float32)
-    scores = jnp.einsum("tkgd,ktld->tkgl", q_t, k_tok.astype(jnp.float32)) * sm_scale
+    q_t = q.reshape(t_total, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    scores = jnp.einsum("tkgd,ktld->tkgl", q_t, k_tok.astype(jnp.float32))
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     k_pos = jnp.arange(kv_cap, dtype=jnp.int32)
-    mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_lens[seq][:, None]) & tok_ok[:, None]
+    mask = k_pos[None, :] <= q_pos[:, None]  # keys past q_pos, hence past kv_len, are masked
     if sliding_window is not None:
         mask = mask & (q_pos[:, None] - k_pos[None, :] < sliding_window)
-    mask = mask[:, None, None]  # [T, 1, 1, L]
-    p = _masked_softmax(scores, mask)
-    out = jnp.einsum("tkgl,ktld->tkgd", p, v_tok.astype(jnp.float32))
+    p, denom = _softmax_parts(scores, mask[:, None, None])  # [T, 1, 1, L]
+    out = jnp.einsum("tkgl,ktld->tkgd", p, v_tok.astype(jnp.float32)) / denom[..., None]
+    out = jnp.where(tok_ok[:, None, None, None], out, 0.0)
     return out.reshape(t_total, num_heads, head_dim).astype(q.dtype)
 
 

@@ -226,8 +226,11 @@ def decode(engine, table, run, drafter) -> bool:
     program fits the live rows plus the larger of the draft tokens the host's goodput choice
     sends now and 1.5 x the draft tokens the last chunk accepted per pass (``program``; the
     device's drafts carry no estimates, so the last chunk's outcome sizes the next); pages are
-    reserved, the chunk runs and every row's emitted tokens are recorded. Falls back to a plain chunk (``chunk.decode``) when the host drafter's choice
-    carries no draft; returns False, having done nothing, when the pool cannot hold the chunk."""
+    reserved, the chunk runs and every row's emitted tokens are recorded. Falls back to a plain
+    chunk (``chunk.decode``) when the host drafter's choice carries no draft or the engine's
+    ``SpecGuard`` (``rollout/spec_guard.py``) finds that such chunks at this width emitted fewer
+    tokens a second than decode; returns False, having done nothing, when the pool cannot hold
+    the chunk."""
     ids = table.live()
     host_drafts, choice = engine._draft(drafter, table, ids)
     if choice.q_len <= 1:  # no draft pays now: a plain chunk
@@ -235,6 +238,11 @@ def decode(engine, table, run, drafter) -> bool:
     n, rows = ids.size, seq_bucket(ids.size, engine.max_slots)
     last = getattr(table, "chunk_accepted_per_pass", 0.0)
     total, q_len = program(engine.plan, rows, n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last))))
+    width = engine.table_width(ids)
+    if not engine.spec_guard.allows(rows, width, engine.pass_cost(rows, total, q_len, width=width),
+                                    engine.pass_cost(rows, rows, 1, width=width)):
+        table.stats["spec_chunks_declined"] += 1  # verify chunks here emit fewer tokens a second
+        return chunk.decode(engine, table, run)
     budgets = chunk.reserve(table, ids, engine.plan.passes * q_len)
     if budgets is None:
         return False
@@ -260,6 +268,7 @@ def decode(engine, table, run, drafter) -> bool:
     s["drafted_tokens"] += n_draft
     s["accepted_tokens"] += n_acc
     table.chunk_accepted_per_pass = n_acc / max(n_run, 1)
+    engine.spec_guard.observe(rows, width, n_acc, row_passes)
     toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
     sent = np.asarray(choice.draft_lens, np.int64)
     drafter.observe_chunk(table.req[ids], sent, _common_prefix(host_drafts, toks, sent, count), count)

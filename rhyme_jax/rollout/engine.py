@@ -47,6 +47,7 @@ from rhyme_jax.rollout.kv_cache import KVCache
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
+from rhyme_jax.rollout.spec_guard import SpecGuard
 from rhyme_jax.rollout.pass_runner import PassRunner
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
@@ -125,6 +126,9 @@ class RolloutEngine:
         # Seconds per decode/verify program, for the goodput allocation of estimated drafts
         # (``profile_pass_cost`` measures it; the prior until then).
         self.pass_cost: PassCost = PassCost.prior()
+        # Realized acceptance of HistoSpec chunks per (rows, width): declines chunks that would
+        # emit fewer tokens a second than plain decode (rollout/spec_guard.py).
+        self.spec_guard = SpecGuard()
         # Host seconds spent blocked fetching pass outputs after their dispatch (device time plus
         # the transfer), summed over every pass this engine ran; ``generate`` reports its share.
         self.device_wait_seconds = 0.0

@@ -95,7 +95,8 @@ class SlotTable:
                           preemptions=0, skipped=int(sum(p is None for p in prompts)), drafted_tokens=0,
                           accepted_tokens=0, drafting_seconds=0.0, sequence_steps=0,
                           predicted_accepted=0.0, decode_dispatches=0,
-                          spec_chunk_seconds=0.0, spec_chunk_passes=0, spec_chunk_row_passes=0)
+                          spec_chunk_seconds=0.0, spec_chunk_passes=0, spec_chunk_row_passes=0,
+                          spec_chunks_declined=0)
 
     # ------------------------------------------------------------------ queries
     def live(self) -> Int[np.ndarray, "r"]:

@@ -72,7 +72,9 @@ class RolloutResult:
         fewer with ``passes_per_dispatch > 1``) and device_wait_seconds (host seconds blocked
         fetching pass outputs after their dispatch: device time plus the transfer);
         spec_chunk_seconds / spec_chunk_passes / spec_chunk_row_passes: wall seconds, passes and
-        live row-passes of the HistoSpec chunks (``rollout/chunk_spec.py``; 0 without them).
+        live row-passes of the HistoSpec chunks (``rollout/chunk_spec.py``; 0 without them);
+        spec_chunks_declined: chunks run plain because HistoSpec chunks at their row bucket and
+        width had emitted fewer tokens a second than decode (``rollout/spec_guard.py``).
     """
 
     tokens: list[np.ndarray]

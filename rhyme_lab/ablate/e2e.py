@@ -22,7 +22,7 @@ KEEP = ("time/rollout_s", "time/train_s", "time/rollout_makespan_s", "rollout/ge
         "reward/mean", "response_length/mean")
 PAIR_STATS = ("generated_tokens", "seconds", "forward_passes", "sequence_steps", "drafted_tokens",
               "accepted_tokens", "drafting_seconds", "compiles", "decode_dispatches", "spec_chunk_seconds",
-              "spec_chunk_passes", "spec_chunk_row_passes")
+              "spec_chunk_passes", "spec_chunk_row_passes", "spec_chunks_declined")
 
 
 def run_sft_unit(cfg, progress, *, skip: int = 0, warmup: bool = True) -> dict:

@@ -1,0 +1,67 @@
+"""Realized-throughput guard of HistoSpec chunks: run a plain chunk where verify chunks have
+emitted fewer tokens per second than decode would.
+
+The chunked engine (``rollout/chunk_spec.py``) sizes a HistoSpec chunk from the host drafter's
+estimates, but the device drafts by its own single longest match, and on the ledger task's L5 run
+(docs/results.md, "L5 at commit fab1bef") those chunks accepted 0.36 draft tokens a row-pass
+where a 64-row verify pass cost 1.6-2.6x a decode pass at the same page-table width: epoch 2 ran
+0.82x plain. A chunk of ``r`` live rows that accepts ``g`` draft tokens per row-pass emits
+``r (1 + g)`` tokens per verify pass against ``r`` per decode pass, so it pays iff
+``(1 + g) * decode_seconds > verify_seconds``. The guard keeps ``g`` as realized (an exponential
+average over the HistoSpec chunks of one row bucket and page-table width) and both costs from the
+engine's live pass-cost model at that width, and declines a chunk that would not pay; every
+``PROBE_EVERY``-th declined chunk of a key runs anyway, so a key whose acceptance rises (prompts
+that gained history) is measured again. Plain and HistoSpec chunks sample the same tokens (the
+rollout's per-position streams), so the guard changes time, never tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 8  # declined chunks of a key between two probing HistoSpec chunks
+EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per row-pass
+
+
+@dataclass
+class SpecGuard:
+    """Realized acceptance of HistoSpec chunks per ``(rows, width)``, and the decision it gives.
+
+    Attributes:
+      gain: ``(rows, width) -> accepted draft tokens per live row-pass`` (exponential average).
+      declined: ``(rows, width) -> chunks declined since the last HistoSpec chunk of the key``.
+      enabled: False runs every chunk the host's choice asks for (ablations).
+    """
+
+    gain: dict[tuple[int, int], float] = field(default_factory=dict)
+    declined: dict[tuple[int, int], int] = field(default_factory=dict)
+    enabled: bool = True
+
+    def allows(self, rows: int, width: int, verify_seconds: float, decode_seconds: float) -> bool:
+        """Whether a HistoSpec chunk of ``rows`` row bucket at ``width`` pages runs: always for an
+        unseen key or a probe (``PROBE_EVERY``), else iff ``(1 + gain) * decode_seconds >=
+        verify_seconds`` (seconds per pass of the verify program the chunk would run and of the
+        plain decode program, from ``PassCost`` at this width)."""
+        key = (int(rows), int(width))
+        if not self.enabled or key not in self.gain:
+            return True
+        if (1.0 + self.gain[key]) * float(decode_seconds) >= float(verify_seconds):
+            self.declined[key] = 0
+            return True
+        self.declined[key] = self.declined.get(key, 0) + 1
+        if self.declined[key] >= PROBE_EVERY:
+            self.declined[key] = 0
+            return True
+        return False
+
+    def observe(self, rows: int, width: int, accepted: int, row_passes: int) -> None:
+        """A HistoSpec chunk of ``rows`` at ``width`` accepted ``accepted`` draft tokens over
+        ``row_passes`` live row-passes (no-op when it ran none)."""
+        if row_passes <= 0:
+            return
+        key, g = (int(rows), int(width)), float(accepted) / float(row_passes)
+        old = self.gain.get(key)
+        self.gain[key] = g if old is None else EMA_WEIGHT * g + (1.0 - EMA_WEIGHT) * old
+
+
+__all__ = ["EMA_WEIGHT", "PROBE_EVERY", "SpecGuard"]

@@ -1,0 +1,31 @@
+"""The realized-throughput guard of HistoSpec chunks (``rollout/spec_guard.py``): a chunk runs iff
+``(1 + realized acceptance per row-pass) * decode seconds >= verify seconds``, unseen keys and
+every ``PROBE_EVERY``-th declined chunk run, keys are (row bucket, page-table width)."""
+
+import pytest
+
+from rhyme_jax.rollout.spec_guard import EMA_WEIGHT, PROBE_EVERY, SpecGuard
+
+
+def test_unseen_keys_run_and_the_rule_uses_realized_acceptance():
+    g = SpecGuard()
+    assert g.allows(64, 96, verify_seconds=3.0, decode_seconds=1.0)  # nothing realized yet
+    g.observe(64, 96, accepted=50, row_passes=100)  # 0.5 a row-pass: 1.5 x decode's tokens a pass
+    assert g.gain[(64, 96)] == pytest.approx(0.5)
+    assert g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # (1 + 0.5) * 1.0 >= 1.5
+    assert not g.allows(64, 96, verify_seconds=1.51, decode_seconds=1.0)
+    assert g.allows(64, 24, verify_seconds=9.0, decode_seconds=1.0)  # another width: its own key
+    g.observe(64, 96, accepted=300, row_passes=100)  # exponential average of 0.5 and 3.0
+    assert g.gain[(64, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
+    g.observe(64, 96, accepted=5, row_passes=0)  # a chunk that ran no row-pass changes nothing
+    assert g.gain[(64, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
+
+
+def test_declined_keys_are_probed_every_probe_every_chunks():
+    g = SpecGuard()
+    g.observe(16, 8, accepted=0, row_passes=10)
+    runs = [g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0) for _ in range(3 * PROBE_EVERY)]
+    assert runs == ([False] * (PROBE_EVERY - 1) + [True]) * 3
+    off = SpecGuard(enabled=False)
+    off.observe(16, 8, accepted=0, row_passes=10)
+    assert off.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0)
