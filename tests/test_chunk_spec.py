@@ -142,6 +142,9 @@ whose host choice always sends its drafts, where goodput would choose plain chun
     # the call is small beside the passes: a factor 2 of slack)
     assert 0 < spec_seen <= s["spec_chunk_seconds"] <= 2 * 4 * spec_seen
     assert {k[:3] for k in eng.pass_cost.live} == {k[:3] for k in seen}  # kept as live times (medians: test_allocation)
+    # and the guard's realized seconds a pass, per (row bucket, width), of the HistoSpec chunks that ran
+    spec_keys = {(p.rows, p.width) for p in eng.programs_run if p.kind == "spec_chunk"}
+    assert set(eng.spec_guard.spec_seconds) == spec_keys and all(v > 0 for v in eng.spec_guard.spec_seconds.values())
     if history_key == 3:  # the history is the output itself: most drafts land, fewer passes than plain
         assert s["accepted_tokens"] >= 0.8 * s["drafted_tokens"] > 0
         assert s["decode_steps"] < want.stats["decode_steps"]
@@ -253,6 +256,7 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
         eng = _engine(**kw, passes_per_dispatch=2)
         eng.pass_cost = Priced({}, {"source": "test"})
         eng.spec_guard.enabled = guarded
+        eng.spec_guard.observe_seconds = lambda *a: None  # price by Priced alone (realized seconds: test_spec_guard)
         with _drafter(store, pids, window="aimd") as d:  # the AIMD window always sends its drafts
             runs[guarded] = got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
         for g, w in zip(got.tokens, want.tokens):

@@ -29,3 +29,19 @@ def test_declined_keys_are_probed_every_probe_every_chunks():
     off = SpecGuard(enabled=False)
     off.observe(16, 8, accepted=0, row_passes=10)
     assert off.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0)
+
+
+def test_realized_seconds_per_pass_take_precedence_over_the_pass_cost_model():
+    """Where the key has realized seconds a pass of both kinds, they decide; the pass-cost model's
+    prices fill in for a kind not yet seen at the key."""
+    g = SpecGuard()
+    g.observe(64, 96, accepted=100, row_passes=100)  # 1 accepted a row-pass: 2 x decode's tokens a pass
+    assert g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # priced by the model: pays
+    g.observe_seconds(True, 64, 96, 2.7)  # verify chunks realized 2.7 s a pass
+    assert not g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # 2 x 1.0 < 2.7
+    g.observe_seconds(False, 64, 96, 1.4)  # plain chunks realized 1.4 s a pass
+    assert g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # 2 x 1.4 >= 2.7
+    g.observe_seconds(False, 64, 96, 1.2)  # exponential average: 0.5 x 1.2 + 0.5 x 1.4 = 1.3
+    assert g.plain_seconds[(64, 96)] == pytest.approx(1.3)
+    assert not g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # 2 x 1.3 < 2.7
+    assert g.allows(4, 96, verify_seconds=1.5, decode_seconds=1.0)  # another row bucket: unseen

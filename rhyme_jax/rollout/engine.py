@@ -317,13 +317,15 @@ class RolloutEngine:
     def _observe(self, shape: shapes.PassShape, out: tuple, seconds: float) -> None:
         """A live call's seconds per pass to ``PassCost.observe`` at the call's table width: a
         decode/verify pass as timed; a chunk's time over its passes, under its passes' program
-        (plain chunk: decode ``(S, S, 1)``; HistoSpec chunk: verify ``(S, T, Q)``, drafting included)."""
+        (plain chunk: decode ``(S, S, 1)``; HistoSpec chunk: verify ``(S, T, Q)``, drafting included),
+        and to the ``SpecGuard``'s realized seconds per pass of its kind."""
         if shape.kind in ("decode", "verify"):
             self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds, width=shape.width)
         elif shape.kind in ("chunk", "spec_chunk"):
             ran = int(np.ravel(out[3])[0])  # plain chunk: passes run; HistoSpec chunk: its tally starts with them
             if ran > 0:
                 self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds / ran, width=shape.width)
+                self.spec_guard.observe_seconds(shape.kind == "spec_chunk", shape.rows, shape.width, seconds / ran)
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
                backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:

@@ -7,9 +7,13 @@ estimates, but the device drafts by its own single longest match, and on the led
 where a 64-row verify pass cost 1.6-2.6x a decode pass at the same page-table width: epoch 2 ran
 0.82x plain. A chunk of ``r`` live rows that accepts ``g`` draft tokens per row-pass emits
 ``r (1 + g)`` tokens per verify pass against ``r`` per decode pass, so it pays iff
-``(1 + g) * decode_seconds > verify_seconds``. The guard keeps ``g`` as realized (an exponential
-average over the HistoSpec chunks of one row bucket and page-table width) and both costs from the
-engine's live pass-cost model at that width, and declines a chunk that would not pay; every
+``(1 + g) * decode_seconds > verify_seconds``. The guard keeps ``g`` and both seconds per pass as
+realized (exponential averages over the chunks of one row bucket and page-table width: HistoSpec
+chunks for ``g`` and their seconds a pass, plain chunks for decode's) and declines a chunk that
+would not pay. The pass-cost model alone was not enough: a verify program of one ``(T, Q)`` pair
+has few live times in a rollout, and its profiled cost under the row bucket's live scale priced
+verify chunks at about 1.5 decode passes where they ran at 2.7 (the ledger run at 6c5fe19: the
+guard declined 4 of the chunks of a step whose HistoSpec rollout ran 0.71x plain). Every
 ``PROBE_EVERY``-th declined chunk of a key runs anyway, so a key whose acceptance rises (prompts
 that gained history) is measured again. Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
@@ -29,23 +33,30 @@ class SpecGuard:
 
     Attributes:
       gain: ``(rows, width) -> accepted draft tokens per live row-pass`` (exponential average).
+      spec_seconds, plain_seconds: ``(rows, width) -> seconds per pass`` of HistoSpec chunks and
+        of plain chunks (exponential averages; ``observe_seconds``).
       declined: ``(rows, width) -> chunks declined since the last HistoSpec chunk of the key``.
       enabled: False runs every chunk the host's choice asks for (ablations).
     """
 
     gain: dict[tuple[int, int], float] = field(default_factory=dict)
+    spec_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    plain_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     declined: dict[tuple[int, int], int] = field(default_factory=dict)
     enabled: bool = True
 
     def allows(self, rows: int, width: int, verify_seconds: float, decode_seconds: float) -> bool:
         """Whether a HistoSpec chunk of ``rows`` row bucket at ``width`` pages runs: always for an
-        unseen key or a probe (``PROBE_EVERY``), else iff ``(1 + gain) * decode_seconds >=
-        verify_seconds`` (seconds per pass of the verify program the chunk would run and of the
-        plain decode program, from ``PassCost`` at this width)."""
+        unseen key or a probe (``PROBE_EVERY``), else iff ``(1 + gain) * decode >= verify``, with
+        the realized seconds per pass of the key's HistoSpec and plain chunks where it has them,
+        else ``verify_seconds`` / ``decode_seconds`` (the engine's ``PassCost`` of the verify
+        program the chunk would run and of the decode program, at this width)."""
         key = (int(rows), int(width))
         if not self.enabled or key not in self.gain:
             return True
-        if (1.0 + self.gain[key]) * float(decode_seconds) >= float(verify_seconds):
+        verify = self.spec_seconds.get(key, float(verify_seconds))
+        decode = self.plain_seconds.get(key, float(decode_seconds))
+        if (1.0 + self.gain[key]) * decode >= verify:
             self.declined[key] = 0
             return True
         self.declined[key] = self.declined.get(key, 0) + 1
@@ -57,11 +68,18 @@ class SpecGuard:
     def observe(self, rows: int, width: int, accepted: int, row_passes: int) -> None:
         """A HistoSpec chunk of ``rows`` at ``width`` accepted ``accepted`` draft tokens over
         ``row_passes`` live row-passes (no-op when it ran none)."""
-        if row_passes <= 0:
-            return
-        key, g = (int(rows), int(width)), float(accepted) / float(row_passes)
-        old = self.gain.get(key)
-        self.gain[key] = g if old is None else EMA_WEIGHT * g + (1.0 - EMA_WEIGHT) * old
+        if row_passes > 0:
+            _average(self.gain, (int(rows), int(width)), float(accepted) / float(row_passes))
+
+    def observe_seconds(self, spec: bool, rows: int, width: int, seconds_per_pass: float) -> None:
+        """A chunk's seconds per pass (its call's seconds over the passes it ran), HistoSpec
+        (``spec``) or plain, at row bucket ``rows`` and ``width`` pages."""
+        _average(self.spec_seconds if spec else self.plain_seconds, (int(rows), int(width)), float(seconds_per_pass))
+
+
+def _average(table: dict, key: tuple[int, int], value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else EMA_WEIGHT * value + (1.0 - EMA_WEIGHT) * old
 
 
 __all__ = ["EMA_WEIGHT", "PROBE_EVERY", "SpecGuard"]
