@@ -1,10 +1,10 @@
 """The realized-throughput guard of HistoSpec chunks (``rollout/spec_guard.py``): a chunk runs iff
 ``(1 + realized acceptance per row-pass) * decode seconds >= verify seconds``, unseen keys and
-every ``PROBE_EVERY``-th declined chunk run, keys are (row bucket, page-table width)."""
+probes after ``PROBE_EVERY`` declined chunks, then twice as late each time, keys are (row bucket, page-table width)."""
 
 import pytest
 
-from rhyme_jax.rollout.spec_guard import EMA_WEIGHT, PROBE_EVERY, SpecGuard
+from rhyme_jax.rollout.spec_guard import EMA_WEIGHT, MAX_PROBE_EVERY, PROBE_EVERY, SpecGuard
 
 
 def test_unseen_keys_run_and_the_rule_uses_realized_acceptance():
@@ -21,11 +21,23 @@ def test_unseen_keys_run_and_the_rule_uses_realized_acceptance():
     assert g.gain[(64, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
 
 
-def test_declined_keys_are_probed_every_probe_every_chunks():
+def test_declined_keys_are_probed_with_a_doubling_interval():
+    """Probes after PROBE_EVERY, then 2x, 4x ... as long as the key does not pay (at most
+    MAX_PROBE_EVERY); a chunk that pays resets the interval."""
     g = SpecGuard()
     g.observe(16, 8, accepted=0, row_passes=10)
-    runs = [g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0) for _ in range(3 * PROBE_EVERY)]
-    assert runs == ([False] * (PROBE_EVERY - 1) + [True]) * 3
+    runs = [g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0) for _ in range(7 * PROBE_EVERY)]
+    want = []
+    for every in (PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY):
+        want += [False] * (every - 1) + [True]
+    assert runs == want
+    assert g.allows(16, 8, verify_seconds=1.0, decode_seconds=1.0)  # pays: interval reset
+    runs = [g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0) for _ in range(PROBE_EVERY)]
+    assert runs == [False] * (PROBE_EVERY - 1) + [True]
+    g.interval[(16, 8)] = MAX_PROBE_EVERY
+    g.declined[(16, 8)] = MAX_PROBE_EVERY - 1
+    assert g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0)
+    assert g.interval[(16, 8)] == MAX_PROBE_EVERY
     off = SpecGuard(enabled=False)
     off.observe(16, 8, accepted=0, row_passes=10)
     assert off.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0)

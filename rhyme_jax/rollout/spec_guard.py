@@ -10,12 +10,16 @@ where a 64-row verify pass cost 1.6-2.6x a decode pass at the same page-table wi
 ``(1 + g) * decode_seconds > verify_seconds``. The guard keeps ``g`` and both seconds per pass as
 realized (exponential averages over the chunks of one row bucket and page-table width: HistoSpec
 chunks for ``g`` and their seconds a pass, plain chunks for decode's) and declines a chunk that
-would not pay. The pass-cost model alone was not enough: a verify program of one ``(T, Q)`` pair
+would not pay. Probes back off: the ``PROBE_EVERY``-th declined chunk of a key runs, and each
+probe that again does not pay doubles the interval (at most ``MAX_PROBE_EVERY``); one that pays
+resets it. The pass-cost model alone was not enough: a verify program of one ``(T, Q)`` pair
 has few live times in a rollout, and its profiled cost under the row bucket's live scale priced
 verify chunks at about 1.5 decode passes where they ran at 2.7 (the ledger run at 6c5fe19: the
-guard declined 4 of the chunks of a step whose HistoSpec rollout ran 0.71x plain). Every
-``PROBE_EVERY``-th declined chunk of a key runs anyway, so a key whose acceptance rises (prompts
-that gained history) is measured again. Plain and HistoSpec chunks sample the same tokens (the
+guard declined 4 of the chunks of a step whose HistoSpec rollout ran 0.71x plain). At d10609c,
+with realized seconds but a fixed probe every 8th chunk, the probes were most of the HistoSpec
+chunks that ran (186 declined, 29 run in one step) at 5x a plain pass each (device drafting over
+long histories included): epoch 2 0.86x. Probing lets a key whose acceptance rises (prompts that
+gained history) be measured again. Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
 """
 
@@ -23,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROBE_EVERY = 8  # declined chunks of a key between two probing HistoSpec chunks
+PROBE_EVERY = 8  # declined chunks of a key before its first probing HistoSpec chunk
+MAX_PROBE_EVERY = 256  # the longest interval between probes after repeated failures
 EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per row-pass
 
 
@@ -36,6 +41,7 @@ class SpecGuard:
       spec_seconds, plain_seconds: ``(rows, width) -> seconds per pass`` of HistoSpec chunks and
         of plain chunks (exponential averages; ``observe_seconds``).
       declined: ``(rows, width) -> chunks declined since the last HistoSpec chunk of the key``.
+      interval: ``(rows, width) -> declined chunks between probes`` (``PROBE_EVERY``, doubling).
       enabled: False runs every chunk the host's choice asks for (ablations).
     """
 
@@ -43,6 +49,7 @@ class SpecGuard:
     spec_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     plain_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     declined: dict[tuple[int, int], int] = field(default_factory=dict)
+    interval: dict[tuple[int, int], int] = field(default_factory=dict)
     enabled: bool = True
 
     def allows(self, rows: int, width: int, verify_seconds: float, decode_seconds: float) -> bool:
@@ -58,10 +65,13 @@ class SpecGuard:
         decode = self.plain_seconds.get(key, float(decode_seconds))
         if (1.0 + self.gain[key]) * decode >= verify:
             self.declined[key] = 0
+            self.interval.pop(key, None)
             return True
         self.declined[key] = self.declined.get(key, 0) + 1
-        if self.declined[key] >= PROBE_EVERY:
+        every = self.interval.get(key, PROBE_EVERY)
+        if self.declined[key] >= every:  # a probe; the next one comes twice as late unless this pays
             self.declined[key] = 0
+            self.interval[key] = min(2 * every, MAX_PROBE_EVERY)
             return True
         return False
 
@@ -82,4 +92,4 @@ def _average(table: dict, key: tuple[int, int], value: float) -> None:
     table[key] = value if old is None else EMA_WEIGHT * value + (1.0 - EMA_WEIGHT) * old
 
 
-__all__ = ["EMA_WEIGHT", "PROBE_EVERY", "SpecGuard"]
+__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "SpecGuard"]
