@@ -268,7 +268,7 @@ def decode(engine, table, run, drafter) -> bool:
     s["drafted_tokens"] += n_draft
     s["accepted_tokens"] += n_acc
     table.chunk_accepted_per_pass = n_acc / max(n_run, 1)
-    engine.spec_guard.observe(rows, width, n_acc, row_passes)
+    engine.spec_guard.observe(rows, inp.pass_shape().width, n_acc, row_passes)  # the key its seconds go under
     toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
     sent = np.asarray(choice.draft_lens, np.int64)
     drafter.observe_chunk(table.req[ids], sent, _common_prefix(host_drafts, toks, sent, count), count)
