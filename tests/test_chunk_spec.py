@@ -24,19 +24,24 @@ from test_rollout_engine import MAX_NEW, _engine, _model, _prompts, logprob_atol
 
 def _reference(source, pattern_min, max_len, k, own_from):
     """Brute force of ``lookup_drafts`` for one row: among occurrences followed by a token, the
-    longest suffix match, then history before own tokens, then the latest."""
+    longest suffix match, then the longest continuation (tokens before the next -1, up to the
+    draft room), then history before own tokens, then the latest."""
     m_max, n = MATCH, len(source)
     best = None
     for j in range(n - 1):
         m = 0
         while m < m_max and j - m >= 0 and source[n - 1 - m] >= 0 and source[j - m] == source[n - 1 - m]:
             m += 1
-        if m >= pattern_min and source[j + 1] >= 0 and (best is None or (m, j < own_from, j) > best):
-            best = (m, j < own_from, j)
+        avail = 0
+        while j + 1 + avail < n and source[j + 1 + avail] >= 0:
+            avail += 1
+        rank = (m, min(avail, max_len, k, MATCH), j < own_from, j)
+        if m >= pattern_min and rank[1] > 0 and (best is None or rank > best):
+            best = rank
     if best is None:
         return []
     out = []
-    for t in source[best[2] + 1: best[2] + 1 + min(k, max_len)]:
+    for t in source[best[3] + 1: best[3] + 1 + min(k, max_len)]:
         if t < 0:
             break
         out.append(int(t))
@@ -46,14 +51,17 @@ def _reference(source, pattern_min, max_len, k, own_from):
 @pytest.mark.parametrize("pattern_min", [1, 3])
 def test_lookup_drafts_equal_a_brute_force_search(pattern_min):
     """200 rows over a 4-token vocabulary (many repeats, ties between occurrences) with -1 gaps,
-    a quarter of them periodic (matches longer than ``MATCH``): every row's draft is the
-    brute-force search's, cut to its max length."""
+    a quarter of them periodic (matches longer than ``MATCH``) and some a run of one token (the
+    latest occurrence has a one-token continuation, an earlier one the whole room): every row's
+    draft is the brute-force search's, cut to its max length."""
     rng = np.random.default_rng(0)
     rows, width, k = 200, 90, 5
     source = rng.integers(0, 4, (rows, width)).astype(np.int32)
     source[: rows // 4] = np.tile(rng.integers(0, 4, (rows // 4, 7)), 13)[:, :width]
     source[rng.random((rows, width)) < 0.08] = -1
+    source[rows // 4: rows // 4 + 10, 40:] = 2  # runs of one token to the end (a response stuck repeating)
     source[:, -1] = rng.integers(0, 4, rows)  # the pending token is a real token
+    source[rows // 4: rows // 4 + 10, -1] = 2
     max_lens = rng.integers(0, k + 2, rows).astype(np.int32)
     own_from = 25
     drafts, lens = jax.jit(lookup_drafts, static_argnums=(3, 4))(jnp.asarray(source), jnp.int32(pattern_min),
@@ -67,6 +75,9 @@ def test_lookup_drafts_equal_a_brute_force_search(pattern_min):
         found += bool(want)
     assert found > rows // 5  # both outcomes (a draft, none) are exercised
     assert found < rows
+    runs = slice(rows // 4, rows // 4 + 10)  # the runs draft their whole room, not the last token
+    assert (lens[runs] == np.minimum(max_lens[runs], k)).all() and lens[runs].sum() > 10
+    assert all((drafts[s, :lens[s]] == 2).all() for s in range(rows // 4, rows // 4 + 10))
 
 
 def test_budget_fit_and_context_append():
@@ -142,8 +153,8 @@ whose host choice always sends its drafts, where goodput would choose plain chun
     # the call is small beside the passes: a factor 2 of slack)
     assert 0 < spec_seen <= s["spec_chunk_seconds"] <= 2 * 4 * spec_seen
     assert {k[:3] for k in eng.pass_cost.live} == {k[:3] for k in seen}  # kept as live times (medians: test_allocation)
-    # and the guard's realized seconds a pass, per (row bucket, width), of the HistoSpec chunks that ran
-    spec_keys = {(p.rows, p.width) for p in eng.programs_run if p.kind == "spec_chunk"}
+    # and the guard's realized seconds a pass, per (row bucket, width, verify program), of the HistoSpec chunks that ran
+    spec_keys = {(p.rows, p.width, p.tokens) for p in eng.programs_run if p.kind == "spec_chunk"}
     assert set(eng.spec_guard.spec_seconds) == spec_keys and all(v > 0 for v in eng.spec_guard.spec_seconds.values())
     if history_key == 3:  # the history is the output itself: most drafts land, fewer passes than plain
         assert s["accepted_tokens"] >= 0.8 * s["drafted_tokens"] > 0
@@ -227,6 +238,40 @@ def test_always_right_drafts_on_the_device_in_chunks():
         bound.history_rows(np.arange(2), 8)
 
 
+def test_rungs_that_paid_run_when_the_host_sends_no_draft():
+    """The host's choice sends nothing (a drafter whose ``draft`` proposes no token) while the
+    device's drafts are right (the always-right oracle's ``history_rows``): with a fresh guard
+    every chunk is plain; with a guard whose realized figures say every rung pays, HistoSpec
+    chunks run, every device draft lands and the tokens are plain decode's."""
+    from rhyme_lab.ablate.paired import AlwaysRightDrafter
+
+    class Silent(AlwaysRightDrafter):
+        def draft(self, reqs, tails, budgets):
+            return np.zeros((len(reqs), 0), np.int32), np.zeros(len(reqs), np.int64)
+
+    state, eos = _model()[1], _sampled_eos(3)
+    prompts = _prompts(0)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
+    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
+    for seeded in (False, True):
+        eng = _engine(**kw, passes_per_dispatch=4)
+        if seeded:
+            for p in eng.programs():
+                if p.kind == "spec_chunk":
+                    eng.spec_guard.gain[(p.rows, p.width, p.tokens)] = 10.0
+                    eng.spec_guard.spec_seconds[(p.rows, p.width, p.tokens)] = 1.0
+                    eng.spec_guard.plain_seconds[(p.rows, p.width)] = 1.0
+        got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=Silent(prompts, want.tokens, MAX_NEW))
+        for g, w in zip(got.tokens, want.tokens):
+            np.testing.assert_array_equal(g, w)
+        s = got.stats
+        assert any(p.kind == "spec_chunk" for p in eng.programs_run) == seeded
+        assert s["spec_chunks_declined"] == 0  # nothing sent, nothing declined
+        if seeded:
+            assert s["accepted_tokens"] == s["drafted_tokens"] > 0 and s["decode_steps"] < want.stats["decode_steps"]
+
+
 def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
     """Verify programs priced at 10 decode passes and drafts from another key's history: after the
     first HistoSpec chunk of a (rows, width) key the guard runs plain chunks (probing every
@@ -267,3 +312,33 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
     # every HistoSpec chunk (2 passes at most) the guard let run was a key's first or a probe
     keys = len(eng.spec_guard.gain)
     assert 0 < on["spec_chunk_passes"] <= 2 * (keys + on["spec_chunks_declined"] // (PROBE_EVERY - 1))
+
+
+def test_draft_room_climbs_the_ladder_and_the_guard_picks_a_rung():
+    """``program``: the smallest rung with the packed tokens and the draft room ``Q`` asked for
+    (the ledger config's 4-row bucket: (6, 3), (32, 17), (132, 33)); ``guarded_program``: of the
+    rungs up to it, the guard's choice (bottom first, climbing once a rung paid), None when none."""
+    from rhyme_jax.rollout.chunk_spec import guarded_program, ladder, program
+    from rhyme_jax.rollout.spec_guard import SpecGuard
+
+    p = plan(max_slots=64, page_size=16, max_prompt_len=2048, max_new_tokens=4096, passes_per_dispatch=16)
+    assert ladder(p, 4) == [(6, 3), (32, 17), (132, 33)]
+    assert program(p, 4, 2) == (6, 3)
+    assert program(p, 4, 2, q_want=4) == (32, 17)  # a row that accepted 2 of 2 a pass asks for 1 + 3
+    assert program(p, 4, 7) == (32, 17) and program(p, 4, 2, q_want=25) == (132, 33)
+    assert program(p, 4, 500, q_want=40) == (132, 33)  # past the ladder: its top
+    guard = SpecGuard()
+    eng = SimpleNamespace(plan=p, spec_guard=guard, pass_cost=lambda rows, t, q, width=0: 1.0)
+    assert guarded_program(eng, 4, 384, 2, 25, known=True) is None  # no rung paid yet
+    assert guarded_program(eng, 4, 384, 2, 25) == (6, 3)  # the bottom rung's first try
+    guard.observe(4, 384, 6, accepted=16, row_passes=16)  # 1 a row-pass at 1.2 s a pass: pays
+    guard.observe_seconds(True, 4, 384, 6, 1.2)
+    assert guarded_program(eng, 4, 384, 2, 2) == (6, 3)  # the chunk asks for the bottom rung only
+    assert guarded_program(eng, 4, 384, 2, 25) == (32, 17)  # asks for more: the next rung's first try
+    guard.observe(4, 384, 32, accepted=0, row_passes=16)  # it accepted nothing
+    guard.observe_seconds(True, 4, 384, 32, 2.0)
+    assert guarded_program(eng, 4, 384, 2, 25) == (6, 3)  # the climb stops there; 132 is never tried
+    assert (4, 384, 132) not in guard.gain
+    for _ in range(3):  # 1 -> 0.125 a row-pass: 1.125 x 1.0 s < 1.2 s
+        guard.observe(4, 384, 6, accepted=0, row_passes=16)
+    assert guarded_program(eng, 4, 384, 2, 2) is None  # the bottom rung no longer pays

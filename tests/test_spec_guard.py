@@ -1,59 +1,91 @@
-"""The realized-throughput guard of HistoSpec chunks (``rollout/spec_guard.py``): a chunk runs iff
-``(1 + realized acceptance per row-pass) * decode seconds >= verify seconds``, unseen keys and
-probes after ``PROBE_EVERY`` declined chunks, then twice as late each time, keys are (row bucket, page-table width)."""
+"""The realized-throughput guard of HistoSpec chunks (``rollout/spec_guard.py``): of a ladder of
+verify programs it climbs from the bottom, tries a rung once those below it paid, runs the rung
+that paid with the most tokens a second (a rung pays iff ``(1 + realized acceptance per row-pass)
+* decode seconds >= verify seconds``), probes the first rung that did not pay after
+``PROBE_EVERY`` declined chunks, then twice as late each time; keys are (row bucket, page-table
+width, verify program), plain decode's seconds are kept per (row bucket, width)."""
 
 import pytest
 
 from rhyme_jax.rollout.spec_guard import EMA_WEIGHT, MAX_PROBE_EVERY, PROBE_EVERY, SpecGuard
 
+ONE = [(96, 3.0)]  # one rung: 96 packed tokens priced at 3 s a pass
 
-def test_unseen_keys_run_and_the_rule_uses_realized_acceptance():
+
+def test_unseen_rungs_run_and_the_rule_uses_realized_acceptance():
     g = SpecGuard()
-    assert g.allows(64, 96, verify_seconds=3.0, decode_seconds=1.0)  # nothing realized yet
-    g.observe(64, 96, accepted=50, row_passes=100)  # 0.5 a row-pass: 1.5 x decode's tokens a pass
-    assert g.gain[(64, 96)] == pytest.approx(0.5)
-    assert g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # (1 + 0.5) * 1.0 >= 1.5
-    assert not g.allows(64, 96, verify_seconds=1.51, decode_seconds=1.0)
-    assert g.allows(64, 24, verify_seconds=9.0, decode_seconds=1.0)  # another width: its own key
-    g.observe(64, 96, accepted=300, row_passes=100)  # exponential average of 0.5 and 3.0
-    assert g.gain[(64, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
-    g.observe(64, 96, accepted=5, row_passes=0)  # a chunk that ran no row-pass changes nothing
-    assert g.gain[(64, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
+    assert g.choose(64, 96, ONE, decode_seconds=1.0) == 96  # nothing realized yet: the first try
+    g.observe(64, 96, 96, accepted=50, row_passes=100)  # 0.5 a row-pass: 1.5 x decode's tokens a pass
+    assert g.gain[(64, 96, 96)] == pytest.approx(0.5)
+    assert g.choose(64, 96, [(96, 1.5)], decode_seconds=1.0) == 96  # (1 + 0.5) * 1.0 >= 1.5
+    assert g.choose(64, 96, [(96, 1.51)], decode_seconds=1.0) is None
+    assert g.choose(64, 24, [(96, 9.0)], decode_seconds=1.0) == 96  # another width: its own key
+    g.observe(64, 96, 96, accepted=300, row_passes=100)  # exponential average of 0.5 and 3.0
+    assert g.gain[(64, 96, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
+    g.observe(64, 96, 96, accepted=5, row_passes=0)  # a chunk that ran no row-pass changes nothing
+    assert g.gain[(64, 96, 96)] == pytest.approx(EMA_WEIGHT * 3.0 + (1 - EMA_WEIGHT) * 0.5)
 
 
-def test_declined_keys_are_probed_with_a_doubling_interval():
-    """Probes after PROBE_EVERY, then 2x, 4x ... as long as the key does not pay (at most
-    MAX_PROBE_EVERY); a chunk that pays resets the interval."""
+def test_declined_rungs_are_probed_with_a_doubling_interval():
+    """Probes after PROBE_EVERY, then 2x, 4x ... as long as the rung does not pay (at most
+    MAX_PROBE_EVERY); a chunk that pays resets it; a disabled guard runs the top rung."""
     g = SpecGuard()
-    g.observe(16, 8, accepted=0, row_passes=10)
-    runs = [g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0) for _ in range(7 * PROBE_EVERY)]
+    g.observe(16, 8, 96, accepted=0, row_passes=10)
+    runs = [g.choose(16, 8, [(96, 2.0)], decode_seconds=1.0) == 96 for _ in range(7 * PROBE_EVERY)]
     want = []
     for every in (PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY):
         want += [False] * (every - 1) + [True]
     assert runs == want
-    assert g.allows(16, 8, verify_seconds=1.0, decode_seconds=1.0)  # pays: interval reset
-    runs = [g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0) for _ in range(PROBE_EVERY)]
+    assert g.choose(16, 8, [(96, 1.0)], decode_seconds=1.0) == 96  # pays: interval reset
+    runs = [g.choose(16, 8, [(96, 2.0)], decode_seconds=1.0) == 96 for _ in range(PROBE_EVERY)]
     assert runs == [False] * (PROBE_EVERY - 1) + [True]
-    g.interval[(16, 8)] = MAX_PROBE_EVERY
-    g.declined[(16, 8)] = MAX_PROBE_EVERY - 1
-    assert g.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0)
-    assert g.interval[(16, 8)] == MAX_PROBE_EVERY
+    g.interval[(16, 8, 96)] = MAX_PROBE_EVERY
+    g.declined[(16, 8, 96)] = MAX_PROBE_EVERY - 1
+    assert g.choose(16, 8, [(96, 2.0)], decode_seconds=1.0) == 96
+    assert g.interval[(16, 8, 96)] == MAX_PROBE_EVERY
     off = SpecGuard(enabled=False)
-    off.observe(16, 8, accepted=0, row_passes=10)
-    assert off.allows(16, 8, verify_seconds=2.0, decode_seconds=1.0)
+    off.observe(16, 8, 96, accepted=0, row_passes=10)
+    assert off.choose(16, 8, [(24, 2.0), (96, 2.0)], decode_seconds=1.0) == 96
+    assert off.choose(16, 8, [(24, 2.0), (96, 2.0)], decode_seconds=1.0, known=True) is None
 
 
 def test_realized_seconds_per_pass_take_precedence_over_the_pass_cost_model():
     """Where the key has realized seconds a pass of both kinds, they decide; the pass-cost model's
     prices fill in for a kind not yet seen at the key."""
     g = SpecGuard()
-    g.observe(64, 96, accepted=100, row_passes=100)  # 1 accepted a row-pass: 2 x decode's tokens a pass
-    assert g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # priced by the model: pays
-    g.observe_seconds(True, 64, 96, 2.7)  # verify chunks realized 2.7 s a pass
-    assert not g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # 2 x 1.0 < 2.7
-    g.observe_seconds(False, 64, 96, 1.4)  # plain chunks realized 1.4 s a pass
-    assert g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # 2 x 1.4 >= 2.7
-    g.observe_seconds(False, 64, 96, 1.2)  # exponential average: 0.5 x 1.2 + 0.5 x 1.4 = 1.3
+    g.observe(64, 96, 96, accepted=100, row_passes=100)  # 1 accepted a row-pass: 2 x decode's tokens a pass
+    assert g.choose(64, 96, [(96, 1.5)], decode_seconds=1.0) == 96  # priced by the model: pays
+    g.observe_seconds(True, 64, 96, 96, 2.7)  # verify chunks realized 2.7 s a pass
+    assert g.choose(64, 96, [(96, 1.5)], decode_seconds=1.0) is None  # 2 x 1.0 < 2.7
+    g.observe_seconds(False, 64, 96, 64, 1.4)  # plain chunks realized 1.4 s a pass
+    assert g.choose(64, 96, [(96, 1.5)], decode_seconds=1.0) == 96  # 2 x 1.4 >= 2.7
+    g.observe_seconds(False, 64, 96, 64, 1.2)  # exponential average: 0.5 x 1.2 + 0.5 x 1.4 = 1.3
     assert g.plain_seconds[(64, 96)] == pytest.approx(1.3)
-    assert not g.allows(64, 96, verify_seconds=1.5, decode_seconds=1.0)  # 2 x 1.3 < 2.7
-    assert g.allows(4, 96, verify_seconds=1.5, decode_seconds=1.0)  # another row bucket: unseen
+    assert g.choose(64, 96, [(96, 1.5)], decode_seconds=1.0) is None  # 2 x 1.3 < 2.7
+    assert g.choose(4, 96, [(96, 1.5)], decode_seconds=1.0) == 96  # another row bucket: unseen
+
+
+def test_the_climb_tries_a_rung_once_those_below_paid_and_runs_the_fastest():
+    """Rungs (6, 32, 132 packed tokens) of one row bucket and width: the bottom one is tried
+    first; the next only once it paid; the one that paid with the most tokens a second runs; a
+    rung that did not pay stops the climb (and is probed); ``known`` runs only rungs that paid."""
+    g = SpecGuard()
+    rungs = [(6, 1.0), (32, 1.0), (132, 1.0)]
+    g.observe_seconds(False, 4, 384, 4, 1.0)
+    assert g.choose(4, 384, rungs, 1.0, known=True) is None  # nothing paid yet: no first try
+    assert g.choose(4, 384, rungs, 1.0) == 6
+    g.observe(4, 384, 6, accepted=2, row_passes=1)  # the bottom rung pays: 3 tokens at 1.2 s
+    g.observe_seconds(True, 4, 384, 6, 1.2)
+    assert g.choose(4, 384, rungs, 1.0) == 32  # climbs to the next, unseen
+    g.observe(4, 384, 32, accepted=9, row_passes=1)  # 10 tokens at 2 s a pass: the fastest
+    g.observe_seconds(True, 4, 384, 32, 2.0)
+    assert g.choose(4, 384, rungs, 1.0) == 132
+    g.observe(4, 384, 132, accepted=10, row_passes=1)  # 11 tokens at 4 s a pass: pays, slower than 32's
+    g.observe_seconds(True, 4, 384, 132, 4.0)
+    assert g.choose(4, 384, rungs, 1.0) == 32 and g.choose(4, 384, rungs, 1.0, known=True) == 32
+    assert g.choose(4, 384, rungs[:1], 1.0) == 6  # a chunk that asks for less runs at most its top
+    assert g.plain_seconds == {(4, 384): 1.0}
+    for _ in range(4):  # 32's acceptance collapses (9 -> 0.56 a row-pass): it stops paying at 2 s a pass
+        g.observe(4, 384, 32, accepted=0, row_passes=1)
+    assert g.gain[(4, 384, 32)] == pytest.approx(9 / 16)
+    assert g.choose(4, 384, rungs, 1.0) == 6 and g.declined[(4, 384, 32)] == 1  # the climb stops at 32

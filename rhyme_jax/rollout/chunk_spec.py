@@ -11,9 +11,10 @@ every pass the device drafts from them (``device_drafts.lookup_drafts``), packs
 served to fit), runs ``passes.verify_pass`` and appends the emitted tokens to the row's context.
 
 Between chunks the host drafter does what needs the host: it drafts once with its suffix index
-and goodput sizing, and ``allocation.choose_pass`` picks the program ``(S, T, Q)`` the whole
-chunk runs (plain decode, ``rollout/chunk.py``, when no draft pays). Its calibration is not fed
-from inside a chunk.
+and goodput sizing, and ``allocation.choose_pass`` says whether a draft pays now (a plain chunk,
+``rollout/chunk.py``, when none does); ``decode`` sizes the program ``(S, T, Q)`` the whole chunk
+runs from that choice and the last chunk's outcome, under the engine's ``SpecGuard``. The
+drafter's calibration is not fed from inside a chunk.
 
 Tokens: every draw is keyed by ``(request, position)`` and a draft token is accepted exactly when
 it is the token plain sampling draws there (``verification.verify_packed``), so the chunk emits
@@ -214,35 +215,62 @@ def _common_prefix(drafts: np.ndarray, toks: np.ndarray, lens: np.ndarray, count
     return np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
 
 
-def program(plan, rows: int, want: int) -> tuple[int, int]:
+def program(plan, rows: int, want: int, q_want: int = 0) -> tuple[int, int]:
     """``(T, Q)`` of a chunk of ``rows`` rows: the smallest verify pair of the row bucket
-    (``shapes.verify_pairs``, ``Q > 1``) with ``T >= want`` packed tokens, else its largest."""
-    pairs = [(t, q) for t, q in verify_pairs(rows, plan.verify_budget) if q > 1]
-    return next(((t, q) for t, q in pairs if t >= want), pairs[-1])
+    (``shapes.verify_pairs``, ``Q > 1``) with ``T >= want`` packed tokens and ``Q >= q_want``,
+    else its largest."""
+    pairs = ladder(plan, rows)
+    return next(((t, q) for t, q in pairs if t >= want and q >= q_want), pairs[-1])
+
+
+def ladder(plan, rows: int) -> list[tuple[int, int]]:
+    """The verify pairs ``(T, Q)`` with ``Q > 1`` of the ``rows`` row bucket, ascending."""
+    return [(t, q) for t, q in verify_pairs(rows, plan.verify_budget) if q > 1]
+
+
+def guarded_program(engine, rows: int, width: int, want: int, q_want: int,
+                    known: bool = False) -> tuple[int, int] | None:
+    """The verify program a chunk runs: of the ladder's rungs up to ``program``'s pair, the one
+    the engine's ``SpecGuard.choose`` picks at this row bucket and width (it climbs from the
+    bottom, trying a rung once the rungs below it paid, and runs the one that emitted the most
+    tokens a second); ``None`` for a plain chunk. ``known``: the host's choice sent no draft
+    (only rungs that paid)."""
+    top = program(engine.plan, rows, want, q_want)
+    pairs = ladder(engine.plan, rows)
+    pairs = pairs[: pairs.index(top) + 1]
+    rungs = [(t, engine.pass_cost(rows, t, q, width=width)) for t, q in pairs]
+    tokens = engine.spec_guard.choose(rows, width, rungs, engine.pass_cost(rows, rows, 1, width=width), known)
+    return None if tokens is None else next(p for p in pairs if p[0] == tokens)
 
 
 def decode(engine, table, run, drafter) -> bool:
     """One chunk of verify passes with device drafts over the live slots of ``table``: the
     program fits the live rows plus the larger of the draft tokens the host's goodput choice
-    sends now and 1.5 x the draft tokens the last chunk accepted per pass (``program``; the
-    device's drafts carry no estimates, so the last chunk's outcome sizes the next); pages are
-    reserved, the chunk runs and every row's emitted tokens are recorded. Falls back to a plain
-    chunk (``chunk.decode``) when the host drafter's choice carries no draft or the engine's
-    ``SpecGuard`` (``rollout/spec_guard.py``) finds that such chunks at this width emitted fewer
-    tokens a second than decode; returns False, having done nothing, when the pool cannot hold
-    the chunk."""
+    sends now and 1.5 x the draft tokens the last chunk accepted per pass, with a draft room
+    ``Q - 1`` of at least 1.5 x what the last chunk's best row accepted per pass (``program``;
+    the device's drafts carry no estimates, so the last chunk's outcome sizes the next: a row
+    that accepts whole drafts, such as a response repeating one token to the cap, climbs the
+    ladder ``Q`` = 3, 17, 33 of a small row bucket); the engine's ``SpecGuard``
+    (``rollout/spec_guard.py``) picks the rung at or below it that emitted the most tokens a
+    second at this width (``guarded_program``). Pages are reserved, the chunk runs and every row's emitted
+    tokens are recorded. Falls back to a plain chunk (``chunk.decode``) when the guard finds that
+    no rung emitted more tokens a second than decode, or when the host drafter's choice carries
+    no draft and no rung has paid at this row bucket and width (the host's choice only opens the
+    first tries: on the ledger task's 4,096-token tails it sent no draft in most chunks where the
+    device's drafts from the rows' own repeated tokens would have paid); returns False, having
+    done nothing, when the pool cannot hold the chunk."""
     ids = table.live()
     host_drafts, choice = engine._draft(drafter, table, ids)
-    if choice.q_len <= 1:  # no draft pays now: a plain chunk
-        return chunk.decode(engine, table, run)
     n, rows = ids.size, seq_bucket(ids.size, engine.max_slots)
-    last = getattr(table, "chunk_accepted_per_pass", 0.0)
-    total, q_len = program(engine.plan, rows, n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last))))
-    width = engine.table_width(ids)
-    if not engine.spec_guard.allows(rows, width, engine.pass_cost(rows, total, q_len, width=width),
-                                    engine.pass_cost(rows, rows, 1, width=width)):
-        table.stats["spec_chunks_declined"] += 1  # verify chunks here emit fewer tokens a second
+    last, best = table.chunk_accepted_per_pass, table.chunk_best_accepted
+    want = n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last)))
+    pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)),
+                           known=choice.q_len <= 1)
+    if pair is None:
+        if choice.q_len > 1:
+            table.stats["spec_chunks_declined"] += 1  # verify chunks here emit fewer tokens a second
         return chunk.decode(engine, table, run)
+    total, q_len = pair
     budgets = chunk.reserve(table, ids, engine.plan.passes * q_len)
     if budgets is None:
         return False
@@ -268,7 +296,8 @@ def decode(engine, table, run, drafter) -> bool:
     s["drafted_tokens"] += n_draft
     s["accepted_tokens"] += n_acc
     table.chunk_accepted_per_pass = n_acc / max(n_run, 1)
-    engine.spec_guard.observe(rows, inp.pass_shape().width, n_acc, row_passes)  # the key its seconds go under
+    table.chunk_best_accepted = max(float(count.max(initial=0)) / max(n_run, 1) - 1.0, 0.0)
+    engine.spec_guard.observe(rows, inp.pass_shape().width, total, n_acc, row_passes)  # the key its seconds go under
     toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
     sent = np.asarray(choice.draft_lens, np.int64)
     drafter.observe_chunk(table.req[ids], sent, _common_prefix(host_drafts, toks, sent, count), count)
@@ -280,4 +309,5 @@ def decode(engine, table, run, drafter) -> bool:
     return True
 
 
-__all__ = ["CONTEXT", "SpecChunkInputs", "call", "decode", "dummy_inputs", "history", "spec_chunk"]
+__all__ = ["CONTEXT", "SpecChunkInputs", "call", "decode", "dummy_inputs", "guarded_program", "history", "ladder",
+           "program", "spec_chunk"]

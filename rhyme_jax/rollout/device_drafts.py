@@ -7,13 +7,20 @@ chunk the device finds, per row, the latest occurrence in ``history ++ own token
 suffix of the row (at most ``MATCH`` tokens, at least ``pattern_min``) that has a continuation,
 and drafts up to ``K`` tokens that follow it (an occurrence followed by ``-1`` is skipped) (prompt-lookup decoding over RhymeRL's history,
 arXiv 2508.18588 s.4; the host drafter's suffix index does the same search with branch
-statistics). Longer matches win; among equal ones, history before the row's own tokens (as the
-host drafter falls back to self-lookup only where its index has nothing), then the latest.
+statistics). Longer matches win; among equal ones, the longer continuation (tokens before the
+next ``-1`` or the end, up to the row's draft room), then history before the row's own tokens
+(as the host drafter falls back to self-lookup only where its index has nothing), then the
+latest. The continuation rule matters where a response repeats itself: in a run of one token the
+latest occurrence of the suffix ends one token before the pending one and drafts a single token,
+an earlier one drafts the whole room (the ledger run's 4,096-token tails, which repeat one digit
+to the cap and set each step's makespan, accepted about one draft token a pass under the
+latest-first rule).
 The work is ``S x (H + C) x MATCH`` compares per pass, a few microseconds on an accelerator.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
@@ -50,8 +57,13 @@ def lookup_drafts(source: Int[Array, "S L"], pattern_min: Int[Array, ""], max_le
         run = run & (here == target) & (target >= 0)
         matched = matched + run.astype(jnp.int32)
     j = jnp.arange(ends, dtype=jnp.int32)
-    useful = source[:, 1:] >= 0  # an occurrence followed by no token drafts nothing: never chosen
-    score = jnp.where((matched >= pattern_min) & useful, matched * (2 * width) + jnp.where(j < own_from, width, 0) + j, -1)
+    # tokens that follow each candidate end before a -1 or the row's end, capped at the row's draft room
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    next_gap = jax.lax.cummin(jnp.where(source >= 0, width, col), axis=1, reverse=True)  # first -1 at or after
+    room = jnp.minimum(jnp.minimum(max_lens, k), MATCH)[:, None]
+    avail = jnp.minimum(next_gap[:, 1:] - (j[None, :] + 1), room)
+    rank = (matched * (MATCH + 1) + avail) * 2 + (j < own_from).astype(jnp.int32)
+    score = jnp.where((matched >= pattern_min) & (avail > 0), rank * width + j, -1)
     best = jnp.argmax(score, axis=1).astype(jnp.int32)
     found = jnp.max(score, axis=1) >= 0
     right = jnp.concatenate([source, jnp.full((rows, k), -1, source.dtype)], axis=1)

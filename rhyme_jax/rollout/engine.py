@@ -325,7 +325,8 @@ class RolloutEngine:
             ran = int(np.ravel(out[3])[0])  # plain chunk: passes run; HistoSpec chunk: its tally starts with them
             if ran > 0:
                 self.pass_cost.observe(shape.rows, shape.tokens, shape.q_len, seconds / ran, width=shape.width)
-                self.spec_guard.observe_seconds(shape.kind == "spec_chunk", shape.rows, shape.width, seconds / ran)
+                self.spec_guard.observe_seconds(shape.kind == "spec_chunk", shape.rows, shape.width, shape.tokens,
+                                                seconds / ran)
 
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
                backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:

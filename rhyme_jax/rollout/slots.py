@@ -56,7 +56,9 @@ class SlotTable:
       waiting: ``deque`` of request indices (queued or preempted; the head is admitted first).
       stats: the counters of ``RolloutResult.stats`` (the engine adds its pass counts).
       chunk_accepted_per_pass: draft tokens the last HistoSpec chunk accepted per pass
-        (``rollout/chunk_spec.py`` sizes the next chunk's program by it).
+        (``rollout/chunk_spec.py`` sizes the next chunk's program by it);
+        chunk_best_accepted: the same for the row of that chunk that emitted the most tokens (its
+        tokens per pass less one), which sizes the next chunk's draft room ``Q``.
 
     Raises:
       EngineConfigError: a prefix has unequal token / logprob counts or is not below ``limit``.
@@ -89,6 +91,7 @@ class SlotTable:
         self.tails = ContextTails(slots, self.width) if self.width else None
         self.admitted = 0
         self.chunk_accepted_per_pass = 0.0
+        self.chunk_best_accepted = 0.0
         self.holders: dict[bytes, set[int]] = {}  # prompt bytes -> live slots holding its full pages
         self.holding: dict[int, bytes] = {}  # slot -> the prompt whose full pages it holds
         self.stats = dict(prefill_tokens=0, generated_tokens=0, decode_steps=0, prefill_steps=0,

@@ -8,9 +8,12 @@ where a 64-row verify pass cost 1.6-2.6x a decode pass at the same page-table wi
 0.82x plain. A chunk of ``r`` live rows that accepts ``g`` draft tokens per row-pass emits
 ``r (1 + g)`` tokens per verify pass against ``r`` per decode pass, so it pays iff
 ``(1 + g) * decode_seconds > verify_seconds``. The guard keeps ``g`` and both seconds per pass as
-realized (exponential averages over the chunks of one row bucket and page-table width: HistoSpec
-chunks for ``g`` and their seconds a pass, plain chunks for decode's) and declines a chunk that
-would not pay. Probes back off: the ``PROBE_EVERY``-th declined chunk of a key runs, and each
+realized (exponential averages: HistoSpec chunks of one row bucket, page-table width and verify
+program for ``g`` and their seconds a pass, plain chunks of the row bucket and width for
+decode's) and declines a chunk that would not pay. Keying by the verify program lets the chunked
+engine grow a chunk's draft room where its rows accept whole drafts (a response stuck repeating
+one token, which runs to the token cap and sets the step's makespan) without the larger program's
+cost judging the smaller rungs. Probes back off: the ``PROBE_EVERY``-th declined chunk of a key runs, and each
 probe that again does not pay doubles the interval (at most ``MAX_PROBE_EVERY``); one that pays
 resets it. The pass-cost model alone was not enough: a verify program of one ``(T, Q)`` pair
 has few live times in a rollout, and its profiled cost under the row bucket's live scale priced
@@ -34,60 +37,92 @@ EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per ro
 
 @dataclass
 class SpecGuard:
-    """Realized acceptance of HistoSpec chunks per ``(rows, width)``, and the decision it gives.
+    """Realized acceptance of HistoSpec chunks per ``(rows, width, tokens)``, and the decision it gives.
+
+    A key is a row bucket, a page-table width and a verify program's packed tokens ``T`` (one
+    rung of ``shapes.verify_pairs``): each rung is judged apart, and of the rungs that paid the
+    one that emitted the most tokens a second runs (``choose``). Plain decode's seconds are kept
+    per ``(rows, width)``.
 
     Attributes:
-      gain: ``(rows, width) -> accepted draft tokens per live row-pass`` (exponential average).
-      spec_seconds, plain_seconds: ``(rows, width) -> seconds per pass`` of HistoSpec chunks and
-        of plain chunks (exponential averages; ``observe_seconds``).
-      declined: ``(rows, width) -> chunks declined since the last HistoSpec chunk of the key``.
-      interval: ``(rows, width) -> declined chunks between probes`` (``PROBE_EVERY``, doubling).
+      gain: ``(rows, width, tokens) -> accepted draft tokens per live row-pass`` (exponential average).
+      spec_seconds: ``(rows, width, tokens) -> seconds per pass`` of HistoSpec chunks;
+        plain_seconds: ``(rows, width) -> seconds per pass`` of plain chunks (exponential
+        averages; ``observe_seconds``).
+      declined: ``(rows, width, tokens) -> chunks declined since the key last ran``.
+      interval: ``(rows, width, tokens) -> declined chunks between probes`` (``PROBE_EVERY``, doubling).
       enabled: False runs every chunk the host's choice asks for (ablations).
     """
 
-    gain: dict[tuple[int, int], float] = field(default_factory=dict)
-    spec_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    gain: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    spec_seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
     plain_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    declined: dict[tuple[int, int], int] = field(default_factory=dict)
-    interval: dict[tuple[int, int], int] = field(default_factory=dict)
+    declined: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    interval: dict[tuple[int, int, int], int] = field(default_factory=dict)
     enabled: bool = True
 
-    def allows(self, rows: int, width: int, verify_seconds: float, decode_seconds: float) -> bool:
-        """Whether a HistoSpec chunk of ``rows`` row bucket at ``width`` pages runs: always for an
-        unseen key or a probe (``PROBE_EVERY``), else iff ``(1 + gain) * decode >= verify``, with
-        the realized seconds per pass of the key's HistoSpec and plain chunks where it has them,
-        else ``verify_seconds`` / ``decode_seconds`` (the engine's ``PassCost`` of the verify
-        program the chunk would run and of the decode program, at this width)."""
-        key = (int(rows), int(width))
-        if not self.enabled or key not in self.gain:
-            return True
-        verify = self.spec_seconds.get(key, float(verify_seconds))
-        decode = self.plain_seconds.get(key, float(decode_seconds))
-        if (1.0 + self.gain[key]) * decode >= verify:
-            self.declined[key] = 0
-            self.interval.pop(key, None)
-            return True
-        self.declined[key] = self.declined.get(key, 0) + 1
-        every = self.interval.get(key, PROBE_EVERY)
-        if self.declined[key] >= every:  # a probe; the next one comes twice as late unless this pays
-            self.declined[key] = 0
-            self.interval[key] = min(2 * every, MAX_PROBE_EVERY)
-            return True
-        return False
+    def choose(self, rows: int, width: int, rungs: list[tuple[int, float]], decode_seconds: float,
+               known: bool = False) -> int | None:
+        """The packed tokens ``T`` of the verify program a HistoSpec chunk of ``rows`` row bucket
+        at ``width`` pages runs, or None for a plain chunk.
 
-    def observe(self, rows: int, width: int, accepted: int, row_passes: int) -> None:
-        """A HistoSpec chunk of ``rows`` at ``width`` accepted ``accepted`` draft tokens over
-        ``row_passes`` live row-passes (no-op when it ran none)."""
+        ``rungs``: the candidate programs ``(tokens, verify_seconds)``, ascending, up to the
+        largest the chunk asks for (``verify_seconds``: the engine's ``PassCost`` price, used
+        where the key has no realized seconds yet; ``decode_seconds`` likewise for decode). The
+        guard climbs them from the bottom: an unseen rung runs (its first try) once every rung
+        below it paid; a rung that paid, ``(1 + gain) * decode >= verify`` with realized
+        figures, is a candidate; the first rung that did not pay stops the climb and is probed
+        after ``PROBE_EVERY`` declined chunks (then twice as late each time, at most
+        ``MAX_PROBE_EVERY``; a chunk that pays resets it). Otherwise the candidate that emitted
+        the most tokens a second, ``(1 + gain) / verify``, runs. With ``known`` (the host's
+        choice sent no draft) only candidates: no first tries, no probes. A disabled guard runs
+        the largest rung (None with ``known``).
+        """
+        if not self.enabled:
+            return None if known or not rungs else int(rungs[-1][0])
+        best, best_rate, stop = None, 0.0, None
+        decode_key = (int(rows), int(width))
+        for tokens, verify_seconds in rungs:
+            key = (int(rows), int(width), int(tokens))
+            if key not in self.gain:
+                if known:
+                    break
+                return int(tokens)  # first try: every rung below paid
+            verify = self.spec_seconds.get(key, float(verify_seconds))
+            if (1.0 + self.gain[key]) * self.plain_seconds.get(decode_key, float(decode_seconds)) < verify:
+                stop = key
+                break
+            if (1.0 + self.gain[key]) / verify > best_rate:
+                best, best_rate = key, (1.0 + self.gain[key]) / verify
+        if stop is not None and not known:
+            self.declined[stop] = self.declined.get(stop, 0) + 1
+            every = self.interval.get(stop, PROBE_EVERY)
+            if self.declined[stop] >= every:  # a probe; the next one comes twice as late unless this pays
+                self.declined[stop] = 0
+                self.interval[stop] = min(2 * every, MAX_PROBE_EVERY)
+                return stop[2]
+        if best is None:
+            return None
+        self.declined[best] = 0
+        self.interval.pop(best, None)
+        return best[2]
+
+    def observe(self, rows: int, width: int, tokens: int, accepted: int, row_passes: int) -> None:
+        """A HistoSpec chunk of ``rows`` at ``width`` running the ``tokens`` program accepted
+        ``accepted`` draft tokens over ``row_passes`` live row-passes (no-op when it ran none)."""
         if row_passes > 0:
-            _average(self.gain, (int(rows), int(width)), float(accepted) / float(row_passes))
+            _average(self.gain, (int(rows), int(width), int(tokens)), float(accepted) / float(row_passes))
 
-    def observe_seconds(self, spec: bool, rows: int, width: int, seconds_per_pass: float) -> None:
+    def observe_seconds(self, spec: bool, rows: int, width: int, tokens: int, seconds_per_pass: float) -> None:
         """A chunk's seconds per pass (its call's seconds over the passes it ran), HistoSpec
-        (``spec``) or plain, at row bucket ``rows`` and ``width`` pages."""
-        _average(self.spec_seconds if spec else self.plain_seconds, (int(rows), int(width)), float(seconds_per_pass))
+        (``spec``, under ``(rows, width, tokens)``) or plain (under ``(rows, width)``)."""
+        if spec:
+            _average(self.spec_seconds, (int(rows), int(width), int(tokens)), float(seconds_per_pass))
+        else:
+            _average(self.plain_seconds, (int(rows), int(width)), float(seconds_per_pass))
 
 
-def _average(table: dict, key: tuple[int, int], value: float) -> None:
+def _average(table: dict, key: tuple, value: float) -> None:
     old = table.get(key)
     table[key] = value if old is None else EMA_WEIGHT * value + (1.0 - EMA_WEIGHT) * old
 
