@@ -46,7 +46,6 @@ def test_declined_rungs_are_probed_with_a_doubling_interval():
     off = SpecGuard(enabled=False)
     off.observe(16, 8, 96, accepted=0, row_passes=10)
     assert off.choose(16, 8, [(24, 2.0), (96, 2.0)], decode_seconds=1.0) == 96
-    assert off.choose(16, 8, [(24, 2.0), (96, 2.0)], decode_seconds=1.0, known=True) is None
 
 
 def test_realized_seconds_per_pass_take_precedence_over_the_pass_cost_model():
@@ -68,11 +67,10 @@ def test_realized_seconds_per_pass_take_precedence_over_the_pass_cost_model():
 def test_the_climb_tries_a_rung_once_those_below_paid_and_runs_the_fastest():
     """Rungs (6, 32, 132 packed tokens) of one row bucket and width: the bottom one is tried
     first; the next only once it paid; the one that paid with the most tokens a second runs; a
-    rung that did not pay stops the climb (and is probed); ``known`` runs only rungs that paid."""
+    rung that did not pay stops the climb (and is probed)."""
     g = SpecGuard()
     rungs = [(6, 1.0), (32, 1.0), (132, 1.0)]
     g.observe_seconds(False, 4, 384, 4, 1.0)
-    assert g.choose(4, 384, rungs, 1.0, known=True) is None  # nothing paid yet: no first try
     assert g.choose(4, 384, rungs, 1.0) == 6
     g.observe(4, 384, 6, accepted=2, row_passes=1)  # the bottom rung pays: 3 tokens at 1.2 s
     g.observe_seconds(True, 4, 384, 6, 1.2)
@@ -82,7 +80,7 @@ def test_the_climb_tries_a_rung_once_those_below_paid_and_runs_the_fastest():
     assert g.choose(4, 384, rungs, 1.0) == 132
     g.observe(4, 384, 132, accepted=10, row_passes=1)  # 11 tokens at 4 s a pass: pays, slower than 32's
     g.observe_seconds(True, 4, 384, 132, 4.0)
-    assert g.choose(4, 384, rungs, 1.0) == 32 and g.choose(4, 384, rungs, 1.0, known=True) == 32
+    assert g.choose(4, 384, rungs, 1.0) == 32
     assert g.choose(4, 384, rungs[:1], 1.0) == 6  # a chunk that asks for less runs at most its top
     assert g.plain_seconds == {(4, 384): 1.0}
     for _ in range(4):  # 32's acceptance collapses (9 -> 0.56 a row-pass): it stops paying at 2 s a pass

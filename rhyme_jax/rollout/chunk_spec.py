@@ -228,18 +228,16 @@ def ladder(plan, rows: int) -> list[tuple[int, int]]:
     return [(t, q) for t, q in verify_pairs(rows, plan.verify_budget) if q > 1]
 
 
-def guarded_program(engine, rows: int, width: int, want: int, q_want: int,
-                    known: bool = False) -> tuple[int, int] | None:
+def guarded_program(engine, rows: int, width: int, want: int, q_want: int) -> tuple[int, int] | None:
     """The verify program a chunk runs: of the ladder's rungs up to ``program``'s pair, the one
     the engine's ``SpecGuard.choose`` picks at this row bucket and width (it climbs from the
     bottom, trying a rung once the rungs below it paid, and runs the one that emitted the most
-    tokens a second); ``None`` for a plain chunk. ``known``: the host's choice sent no draft
-    (only rungs that paid)."""
+    tokens a second); ``None`` for a plain chunk."""
     top = program(engine.plan, rows, want, q_want)
     pairs = ladder(engine.plan, rows)
     pairs = pairs[: pairs.index(top) + 1]
     rungs = [(t, engine.pass_cost(rows, t, q, width=width)) for t, q in pairs]
-    tokens = engine.spec_guard.choose(rows, width, rungs, engine.pass_cost(rows, rows, 1, width=width), known)
+    tokens = engine.spec_guard.choose(rows, width, rungs, engine.pass_cost(rows, rows, 1, width=width))
     return None if tokens is None else next(p for p in pairs if p[0] == tokens)
 
 
@@ -254,21 +252,21 @@ def decode(engine, table, run, drafter) -> bool:
     (``rollout/spec_guard.py``) picks the rung at or below it that emitted the most tokens a
     second at this width (``guarded_program``). Pages are reserved, the chunk runs and every row's emitted
     tokens are recorded. Falls back to a plain chunk (``chunk.decode``) when the guard finds that
-    no rung emitted more tokens a second than decode, or when the host drafter's choice carries
-    no draft and no rung has paid at this row bucket and width (the host's choice only opens the
-    first tries: on the ledger task's 4,096-token tails it sent no draft in most chunks where the
-    device's drafts from the rows' own repeated tokens would have paid); returns False, having
-    done nothing, when the pool cannot hold the chunk."""
+    no rung emitted more tokens a second than decode (with the guard off: when the host
+    drafter's choice carries no draft). The host's choice only sizes the chunk: on the ledger
+    task's 4,096-token tails it sent no draft in most chunks where the device's drafts from the
+    rows' own repeated tokens would have paid. Returns False, having done nothing, when the pool
+    cannot hold the chunk."""
     ids = table.live()
     host_drafts, choice = engine._draft(drafter, table, ids)
+    if choice.q_len <= 1 and not engine.spec_guard.enabled:  # without the guard the host's choice decides
+        return chunk.decode(engine, table, run)
     n, rows = ids.size, seq_bucket(ids.size, engine.max_slots)
     last, best = table.chunk_accepted_per_pass, table.chunk_best_accepted
     want = n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last)))
-    pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)),
-                           known=choice.q_len <= 1)
+    pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)))
     if pair is None:
-        if choice.q_len > 1:
-            table.stats["spec_chunks_declined"] += 1  # verify chunks here emit fewer tokens a second
+        table.stats["spec_chunks_declined"] += 1  # no verify program here emits more tokens a second
         return chunk.decode(engine, table, run)
     total, q_len = pair
     budgets = chunk.reserve(table, ids, engine.plan.passes * q_len)

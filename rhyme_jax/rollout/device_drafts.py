@@ -3,7 +3,7 @@
 The host gives each row, once per chunk, a padded ``int32[S, H]`` history (its prompt's previous
 rollouts and its siblings' text, ``-1`` between pieces and as left padding) and the row's own
 last ``C`` tokens (prompt + response, ending with the pending token). Before every pass of the
-chunk the device finds, per row, the latest occurrence in ``history ++ own tokens`` of the longest
+chunk the device finds, per row, an occurrence in ``history ++ own tokens`` of the longest
 suffix of the row (at most ``MATCH`` tokens, at least ``pattern_min``) that has a continuation,
 and drafts up to ``K`` tokens that follow it (an occurrence followed by ``-1`` is skipped) (prompt-lookup decoding over RhymeRL's history,
 arXiv 2508.18588 s.4; the host drafter's suffix index does the same search with branch

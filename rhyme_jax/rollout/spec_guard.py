@@ -61,8 +61,7 @@ class SpecGuard:
     interval: dict[tuple[int, int, int], int] = field(default_factory=dict)
     enabled: bool = True
 
-    def choose(self, rows: int, width: int, rungs: list[tuple[int, float]], decode_seconds: float,
-               known: bool = False) -> int | None:
+    def choose(self, rows: int, width: int, rungs: list[tuple[int, float]], decode_seconds: float) -> int | None:
         """The packed tokens ``T`` of the verify program a HistoSpec chunk of ``rows`` row bucket
         at ``width`` pages runs, or None for a plain chunk.
 
@@ -74,19 +73,16 @@ class SpecGuard:
         figures, is a candidate; the first rung that did not pay stops the climb and is probed
         after ``PROBE_EVERY`` declined chunks (then twice as late each time, at most
         ``MAX_PROBE_EVERY``; a chunk that pays resets it). Otherwise the candidate that emitted
-        the most tokens a second, ``(1 + gain) / verify``, runs. With ``known`` (the host's
-        choice sent no draft) only candidates: no first tries, no probes. A disabled guard runs
-        the largest rung (None with ``known``).
+        the most tokens a second, ``(1 + gain) / verify``, runs. A disabled guard runs the
+        largest rung.
         """
         if not self.enabled:
-            return None if known or not rungs else int(rungs[-1][0])
+            return int(rungs[-1][0]) if rungs else None
         best, best_rate, stop = None, 0.0, None
         decode_key = (int(rows), int(width))
         for tokens, verify_seconds in rungs:
             key = (int(rows), int(width), int(tokens))
             if key not in self.gain:
-                if known:
-                    break
                 return int(tokens)  # first try: every rung below paid
             verify = self.spec_seconds.get(key, float(verify_seconds))
             if (1.0 + self.gain[key]) * self.plain_seconds.get(decode_key, float(decode_seconds)) < verify:
@@ -94,7 +90,7 @@ class SpecGuard:
                 break
             if (1.0 + self.gain[key]) / verify > best_rate:
                 best, best_rate = key, (1.0 + self.gain[key]) / verify
-        if stop is not None and not known:
+        if stop is not None:
             self.declined[stop] = self.declined.get(stop, 0) + 1
             every = self.interval.get(stop, PROBE_EVERY)
             if self.declined[stop] >= every:  # a probe; the next one comes twice as late unless this pays

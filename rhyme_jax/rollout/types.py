@@ -73,8 +73,9 @@ class RolloutResult:
         fetching pass outputs after their dispatch: device time plus the transfer);
         spec_chunk_seconds / spec_chunk_passes / spec_chunk_row_passes: wall seconds, passes and
         live row-passes of the HistoSpec chunks (``rollout/chunk_spec.py``; 0 without them);
-        spec_chunks_declined: chunks run plain because HistoSpec chunks at their row bucket and
-        width had emitted fewer tokens a second than decode (``rollout/spec_guard.py``).
+        spec_chunks_declined: chunks the host's choice sent drafts for that ran plain because no
+        verify program at their row bucket and width had emitted more tokens a second than
+        decode (``rollout/spec_guard.py``).
     """
 
     tokens: list[np.ndarray]
