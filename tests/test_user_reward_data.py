@@ -285,6 +285,7 @@ def test_the_documented_example_loads_its_data_and_reward(monkeypatch):
 
 
 # ------------------------------------------------------------------------------- end to end
+@pytest.mark.slow  # CI time (36 s in a fresh clone: two GRPO steps); the loaders, the reward hook and the CLI's early failure are tested above and below
 def test_rhyme_jax_train_with_jsonl_data_and_yaml_reward(reward_module, tmp_path, monkeypatch, compile_cache, capsys):
     """Two GRPO steps of ``rhyme-jax train`` on the tiny config with a JSONL dataset and a YAML
     reward: the saved rewards are the reward module's verdicts on the saved responses, and the
