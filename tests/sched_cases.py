@@ -59,18 +59,20 @@ def _run(engines, states, ids, prompts, step, **sched):
 
 def case_histopipe_same_greedy_responses():
     """Greedy rollouts of 8 prompts x 4 samples on 4 workers: fifo, tier 1 (odd and even step),
-    tier 1 + 2 and tier 1 + 2 + migration give identical responses in row order."""
+    tier 1 + 2, tier 1 + 2 + migration and the spread placement (every prompt's samples on all 4
+    workers) give identical responses in row order."""
     engines, states, ids, prompts = _setup()
     ref = _run(engines, states, ids, prompts, 1, mode="fifo")
     others = {name: _run(engines, states, ids, prompts, step, **kw) for name, step, kw in [
         ("tier1_odd", 1, dict(tier2=False, migration=False)), ("tier1_even", 2, dict(tier2=False, migration=False)),
-        ("tier12", 1, dict(migration=False)), ("all", 2, {})]}
+        ("tier12", 1, dict(migration=False)), ("all", 2, {}), ("spread", 1, dict(placement="spread"))]}
     want = [t.tolist() for t in ref.result.tokens]
     same = {k: [t.tolist() for t in v.result.tokens] == want for k, v in others.items()}
     moved = [sorted(r.tolist()) for r in others["tier1_odd"].plan.worker_rows]
     fifo_rows = [sorted(r.tolist()) for r in ref.plan.worker_rows]
-    ok = all(same.values()) and moved != fifo_rows and len(want) == 32
-    return ok, f"equal: {same}; plans differ from fifo: {moved != fifo_rows}"
+    spread = [np.unique(r // N).size for r in others["spread"].plan.worker_rows]
+    ok = all(same.values()) and moved != fifo_rows and len(want) == 32 and spread == [8, 8, 8, 8]
+    return ok, f"equal: {same}; plans differ from fifo: {moved != fifo_rows}; prompts per worker (spread): {spread}"
 
 
 def _slowed(run, seconds: float):

@@ -315,6 +315,44 @@ def test_long_tail_row_is_migrated_and_bounds_the_makespan():
             assert max(iv.end for iv in run) >= bound
 
 
+def test_spread_placement_deals_every_prompt_over_the_workers():
+    """``sched.placement: spread`` (``plan_step(spread=True)``): prompts by descending predicted
+    length, their rows dealt round-robin over the workers where the last prompt stopped (the
+    count matrix below, by hand); each worker's samples of a prompt are one contiguous run of its
+    rows, in worker order; every row once. Where one prompt's long samples would stack on one
+    worker, fifo's makespan is ``a 100 + b 210`` and the spread's ``a 100 + b 115`` (the replay's
+    simulation, cost model ``a = 10 b``). The config key is checked at load time."""
+    from rhyme_jax.sched.spread_placement import spread_counts
+
+    pred, n, W = np.array([50.0, 900.0, 10.0, 300.0, 20.0]), 6, 4
+    want = np.array([[2, 2, 2, 1, 1], [2, 2, 2, 1, 1], [1, 1, 1, 2, 2], [1, 1, 1, 2, 2]])
+    np.testing.assert_array_equal(spread_counts(pred, n, W), want)
+    plan = plan_step(3, pred, n, W, COST, spread=True)
+    check_plan(plan, pred.size)
+    assert plan.notes == ["spread placement"] and plan.group_workers.tolist() == [4] * 5
+    assert rows_per_worker(plan).tolist() == [8, 8, 7, 7]
+    start = np.zeros(pred.size, np.int64)
+    for w, rows in enumerate(plan.worker_rows):
+        for p in range(pred.size):
+            mine = rows[rows // n == p]
+            np.testing.assert_array_equal(mine, p * n + start[p] + np.arange(want[w, p]))
+            start[p] += want[w, p]
+    assert sorted(plan.worker_groups[2]) == [0, 1, 2, 3, 4]
+
+    cost = CostModel(a=10e-3, b=1e-3, c=0.0)
+    lengths, prior = np.array([100, 5, 100, 5, 5, 5, 5, 5]), np.array([100.0, 5.0])
+    spans = {}
+    for name, kw in {"fifo": {"mode": "fifo"}, "spread": {"spread": True}}.items():
+        ivs, _ = replay_bench.simulate(plan_step(1, prior, 4, 2, cost, **kw), lengths, np.repeat(prior, 4), cost,
+                                       migrate=False)
+        spans[name] = max(iv.end for iv in ivs)
+    assert spans["fifo"] == pytest.approx(10e-3 * 100 + 1e-3 * 210)
+    assert spans["spread"] == pytest.approx(10e-3 * 100 + 1e-3 * 115)
+    from rhyme_jax.config import load_config
+
+    assert load_config(ROOT / "configs/default.yaml", ["sched.placement=spread"]).sched.placement == "spread"
+
+
 def test_exact_placement_is_the_best_whole_prompt_plan():
     """``sched.placement: exact`` (``plan_step(exact=True)``): against brute force over every
     assignment of 6 prompts to 3 workers, its plan has the least predicted makespan under the cost

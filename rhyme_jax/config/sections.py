@@ -31,7 +31,7 @@ DraftWindow = Literal["aimd", "mimd", "fixed", "goodput"]
 SchedMode = Literal["fifo", "histopipe"]
 SchedPipeline = Literal["sync", "one_step_off"]
 LengthStat = Literal["mean", "max", "p90"]
-SchedPlacement = Literal["tiers", "exact"]
+SchedPlacement = Literal["tiers", "exact", "spread"]
 REPORT_SINKS = ("tensorboard", "wandb")  # run.report_to
 
 MAX_DRAFT = 32  # longest draft of one row in one step: the single source (rollout.shapes, spec.window, spec.drafter)
@@ -500,7 +500,7 @@ class SchedSection:
     tier2: bool = True  # histopipe: more workers for long groups (binary search on the makespan)
     migration: bool = True  # histopipe: tails longer than growth x predicted move to an idle worker
     num_groups: int = 0  # ranking groups; 0 = max(1, workers // 2)
-    placement: SchedPlacement = "tiers"  # histopipe: tiers (the paper's tier 1 + 2) | exact (whole prompts, least predicted makespan: sched/exact_placement.py)
+    placement: SchedPlacement = "tiers"  # histopipe: tiers (the paper's tier 1 + 2) | exact (whole prompts, least predicted makespan: sched/exact_placement.py) | spread (every prompt's samples over all workers: sched/spread_placement.py)
     length_stat: LengthStat = "mean"  # length prediction from the last rollout
     growth: float = 1.5  # migration: generated > growth x predicted length
     tail_fraction: float = 0.1  # migration: the worker has at most this share of its rows unfinished

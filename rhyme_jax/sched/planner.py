@@ -19,6 +19,10 @@ samples; row ``r`` belongs to prompt ``r // n``. From each prompt's predicted le
   dynamic programming over subsets of at most 12 prompts) in place of both tiers. Where a pass
   costs many row-passes (the CPU) the tiers can lose to fifo (ledger task: 0.96x replayed) while
   this placement, from the same history, reached 1.17x (docs/results.md, L5).
+* **Spread** (``spread=True``, ``sched.placement: spread``): every prompt's samples dealt over all
+  the workers, longest predicted prompts first (``spread_placement``): tier 2's "more workers for
+  long groups" at its limit, for steps whose makespan is one prompt's long samples stacked on one
+  worker.
 * **fifo** (``mode="fifo"``): the prompts split over the workers in order
   (``np.array_split``), no history: what ``parallel.distributed.process_groups`` does for one
   process.
@@ -45,6 +49,7 @@ from jaxtyping import Float, Int
 
 from rhyme_jax.sched.cost_model import CostModel
 from rhyme_jax.sched.exact_placement import MAX_PROMPTS, best_subsets, prompts_of
+from rhyme_jax.sched.spread_placement import spread_rows
 
 MODES = ("histopipe", "fifo")
 
@@ -276,6 +281,7 @@ def plan_step(
     tier2: bool = True,
     num_groups: int = 0,
     exact: bool = False,
+    spread: bool = False,
 ) -> Plan:
     """Plan one step: rows (P prompts x n samples, row r of prompt r // n) onto W workers.
 
@@ -292,6 +298,8 @@ def plan_step(
       exact: histopipe places whole prompts by ``exact_placement.best_subsets`` on ``pred`` (the
         least predicted makespan; the tier switches are then unused) when P <= its
         ``MAX_PROMPTS``, the tiers otherwise (a note says so).
+      spread: histopipe deals every prompt's samples over all workers (``spread_placement``; the
+        tier switches and ``exact`` are then unused).
 
     Returns:
       A ``Plan`` (every row exactly once over ``worker_rows``).
@@ -310,6 +318,8 @@ def plan_step(
                        [(w,) if g.size else () for w, g in enumerate(groups)], pred, cost_model, [])
 
     notes: list[str] = []
+    if spread:
+        return _spread(step, pred, n, W, cost_model)
     if exact and P <= MAX_PROMPTS:
         return _exact(step, pred, n, W, cost_model)
     if exact:
@@ -386,6 +396,17 @@ def _exact(step: int, pred: np.ndarray, n: int, W: int, cost_model: CostModel) -
     wgroups = [(g,) for g in range(len(groups))] + [()] * (W - len(groups))
     return _finish(step, "histopipe", n, groups, list(range(len(groups))), None, np.ones(len(groups), np.int64),
                    rows, wgroups, pred, cost_model, ["exact placement"])
+
+
+def _spread(step: int, pred: np.ndarray, n: int, W: int, cost_model: CostModel) -> Plan:
+    """The sample-level spread (``spread_placement``): one group per prompt, in dealing order; a
+    worker's groups are the prompts it holds samples of."""
+    rows = spread_rows(pred, n, W)
+    owners = [np.unique(r // n) for r in rows]
+    k = np.array([sum(int(p in o) for o in owners) for p in range(pred.size)], np.int64)
+    return _finish(step, "histopipe", n, [np.array([p], np.int64) for p in range(pred.size)],
+                   np.argsort(-pred, kind="stable").tolist(), None, k, rows,
+                   [tuple(int(p) for p in o) for o in owners], pred, cost_model, ["spread placement"])
 
 
 def _finish(step, mode, n, groups, order, ascending, k, worker_rows, worker_groups, pred,

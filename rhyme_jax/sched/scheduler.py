@@ -82,7 +82,8 @@ class RolloutScheduler:
         else:
             pred = np.full(len(prompt_ids), self.max_new_tokens / 2)
         plan = plan_step(step, pred, n, self.total, self.cost_model, mode=c.mode, tier1=c.tier1,
-                         tier2=c.tier2, num_groups=c.num_groups, exact=c.placement == "exact")
+                         tier2=c.tier2, num_groups=c.num_groups, exact=c.placement == "exact",
+                         spread=c.placement == "spread")
         return plan, pred
 
     def rollout(self, step: int, states: Sequence[Any], prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],

@@ -29,6 +29,8 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "tier1+tier2": ({}, False),
     "tier1+tier2+mig": ({}, True),
     "exact+mig": ({"exact": True}, True),  # whole prompts by exact_placement (sched.placement: exact)
+    "spread": ({"spread": True}, False),  # every prompt's samples over all workers (sched.placement: spread)
+    "spread+mig": ({"spread": True}, True),
 }
 FULL = "tier1+tier2+mig"
 
