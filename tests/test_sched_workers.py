@@ -232,4 +232,4 @@ def test_ablation_configs_load_and_switch_one_part_each():
             assert cfg.spec == base.spec and cfg.parallel == base.parallel, path.name
         else:
             assert cfg.spec != base.spec and cfg.parallel == base.parallel, path.name
-    assert len(seen) == 32
+    assert len(seen) == 33
