@@ -238,6 +238,7 @@ class RolloutSection:
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
     passes_per_dispatch: int = 1  # decode passes per device call (rollout/chunk.py): > 1 cuts host time per pass ~N-fold; a row finishing mid-chunk idles to the chunk's end and rows hold pages for N tokens ahead; with HistoSpec the chunk drafts on the device (rollout/chunk_spec.py)
     draft_history: int = 1024  # HistoSpec chunks: history tokens per row the device drafts from (the prompt's last rollouts, its siblings)
+    row_buckets: tuple[int, ...] = ()  # extra decode/verify row buckets beside max_slots/16, /4 and max_slots (rollout/shapes.py seq_buckets): long tails decoding alone or in few rows run small programs; each adds programs to compile
     # engine weights and KV pages: "" = model.dtype | float32 | bfloat16 (a bf16 copy of the float32 master
     # weights, cast at each weight sync; its logprobs differ from the trainer's: grpo.tis corrects; docs/precision.md)
     dtype: RolloutDtype = ""
@@ -248,6 +249,9 @@ class RolloutSection:
                  "draft_history")
         at_least(self, 0, "num_pages", "max_verify_tokens", note=" (0 = default)")
         at_least(self, 0, "top_k", note=" (0 = off)")
+        if any(int(b) != b or not 1 <= b <= self.max_slots for b in self.row_buckets):
+            raise fail(self, "row_buckets", f"each must be an integer in [1, max_slots={self.max_slots}], "
+                                            f"got {list(self.row_buckets)}")
         above(self, 0.0, "temperature", note=" (the GRPO loss scores the rollout's tokens at this "
                                              "temperature; held-out evaluation is greedy anyway)")
         if not 0.0 < self.top_p <= 1.0:

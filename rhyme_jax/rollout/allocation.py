@@ -45,7 +45,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from rhyme_jax.rollout.batching import trim_drafts
-from rhyme_jax.rollout.shapes import ShapePlan, seq_bucket, seq_buckets, verify_pairs
+from rhyme_jax.rollout.shapes import ShapePlan, verify_pairs
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
       ``PassChoice`` (ties: the smaller program, i.e. plain decode first).
     """
     n = curve.shape[0]
-    smallest = seq_bucket(n, plan.max_slots)
+    smallest = plan.bucket(n)
     w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
     # depth-major: entry j * n + i is row i's draft token j, so a stable sort on the score alone
     # takes, within equal scores, the shallower token first (then the lower row)
@@ -132,7 +132,7 @@ def goodput_choice(plan: ShapePlan, curve: Float[np.ndarray, "n K"], cost: Calla
     best, best_rate = None, -1.0
     # every row bucket that holds the rows: where the pass-cost model times a small bucket's
     # programs above a larger one's (a backend that runs few rows badly), the tail runs padded
-    pairs = [(r, t, q) for r in seq_buckets(plan.max_slots) if r >= smallest
+    pairs = [(r, t, q) for r in plan.buckets() if r >= smallest
              for t, q in verify_pairs(r, plan.verify_budget)]
     for rows, t_total, q_len in pairs:
         kept, weighted, plain = sums(q_len)
@@ -151,7 +151,7 @@ def fixed_rule(plan: ShapePlan, draft_lens: Int[np.ndarray, "n"]) -> PassChoice:
       ValueError: the rows plus drafts exceed the cap of the row bucket.
     """
     lens = np.asarray(draft_lens, np.int64)
-    rows = seq_bucket(lens.size, plan.max_slots)
+    rows = plan.bucket(lens.size)
     used, drafting = lens.size + int(lens.sum()), bool(lens.any())
     pairs = [p for p in verify_pairs(rows, plan.verify_budget) if p[0] >= used and (p[1] > 1 or not drafting)]
     if not pairs:

@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from rhyme_jax.rollout.forward import RaggedMeta
 from rhyme_jax.rollout.passes import StaticModel, verify_pass
-from rhyme_jax.rollout.shapes import PassShape, seq_bucket
+from rhyme_jax.rollout.shapes import PassShape
 
 
 @dataclass
@@ -162,7 +162,7 @@ def reserve(table, ids: np.ndarray, passes: int) -> np.ndarray | None:
 def inputs(engine, table, ids: np.ndarray, budgets: np.ndarray) -> ChunkInputs:
     """The ``ChunkInputs`` of live slots ``ids`` (pages reserved by ``reserve``)."""
     n, alloc = ids.size, engine.allocator
-    rows = seq_bucket(n, engine.max_slots)
+    rows = engine.plan.bucket(n)
     width = engine.table_width(ids)
 
     def pad(values, dtype=np.int32):

@@ -38,7 +38,7 @@ from rhyme_jax.rollout import chunk
 from rhyme_jax.rollout.device_drafts import append_tokens, fit_to_budget, lookup_drafts
 from rhyme_jax.rollout.forward import RaggedMeta
 from rhyme_jax.rollout.passes import StaticModel, verify_pass
-from rhyme_jax.rollout.shapes import PassShape, seq_bucket, seq_buckets, verify_pairs
+from rhyme_jax.rollout.shapes import PassShape, verify_pairs
 
 CONTEXT = 256  # C: own tokens of each row searched on the device (the host drafter's self-lookup width)
 
@@ -261,7 +261,7 @@ def decode(engine, table, run, drafter) -> bool:
     host_drafts, choice = engine._draft(drafter, table, ids)
     if choice.q_len <= 1 and not engine.spec_guard.enabled:  # without the guard the host's choice decides
         return chunk.decode(engine, table, run)
-    n, rows = ids.size, seq_bucket(ids.size, engine.max_slots)
+    n, rows = ids.size, engine.plan.bucket(ids.size)
     last, best = table.chunk_accepted_per_pass, table.chunk_best_accepted
     want = n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last)))
     pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)))
@@ -277,7 +277,7 @@ def decode(engine, table, run, drafter) -> bool:
     tails = table.tails.get(ids)
     w = min(CONTEXT, tails.shape[1])
     ctx[:n, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
-    smaller = [b for b in seq_buckets(engine.max_slots) if b < rows]
+    smaller = [b for b in engine.plan.buckets() if b < rows]
     inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, total, q_len,
                           int(drafter.pattern_min), max(smaller, default=0))
     t0 = time.perf_counter()

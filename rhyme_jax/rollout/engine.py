@@ -112,7 +112,7 @@ class RolloutEngine:
         self.plan = shapes.plan(max_slots=self.max_slots, page_size=self.page_size,
                                 max_prompt_len=self.max_prompt_len, max_new_tokens=self.max_new_tokens,
                                 max_prefill_tokens=c.max_prefill_tokens, max_verify_tokens=c.max_verify_tokens,
-                                passes_per_dispatch=c.passes_per_dispatch)
+                                passes_per_dispatch=c.passes_per_dispatch, row_buckets=c.row_buckets)
         self.prefill_budget = self.plan.prefill_budget
         self.prefill_buckets = self.plan.prefill_buckets
         self.verify_budget = self.plan.verify_budget
@@ -127,8 +127,10 @@ class RolloutEngine:
         # (``profile_pass_cost`` measures it; the prior until then).
         self.pass_cost: PassCost = PassCost.prior()
         # Realized acceptance of HistoSpec chunks per (rows, width): declines chunks that would
-        # emit fewer tokens a second than plain decode (rollout/spec_guard.py).
+        # emit fewer tokens a second than plain decode (rollout/spec_guard.py); one per drafter
+        # kind (``_use_guard``), sharing decode's seconds.
         self.spec_guard = SpecGuard()
+        self._guards: dict[type, SpecGuard] = {}
         # Host seconds spent blocked fetching pass outputs after their dispatch (device time plus
         # the transfer), summed over every pass this engine ran; ``generate`` reports its share.
         self.device_wait_seconds = 0.0
@@ -328,6 +330,17 @@ class RolloutEngine:
                 self.spec_guard.observe_seconds(shape.kind == "spec_chunk", shape.rows, shape.width, shape.tokens,
                                                 seconds / ran)
 
+    def _use_guard(self, drafter: Drafter | None) -> None:
+        """Make ``self.spec_guard`` the guard of ``drafter``'s kind (its class; the first kind seen
+        keeps the engine's first guard): acceptance and verify seconds belong to a drafter, so a
+        paired unit's always-right oracle and the run's drafter on one engine do not judge each
+        other's chunks; decode's seconds are the engine's, shared by all."""
+        guard = self._guards.get(type(drafter))
+        if guard is None:
+            guard = self._guards[type(drafter)] = self.spec_guard if not self._guards else SpecGuard(
+                plain_seconds=self.spec_guard.plain_seconds, enabled=self.spec_guard.enabled)
+        self.spec_guard = guard
+
     def _draft(self, drafter: Drafter | None, table: SlotTable, ids: np.ndarray,
                backoff: allocation.DraftBackoff | None = None) -> tuple[np.ndarray, PassChoice]:
         """Drafts ``i32[n, K]`` of the live slots ``ids`` and the step that carries them
@@ -341,7 +354,7 @@ class RolloutEngine:
         (goodput) the drafter is skipped while the choice keeps sending nothing
         (``allocation.DraftBackoff``)."""
         if (drafter is None or ids.size == 0
-                or backoff is not None and backoff.skip(shapes.seq_bucket(ids.size, self.max_slots))):
+                or backoff is not None and backoff.skip(self.plan.bucket(ids.size))):
             return np.zeros((ids.size, 0), np.int32), allocation.fixed_rule(self.plan, np.zeros(ids.size, np.int64))
         t0 = time.perf_counter()
         reqs = table.req[ids]
@@ -475,6 +488,7 @@ class RolloutEngine:
         self._ensure_pool(state)
         if getattr(drafter, "idle", False):  # nothing to draft from: plain decoding, no drafter calls
             drafter = None
+        self._use_guard(drafter)
         run = _Passes(self, self._flat_state(state), key, sampling)
         backoff = allocation.DraftBackoff()
         table = SlotTable(reqs, self.allocator, limit=sampling.max_new_tokens, eos_ids=self.eos_ids,

@@ -73,6 +73,7 @@ class EngineConfig:
     passes_per_dispatch: int = 1
     dtype: str = ""
     draft_history: int = 1024
+    row_buckets: Sequence[int] = ()
 
     def __post_init__(self):
         for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch",
@@ -88,6 +89,10 @@ class EngineConfig:
         if self.dtype not in ("", *DTYPES):
             raise EngineConfigError(f"{_WHERE}: dtype must be '' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        object.__setattr__(self, "row_buckets", tuple(int(b) for b in self.row_buckets))
+        if any(b < 1 or b > self.max_slots for b in self.row_buckets):
+            raise EngineConfigError(f"{_WHERE}: RolloutEngine row_buckets must lie in [1, max_slots={self.max_slots}], "
+                                    f"got {list(self.row_buckets)}")
         if not isinstance(self.attention_impl, str):
             object.__setattr__(self, "attention_impl", tuple(self.attention_impl))
 
@@ -107,7 +112,7 @@ class EngineConfig:
                    on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
                    max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
                    passes_per_dispatch=r.passes_per_dispatch, draft_history=r.draft_history,
-                   dtype=r.dtype)
+                   dtype=r.dtype, row_buckets=tuple(r.row_buckets))
 
     @classmethod
     def from_run(cls, cfg: "RunConfig", eos_ids: Sequence[int] = ()) -> "EngineConfig":

@@ -49,15 +49,21 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def seq_buckets(max_slots: int) -> tuple[int, ...]:
+def seq_buckets(max_slots: int, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Sequence-row buckets of decode/verify steps: ``max_slots / 16``, ``/ 4`` and
-    ``max_slots`` (at least 1 each), so tail steps with few live sequences run small programs."""
-    return tuple(sorted({max(1, max_slots // 16), max(1, max_slots // 4), max_slots}))
+    ``max_slots`` (at least 1 each), so tail steps with few live sequences run small programs,
+    plus the ``extra`` buckets (``rollout.row_buckets``) up to ``max_slots``. The reference
+    attention computes every row of a bucket, live or not: on the 2-core CPU one decode pass of
+    the ledger config's model at 384 pages cost 2.95 ms for a 1-row bucket, 8.9 ms for 4 rows,
+    16.5 ms for 8 and 55.8 ms for 16 (docs/results.md, L5), so a long response decoding alone
+    or with a few others at the token cap runs far faster in a bucket of its size."""
+    return tuple(sorted({max(1, max_slots // 16), max(1, max_slots // 4), max_slots}
+                        | {int(b) for b in extra if 1 <= int(b) <= max_slots}))
 
 
-def seq_bucket(num_active: int, max_slots: int) -> int:
-    """Smallest of ``seq_buckets(max_slots)`` holding ``num_active`` sequences."""
-    return next(b for b in seq_buckets(max_slots) if b >= num_active)
+def seq_bucket(num_active: int, max_slots: int, extra: tuple[int, ...] = ()) -> int:
+    """Smallest of ``seq_buckets(max_slots, extra)`` holding ``num_active`` sequences."""
+    return next(b for b in seq_buckets(max_slots, extra) if b >= num_active)
 
 
 def decode_widths(pages_per_seq: int) -> tuple[int, ...]:
@@ -126,6 +132,15 @@ class ShapePlan:
     q_cap: int
     verify_budget: int
     passes: int = 1  # decode passes per dispatch (``rollout/chunk.py``); > 1 adds the "chunk" programs
+    row_buckets: tuple[int, ...] = ()  # extra sequence-row buckets (``seq_buckets``)
+
+    def buckets(self) -> tuple[int, ...]:
+        """The decode/verify row buckets: ``seq_buckets(max_slots, row_buckets)``."""
+        return seq_buckets(self.max_slots, self.row_buckets)
+
+    def bucket(self, num_active: int) -> int:
+        """Smallest row bucket holding ``num_active`` sequences."""
+        return seq_bucket(num_active, self.max_slots, self.row_buckets)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -169,7 +184,7 @@ class ShapePlan:
         """Every pass program of a run (prefill, decode, with ``spec`` verify, and with ``passes > 1``
         the plain decode chunks of ``rollout/chunk.py``, one per row bucket and width), sorted."""
         out = [PassShape("prefill", t, *self.prefill_layout(t), w) for t in self.prefill_buckets for w in self.widths]
-        for s in seq_buckets(self.max_slots):
+        for s in self.buckets():
             for t, q in verify_pairs(s, self.verify_budget, spec):
                 out += [PassShape("decode" if q == 1 else "verify", t, s, q, w) for w in self.widths]
             if self.passes > 1:
@@ -182,7 +197,7 @@ class ShapePlan:
 
 def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens: int,
          max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_verify_tokens: int = 0,
-         passes_per_dispatch: int = 1) -> ShapePlan:
+         passes_per_dispatch: int = 1, row_buckets: tuple[int, ...] = ()) -> ShapePlan:
     """The buckets of an engine with these sizes (``RolloutEngine`` arguments; 0 = default)."""
     max_seq_len = int(max_prompt_len) + int(max_new_tokens)
     max_prefill_len = max_seq_len - 1  # a preempted sequence re-prefills all but its last token
@@ -192,7 +207,7 @@ def plan(*, max_slots: int, page_size: int, max_prompt_len: int, max_new_tokens:
         prefill_budget=max(pow2(max_prefill_tokens), pow2(max_prefill_len), MIN_PREFILL_BUCKET),
         q_cap=q_cap,
         verify_budget=max(int(max_slots), int(max_verify_tokens) or 4 * int(max_slots)),
-        passes=max(1, int(passes_per_dispatch)))
+        passes=max(1, int(passes_per_dispatch)), row_buckets=tuple(sorted({int(b) for b in row_buckets})))
 
 
 def plan_from_config(cfg: RunConfig) -> ShapePlan:
@@ -200,7 +215,7 @@ def plan_from_config(cfg: RunConfig) -> ShapePlan:
     r = cfg.rollout
     return plan(max_slots=r.max_slots, page_size=r.page_size, max_prompt_len=r.max_prompt_len,
                 max_new_tokens=r.max_new_tokens, max_verify_tokens=r.max_verify_tokens,
-                passes_per_dispatch=r.passes_per_dispatch)
+                passes_per_dispatch=r.passes_per_dispatch, row_buckets=tuple(r.row_buckets))
 
 
 def programs_from_config(cfg: RunConfig) -> list[PassShape]:

@@ -149,7 +149,7 @@ class EnginePasses:
             choice, curve = allocation.choose_pass(self.plan, lens, estimates, self.cost,
                                                    getattr(batch, "priorities", None))
         else:
-            choice, curve = floor_pass(lens, estimates, self.floor, shapes.seq_bucket(lens.size, self.plan.max_slots))
+            choice, curve = floor_pass(lens, estimates, self.floor, self.plan.bucket(lens.size))
         self.predicted += allocation.expected_accepted(curve, choice.draft_lens)
         self.seconds += self.cost(choice.rows, choice.tokens, choice.q_len)
         return np.asarray(choice.draft_lens, np.int64)
@@ -161,7 +161,7 @@ def plain_seconds(lengths: list[int], plan, cost: Callable[[int, int, int], floa
     lengths = np.sort(np.asarray(lengths))
     total, prev = 0.0, 0
     for i, n in enumerate(lengths):
-        rows = shapes.seq_bucket(lengths.size - i, plan.max_slots)
+        rows = plan.bucket(lengths.size - i)
         total += (int(n) - prev) * cost(rows, rows, 1)
         prev = int(n)
     return total

@@ -52,7 +52,7 @@ def pass_inputs(eng, rows: int, context: int, k, rng: np.random.Generator):
     slot_len = np.full(eng.max_slots, context, np.int64)
     slot_last = rng.integers(0, eng.model_cfg.vocab_size, eng.max_slots).astype(np.int32)
     drafts = rng.integers(0, eng.model_cfg.vocab_size, (rows, k_max)).astype(np.int32)
-    n_rows = batching.seq_bucket(rows, eng.max_slots)
+    n_rows = eng.plan.bucket(rows)
     t, q = eng.plan.pass_pair(n_rows, int(rows + lens.sum()))  # the bucket the engine would pick
     width = eng.plan.width(int(alloc.num_held[ids].max()))
     return batching.verify_inputs(ids, slot_len, slot_last, drafts, np.minimum(lens, q - 1), alloc.page_table,
