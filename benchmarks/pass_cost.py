@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=0, help="engine's max_new_tokens (pool size; 0: drafts + 2)")
     ap.add_argument("--verify-tokens", type=int, default=0, help="engine's max_verify_tokens (0: rows x (drafts + 1))")
     ap.add_argument("--memory", action="store_true", help="with --buckets: compiled temporaries of each program")
+    ap.add_argument("--row-buckets", default="", help="extra row buckets (rollout.row_buckets), e.g. 1,8")
     args = ap.parse_args(argv)
     try:
         ks = parse_drafts(args.drafts)
@@ -59,7 +60,8 @@ def main(argv=None) -> int:
         return 2
     max_k = max(-(-(t - r) // r) for r, t in buckets) if buckets else max(ks)  # most drafts of one row
     eng, state = pass_engine(model_config(args.model), args.dtype, args.rows, args.context, max_k, args.attention,
-                             max_new_tokens=args.max_new_tokens, verify_tokens=args.verify_tokens)
+                             max_new_tokens=args.max_new_tokens, verify_tokens=args.verify_tokens,
+                             row_buckets=tuple(int(b) for b in args.row_buckets.split(",") if b))
     if buckets:
         return _buckets(args, eng, state, buckets)
     results = pass_costs(eng, state, ks, args.rows, args.context, args.iters, args.temperature,

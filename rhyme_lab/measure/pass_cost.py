@@ -108,11 +108,12 @@ def parse_drafts(text: str) -> list[int]:
 
 
 def pass_engine(cfg: ModelConfig, dtype: str, rows: int, context: int, max_k: int, attention: str = "auto",
-                *, max_new_tokens: int = 0, verify_tokens: int = 0):
+                *, max_new_tokens: int = 0, verify_tokens: int = 0, row_buckets: tuple[int, ...] = ()):
     """A ``RolloutEngine`` of ``rows`` slots for passes of up to ``max_k`` drafts per row, and
     random (seed 0) ``dtype`` weights of ``cfg`` on one device: ``(engine, state)``.
     ``max_new_tokens`` (default ``max_k + 2``) sizes the pool with the prompt length
-    ``context``; ``verify_tokens`` is the verify budget (default ``rows * (max_k + 1)``)."""
+    ``context``; ``verify_tokens`` is the verify budget (default ``rows * (max_k + 1)``);
+    ``row_buckets``: extra row buckets (``rollout.row_buckets``)."""
     from rhyme_jax.config import RolloutSection
     from rhyme_jax.model.transformer import Decoder
     from rhyme_jax.parallel.mesh import train_mesh
@@ -125,7 +126,7 @@ def pass_engine(cfg: ModelConfig, dtype: str, rows: int, context: int, max_k: in
     eng = RolloutEngine(graphdef, cfg, EngineConfig(
         max_slots=rows, page_size=RolloutSection.page_size, num_pages=0, max_prompt_len=context,
         max_new_tokens=max(max_new_tokens, max_k + 2), eos_ids=[], attention_impl=attention,
-        max_verify_tokens=verify_tokens or rows * (max_k + 1)))
+        max_verify_tokens=verify_tokens or rows * (max_k + 1), row_buckets=row_buckets))
     return eng, state
 
 
