@@ -54,8 +54,8 @@ def seq_buckets(max_slots: int, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
     ``max_slots`` (at least 1 each), so tail steps with few live sequences run small programs,
     plus the ``extra`` buckets (``rollout.row_buckets``) up to ``max_slots``. The reference
     attention computes every row of a bucket, live or not: on the 2-core CPU one decode pass of
-    the ledger config's model at 384 pages cost 2.95 ms for a 1-row bucket, 8.9 ms for 4 rows,
-    16.5 ms for 8 and 55.8 ms for 16 (docs/results.md, L5), so a long response decoding alone
+    the ledger config's model at 384 pages cost 2.6 ms for a 1-row bucket, 8.8 ms for 4 rows,
+    18.3 ms for 8 and 48.8 ms for 16 (docs/results.md, L5), so a long response decoding alone
     or with a few others at the token cap runs far faster in a bucket of its size."""
     return tuple(sorted({max(1, max_slots // 16), max(1, max_slots // 4), max_slots}
                         | {int(b) for b in extra if 1 <= int(b) <= max_slots}))
