@@ -7,9 +7,10 @@ There a worker's time is ``a x`` its longest row ``+ b x`` the row-passes beside
 (``CostModel.decode_cost``), so the makespan is the longest row's serial decode plus the long rows
 that share its worker; keeping a prompt whole stacks its long samples on one worker. On the
 ledger task (configs/longtail.yaml) a prompt's last rollout ranks its lengths now at Spearman 1.00
-but not which of its samples runs long (samples are exchangeable): placements of whole prompts
-planned from history reached 1.02x fifo and the best that knows the true lengths 1.05x, while
-spreading the samples replayed at 1.19x (docs/results.md, L5).
+but not which of its samples runs long (samples are exchangeable): in three runs placements of
+whole prompts planned from history replayed at 0.97-1.03x fifo and the best that knows the true
+lengths at 1.05-1.06x, while spreading the samples replayed at 1.19x, 1.30x and 1.19x
+(docs/results.md, L5).
 
 Order (history's part): prompts by descending predicted length (ties by index) and their rows
 dealt round-robin over the workers, continuing where the last prompt stopped, so every worker
