@@ -238,7 +238,7 @@ class RolloutSection:
     share_prompt_prefix: bool = True  # samples of one prompt share its full KV pages (prefill once)
     passes_per_dispatch: int = 1  # decode passes per device call (rollout/chunk.py): > 1 cuts host time per pass ~N-fold; a row finishing mid-chunk idles to the chunk's end and rows hold pages for N tokens ahead; with HistoSpec the chunk drafts on the device (rollout/chunk_spec.py)
     draft_history: int = 1024  # HistoSpec chunks: history tokens per row the device drafts from (the prompt's last rollouts, its siblings)
-    row_buckets: tuple[int, ...] = ()  # extra decode/verify row buckets beside max_slots/16, /4 and max_slots (rollout/shapes.py seq_buckets): long tails decoding alone or in few rows run small programs; each adds programs to compile
+    row_buckets: list[int] = field(default_factory=list, hash=False)  # extra decode/verify row buckets beside max_slots/16, /4 and max_slots (rollout/shapes.py seq_buckets): long tails decoding alone or in few rows run small programs; each adds programs to compile
     # engine weights and KV pages: "" = model.dtype | float32 | bfloat16 (a bf16 copy of the float32 master
     # weights, cast at each weight sync; its logprobs differ from the trainer's: grpo.tis corrects; docs/precision.md)
     dtype: RolloutDtype = ""
