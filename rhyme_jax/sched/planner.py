@@ -49,7 +49,7 @@ from jaxtyping import Float, Int
 
 from rhyme_jax.sched.cost_model import CostModel
 from rhyme_jax.sched.exact_placement import MAX_PROMPTS, best_subsets, prompts_of
-from rhyme_jax.sched.spread_placement import spread_rows
+from rhyme_jax.sched.spread_placement import rows_of, spread_counts
 
 MODES = ("histopipe", "fifo")
 
@@ -401,12 +401,11 @@ def _exact(step: int, pred: np.ndarray, n: int, W: int, cost_model: CostModel) -
 def _spread(step: int, pred: np.ndarray, n: int, W: int, cost_model: CostModel) -> Plan:
     """The sample-level spread (``spread_placement``): one group per prompt, in dealing order; a
     worker's groups are the prompts it holds samples of."""
-    rows = spread_rows(pred, n, W)
-    owners = [np.unique(r // n) for r in rows]
-    k = np.array([sum(int(p in o) for o in owners) for p in range(pred.size)], np.int64)
+    counts = spread_counts(pred, n, W)
     return _finish(step, "histopipe", n, [np.array([p], np.int64) for p in range(pred.size)],
-                   np.argsort(-pred, kind="stable").tolist(), None, k, rows,
-                   [tuple(int(p) for p in o) for o in owners], pred, cost_model, ["spread placement"])
+                   np.argsort(-pred, kind="stable").tolist(), None, (counts > 0).sum(axis=0).astype(np.int64),
+                   rows_of(counts, n), [tuple(np.flatnonzero(c).tolist()) for c in counts], pred, cost_model,
+                   ["spread placement"])
 
 
 def _finish(step, mode, n, groups, order, ascending, k, worker_rows, worker_groups, pred,

@@ -52,13 +52,18 @@ def spread_rows(pred: Float[np.ndarray, "P"], n: int, workers: int) -> list[np.n
     Raises:
       ValueError: as ``spread_counts``.
     """
-    counts = spread_counts(pred, n, workers)
+    return rows_of(spread_counts(pred, n, workers), n)
+
+
+def rows_of(counts: np.ndarray, n: int) -> list[np.ndarray]:
+    """Each worker's ``int64`` rows for ``counts int[W, P]`` samples of each prompt on each worker
+    (columns summing to ``n``): contiguous runs of each prompt's rows in worker order."""
     start = np.cumsum(np.vstack([np.zeros((1, counts.shape[1]), np.int64), counts]), axis=0)  # [W+1, P]
     out = []
-    for w in range(workers):
+    for w in range(counts.shape[0]):
         runs = [np.arange(p * n + start[w, p], p * n + start[w + 1, p]) for p in range(counts.shape[1])]
         out.append(np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64))
     return out
 
 
-__all__ = ["spread_counts", "spread_rows"]
+__all__ = ["rows_of", "spread_counts", "spread_rows"]
