@@ -44,20 +44,10 @@ def spread_counts(pred: Float[np.ndarray, "P"], n: int, workers: int) -> np.ndar
     return counts
 
 
-def spread_rows(pred: Float[np.ndarray, "P"], n: int, workers: int) -> list[np.ndarray]:
-    """Each worker's ``int64`` rows (row ``r`` of prompt ``r // n``, ascending) under the spread
-    placement: ``spread_counts`` samples of each prompt, as contiguous runs of its ``n`` rows in
-    worker order. Every row of the step exactly once.
-
-    Raises:
-      ValueError: as ``spread_counts``.
-    """
-    return rows_of(spread_counts(pred, n, workers), n)
-
-
 def rows_of(counts: np.ndarray, n: int) -> list[np.ndarray]:
-    """Each worker's ``int64`` rows for ``counts int[W, P]`` samples of each prompt on each worker
-    (columns summing to ``n``): contiguous runs of each prompt's rows in worker order."""
+    """Each worker's ``int64`` rows (row ``r`` of prompt ``r // n``, ascending) for ``counts
+    int[W, P]`` samples of each prompt on each worker (``spread_counts``; columns summing to
+    ``n``): contiguous runs of each prompt's rows in worker order, every row of the step once."""
     start = np.cumsum(np.vstack([np.zeros((1, counts.shape[1]), np.int64), counts]), axis=0)  # [W+1, P]
     out = []
     for w in range(counts.shape[0]):
@@ -66,4 +56,4 @@ def rows_of(counts: np.ndarray, n: int) -> list[np.ndarray]:
     return out
 
 
-__all__ = ["rows_of", "spread_counts", "spread_rows"]
+__all__ = ["rows_of", "spread_counts"]
