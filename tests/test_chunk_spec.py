@@ -87,9 +87,42 @@ def test_budget_fit_and_context_append():
     # 3 left first come: row 0 takes 2 more, row 3 one more, row 4 none; the dead row nothing
     assert fit_to_budget(lens, live, 10).tolist() == [3, 0, 0, 2, 1]
     assert fit_to_budget(lens, live, 40).tolist() == [3, 0, 0, 2, 5]
+    # a chunk also feeds one token for each row that finished earlier in it (the dead row 2): with
+    # 5 fed tokens the room is 5: shares of 1 (row 1 wants none), then the 2 left to row 0; 5 + 3 + 1 + 1 = 10
+    assert fit_to_budget(lens, live, 10, fed=jnp.int32(5)).tolist() == [3, 0, 0, 1, 1]
+    # nothing but the fed tokens fits: no draft, never a negative one
+    assert fit_to_budget(lens, live, 4, fed=jnp.int32(5)).tolist() == [0, 0, 0, 0, 0]
     ctx = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
     new = jnp.array([[7, 8], [9, 0]], jnp.int32)
     assert append_tokens(ctx, new, jnp.array([2, 1], jnp.int32)).tolist() == [[3, 7, 8], [5, 6, 9]]
+
+
+def test_a_pass_packs_every_live_row_within_its_tokens_when_a_row_has_finished():
+    """``chunk_spec._pack`` after a row finished mid-chunk: the done row still feeds one scratch
+    token, so the drafts are fitted to ``T`` minus every row's fed token. Before, the fit counted
+    live rows only and this pass packed 7 tokens into ``T = 6``: the last row's pending token fell
+    past ``T`` (never computed, its K/V page slot never written) while its kv_len counted it; on
+    the ledger task that gave behaviour logprobs up to 4 nats off the trainer's recompute in 9 of
+    64 rows of a step (tokens mostly unchanged: the rows repeated digits)."""
+    from rhyme_jax.rollout.chunk_spec import _pack
+
+    ps, total = 4, 6
+    pending = jnp.array([11, 12, 13, 14], jnp.int32)
+    pos = jnp.array([5, 9, 6, 7], jnp.int32)
+    drafts = jnp.array([[21, 22, 23], [0, 0, 0], [31, 32, 33], [41, 42, 43]], jnp.int32)
+    lens = jnp.array([3, 3, 3, 3], jnp.int32)
+    is_row = jnp.ones(4, bool)
+    live = jnp.array([True, False, True, True])  # row 1 finished earlier in the chunk
+    pages = jnp.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], jnp.int32)
+    tok, position, _, meta, cu, fed = _pack(pending, pos, lens, drafts, is_row, live, pages, jnp.arange(4),
+                                           total=total, page_size=ps)
+    assert fed.tolist() == [2, 0, 0, 0]  # 4 fed tokens, 2 of draft room, first come first served
+    assert cu.tolist() == [0, 3, 4, 5, 6] and int(cu[-1]) <= total
+    assert tok.tolist() == [11, 21, 22, 12, 13, 14] and position.tolist() == [5, 6, 7, 9, 6, 7]
+    # every live row's tokens write their own page slots; the done row writes scratch slot 0
+    slot = lambda r, p: int(pages[r, p // ps]) * ps + p % ps  # noqa: E731
+    assert meta.slot_mapping.tolist() == [slot(0, 5), slot(0, 6), slot(0, 7), 0, slot(2, 6), slot(3, 7)]
+    assert meta.kv_lens.tolist() == [8, 9, 7, 8]
 
 
 def _drafter(store, pids, siblings=True, window="goodput"):
@@ -227,8 +260,12 @@ def test_always_right_drafts_on_the_device_in_chunks():
     want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
     eng = _engine(**kw, passes_per_dispatch=4)
     got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=AlwaysRightDrafter(prompts, want.tokens, MAX_NEW))
-    for g, w in zip(got.tokens, want.tokens):
+    atol = logprob_atol(prompts, want.tokens)
+    for g, w, glp, wlp in zip(got.tokens, want.tokens, got.logprobs, want.logprobs):
         np.testing.assert_array_equal(g, w)
+        # the behaviour logprobs too: a pass that packed more than its T tokens once a row had finished
+        # left the last row's K/V unwritten, and its logprobs (not always its tokens) went wrong
+        np.testing.assert_allclose(glp, wlp, atol=atol, rtol=0)
     s = got.stats
     assert any(p.kind == "spec_chunk" for p in eng.programs_run)
     assert s["drafted_tokens"] > 0 and s["accepted_tokens"] == s["drafted_tokens"]

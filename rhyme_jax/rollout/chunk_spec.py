@@ -66,9 +66,13 @@ class SpecChunkInputs:
 
 
 def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: int, page_size: int):
-    """Packed ``tokens / positions / streams i32[T]`` and the ``RaggedMeta`` of one pass: live row
-    ``s`` feeds ``[pending, drafts[s, :lens[s]]]`` at ``pos[s]...``; a done row feeds one token
-    writing scratch page 0; padding rows feed none."""
+    """Packed ``tokens / positions / streams i32[T]``, the ``RaggedMeta`` of one pass, ``cu``
+    and the draft lengths fed: live row ``s`` feeds ``[pending, drafts[s, :lens'[s]]]`` at
+    ``pos[s]...`` with ``lens'`` = ``lens`` cut to fit ``T`` (``fit_to_budget``); a done row
+    feeds one token writing scratch page 0 (counted in the fit: uncounted, the rows after a done
+    one lost their last draft tokens past ``T`` while their K/V were taken as written); padding
+    rows feed none."""
+    lens = fit_to_budget(lens, live & is_row, total, fed=jnp.sum(is_row.astype(jnp.int32)))
     rows, width = pages.shape
     q = jnp.where(is_row, 1 + lens, 0).astype(jnp.int32)
     cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q).astype(jnp.int32)])
@@ -85,7 +89,7 @@ def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: in
     meta = RaggedMeta(kv_lens=jnp.where(is_row, pos + jnp.where(live, q, 0), 0), page_indices=pages, cu_q_lens=cu,
                       num_seqs=jnp.reshape(jnp.sum(is_row.astype(jnp.int32)), (1,)),
                       slot_mapping=jnp.where(writes, page * page_size + position % page_size, 0))
-    return tok.astype(jnp.int32), position.astype(jnp.int32), jnp.where(used, streams[owner], 0), meta, cu
+    return tok.astype(jnp.int32), position.astype(jnp.int32), jnp.where(used, streams[owner], 0), meta, cu, lens
 
 
 @functools.partial(jax.jit, static_argnums=(0,),
@@ -126,9 +130,8 @@ def spec_chunk(static: StaticModel, leaves, kv, pending: Int[Array, "S"], positi
         room = jnp.maximum(budgets - count - 1, 0)
         drafts, lens = lookup_drafts(source, pattern_min, jnp.minimum(room, q_len - 1), q_len - 1,
                                      own_from=history.shape[1])
-        lens = fit_to_budget(lens, live & is_row, total)
-        ptok, ppos, pstream, meta, cu = _pack(jnp.where(is_row, tok, 0), jnp.where(is_row, pos, 0), lens, drafts,
-                                              is_row, live, pages, streams, total=total, page_size=page_size)
+        ptok, ppos, pstream, meta, cu, lens = _pack(jnp.where(is_row, tok, 0), jnp.where(is_row, pos, 0), lens, drafts,
+                                                    is_row, live, pages, streams, total=total, page_size=page_size)
         t, lp, n, kv = verify_pass(static, leaves, kv, ptok, ppos, meta, pstream, key, temperature, top_k, top_p,
                                    max_q_len=q_len, mode=mode, attention_impl=attention_impl, mesh=mesh)
         at = jnp.clip(cu[:-1, None] + cols, 0, total - 1)

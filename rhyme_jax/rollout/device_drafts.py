@@ -75,15 +75,24 @@ def lookup_drafts(source: Int[Array, "S L"], pattern_min: Int[Array, ""], max_le
     return drafts, lens
 
 
-def fit_to_budget(lens: Int[Array, "S"], live: Int[Array, "S"], total: int) -> Int[Array, "S"]:
-    """Draft lengths cut so every live row's ``1 + draft`` fits ``total`` packed tokens
-    (``int32[S]``; dead rows 0): each live row first gets up to an equal share of the room
-    (``(total - live rows) // live rows``), then what is left goes to the rows that want more,
-    first come first served. Equal shares keep the rows of a chunk advancing together."""
+def fit_to_budget(lens: Int[Array, "S"], live: Int[Array, "S"], total: int,
+                  fed: Int[Array, ""] | None = None) -> Int[Array, "S"]:
+    """Draft lengths cut so every live row's draft fits ``total`` packed tokens beside the
+    ``fed`` tokens every row feeds anyway (``int32[S]``; dead rows 0): each live row first gets
+    up to an equal share of the room (``(total - fed) // live rows``), then what is left goes to
+    the rows that want more, first come first served. Equal shares keep the rows of a chunk
+    advancing together.
+
+    ``fed``: packed tokens taken before any draft (default: one pending token per live row). A
+    HistoSpec chunk also feeds one scratch token for each row that finished earlier in the chunk
+    (``chunk_spec._pack``), so it passes its row count: counting live rows alone let a pass pack
+    more than ``total`` tokens once a row had finished, and the last rows' tail tokens were never
+    computed while their K/V pages were assumed written (wrong behaviour logprobs from there on).
+    """
     lens = jnp.where(live, lens, 0)
     n_live = jnp.sum(live.astype(jnp.int32))
-    room = total - n_live
-    share = jnp.minimum(lens, room // jnp.maximum(n_live, 1))
+    room = total - (n_live if fed is None else fed)
+    share = jnp.minimum(lens, jnp.maximum(room, 0) // jnp.maximum(n_live, 1))
     want = lens - share
     left = room - jnp.sum(share)
     before = jnp.cumsum(want) - want
