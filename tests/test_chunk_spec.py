@@ -263,8 +263,8 @@ def test_always_right_drafts_on_the_device_in_chunks():
     atol = logprob_atol(prompts, want.tokens)
     for g, w, glp, wlp in zip(got.tokens, want.tokens, got.logprobs, want.logprobs):
         np.testing.assert_array_equal(g, w)
-        # the behaviour logprobs too: a pass that packed more than its T tokens once a row had finished
-        # left the last row's K/V unwritten, and its logprobs (not always its tokens) went wrong
+        # the behaviour logprobs too (what the loss scores): on the ledger task a chunk's packing error changed
+        # them where the tokens stayed the same (this small case does not reach it: the packing test above does)
         np.testing.assert_allclose(glp, wlp, atol=atol, rtol=0)
     s = got.stats
     assert any(p.kind == "spec_chunk" for p in eng.programs_run)
