@@ -375,11 +375,19 @@ def test_draft_room_climbs_the_ladder_and_the_guard_picks_a_rung():
         guard.observe(4, 384, 6, accepted=0, row_passes=16)
     assert guarded_program(eng, 4, 384, 2, 2) is None  # the bottom rung no longer pays
 
-def test_extra_row_buckets_run_small_programs_with_the_same_tokens():
+def test_extra_row_buckets_are_planned_and_checked_at_load():
     """``rollout.row_buckets``: extra decode/verify row buckets beside ``max_slots / 16``, ``/ 4``
-    and ``max_slots``; the chunked engine, plain and with device drafts, runs its tail in them and
-    emits exactly the tokens of the engine without them (sampling is keyed by request and
-    position). A bucket outside ``[1, max_slots]`` fails at load time."""
+    and ``max_slots`` in the engine's plan; a bucket outside ``[1, max_slots]`` fails at load time."""
+    assert _engine(max_slots=16, row_buckets=(2, 8)).plan.buckets() == (1, 2, 4, 8, 16)
+    with pytest.raises(ConfigError, match="rollout.row_buckets"):
+        RolloutSection(max_slots=16, row_buckets=[32])
+
+
+@pytest.mark.slow  # ~25 s; rollout.row_buckets is off in every shipped config
+def test_extra_row_buckets_run_small_programs_with_the_same_tokens():
+    """The chunked engine with extra row buckets, plain and with device drafts, runs its tail in
+    them and emits exactly the tokens of the engine without them (sampling is keyed by request
+    and position)."""
     from rhyme_lab.ablate.paired import AlwaysRightDrafter
 
     state, eos = _model()[1], _sampled_eos(3)
@@ -389,11 +397,8 @@ def test_extra_row_buckets_run_small_programs_with_the_same_tokens():
     want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
     for drafter in (None, AlwaysRightDrafter(prompts, want.tokens, MAX_NEW)):
         eng = _engine(**kw, row_buckets=(2, 8))
-        assert eng.plan.buckets() == (1, 2, 4, 8, 16)
         got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=drafter)
         for g, w in zip(got.tokens, want.tokens):
             np.testing.assert_array_equal(g, w)
         assert {p.rows for p in eng.programs_run if p.kind != "prefill"} & {2, 8}
         assert eng.programs_run <= set(eng.programs())
-    with pytest.raises(ConfigError, match="rollout.row_buckets"):
-        RolloutSection(max_slots=16, row_buckets=[32])
