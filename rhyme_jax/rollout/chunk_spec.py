@@ -72,7 +72,8 @@ def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: in
     feeds one token writing scratch page 0 (counted in the fit: uncounted, the rows after a done
     one lost their last draft tokens past ``T`` while their K/V were taken as written); padding
     rows feed none."""
-    lens = fit_to_budget(lens, live & is_row, total, fed=jnp.sum(is_row.astype(jnp.int32)))
+    n_rows = jnp.sum(is_row.astype(jnp.int32))  # rows that feed a token this pass, done ones included
+    lens = fit_to_budget(lens, live & is_row, total, fed=n_rows)
     rows, width = pages.shape
     q = jnp.where(is_row, 1 + lens, 0).astype(jnp.int32)
     cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q).astype(jnp.int32)])
@@ -87,7 +88,7 @@ def _pack(pending, pos, lens, drafts, is_row, live, pages, streams, *, total: in
     page = jnp.take_along_axis(pages[owner], col[:, None], axis=1)[:, 0]
     writes = used & live[owner]
     meta = RaggedMeta(kv_lens=jnp.where(is_row, pos + jnp.where(live, q, 0), 0), page_indices=pages, cu_q_lens=cu,
-                      num_seqs=jnp.reshape(jnp.sum(is_row.astype(jnp.int32)), (1,)),
+                      num_seqs=jnp.reshape(n_rows, (1,)),
                       slot_mapping=jnp.where(writes, page * page_size + position % page_size, 0))
     return tok.astype(jnp.int32), position.astype(jnp.int32), jnp.where(used, streams[owner], 0), meta, cu, lens
 
