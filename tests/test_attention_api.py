@@ -105,7 +105,8 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_sharded_attention_over_tensor_axis_matches_reference():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
     here = os.path.dirname(__file__)
     env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,

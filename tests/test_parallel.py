@@ -34,7 +34,7 @@ ROOT = TESTS.parent
 
 
 def _env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    return dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
                 JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 

@@ -31,7 +31,7 @@ CONFIG = ROOT / "configs" / "tiny_test.yaml"
 @pytest.fixture(scope="module")
 def sched_cases(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("sched") / "cases.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(TESTS / "sched_cases.py"), str(out), *selected_cases(request)], env=env,
                           capture_output=True, text=True, timeout=900)
