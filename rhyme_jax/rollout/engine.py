@@ -39,8 +39,7 @@ from rhyme_jax.model.precision import cast_floating, dtype_of, with_compute_dtyp
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, chunk, chunk_spec, shapes
 from rhyme_jax.rollout.allocation import PassChoice
-from rhyme_jax.rollout.pass_cost import PROFILE_VERSION, PassCost, profile
-from rhyme_jax.rollout.pass_cost import cache_path as pass_cost_cache_path
+from rhyme_jax.rollout.pass_cost import PassCost
 from rhyme_jax.rollout.batching import PassInputs
 from rhyme_jax.rollout.engine_config import EngineConfig  # noqa: F401 (re-exported with the engine)
 from rhyme_jax.rollout.kv_cache import KVCache
@@ -48,7 +47,7 @@ from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
 from rhyme_jax.rollout.spec_guard import SpecGuard
-from rhyme_jax.rollout.pass_runner import PassRunner
+from rhyme_jax.rollout.pass_runner import PassRunner, profile_pass_cost, use_pass_cost
 from rhyme_jax.rollout.types import (  # noqa: F401 (re-exported: the engine's public types)
     Drafter, EngineConfigError, Progress, PromptTooLongError, RolloutResult, SamplingParams, derive_rates)
 
@@ -186,42 +185,16 @@ class RolloutEngine:
         return PassRunner(self, state, sampling)
 
     def profile_pass_cost(self, state: nnx.State, sampling: SamplingParams, repeats: int = 5) -> PassCost:
-        """Measure ``self.pass_cost``: the median of ``repeats`` rounds of runs of every decode/verify program
-        (``pass_cost.profile`` over ``self.programs(spec=True)`` with every row live on its own pages
-        when no slot holds any, ``batching.busy_verify``; each compiled or loaded first). Returns the new model (its ``meta`` names backend and device)."""
-        runner = self.runner(state, sampling)
-        own_pages = self.num_pages if not self.allocator.num_held.any() else 0  # pool idle: rows on their own pages
-        secs = profile(lambda shape: runner.run(runner.inputs(shape, busy=True, own_pages=own_pages)),
-                       self.programs(spec=True), repeats)
-        dev = jax.devices()[0]
-        self.pass_cost = PassCost(secs, {"backend": jax.default_backend(), "device": dev.device_kind,
-                                         "source": "profiled"})
-        return self.pass_cost
+        """Measure and set ``self.pass_cost`` (``pass_runner.profile_pass_cost``)."""
+        return profile_pass_cost(self, state, sampling, repeats)
 
     def use_pass_cost(self, state: nnx.State, sampling: SamplingParams, path: str = "") -> PassCost:
-        """Set ``self.pass_cost`` from ``path`` (a ``PassCost`` JSON; ``"prior"``: the analytical
-        prior) or, with no path, from the cache file of this engine's model, dtype, backend, device kind and plan
-        (``pass_cost.cache_path``), profiling and caching it when there is none.
+        """Set ``self.pass_cost`` from ``path``, the cache or a profile (``pass_runner.use_pass_cost``).
 
         Raises:
           PassCostError: ``path`` (or a corrupt cache file) cannot be read.
         """
-        if path:
-            self.pass_cost = PassCost.prior() if path == "prior" else PassCost.load(path)
-            return self.pass_cost
-        leaves = jax.tree.leaves(jax.eval_shape(self._cast, state))  # shapes and the dtype it runs in
-        cfg = self.model_cfg
-        parts = {"profile": PROFILE_VERSION, "model": [cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
-                           sum(int(np.prod(x.shape)) for x in leaves)],
-                 "dtype": str(leaves[0].dtype) if leaves else "", "backend": jax.default_backend(),
-                 "device": jax.devices()[0].device_kind, "devices": int(self.mesh.size),
-                 "attention": self.attention_impl, "plan": dataclasses.astuple(self.plan)}
-        cached = pass_cost_cache_path(parts)
-        if cached.is_file():
-            self.pass_cost = PassCost.load(cached)
-        else:
-            self.profile_pass_cost(state, sampling).save(cached)
-        return self.pass_cost
+        return use_pass_cost(self, state, sampling, path)
 
     def _pool_factory(self, state) -> Callable[[], KVCache]:
         """A function creating this engine's zero KV pool in the dtype ``state`` computes in."""
