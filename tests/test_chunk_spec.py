@@ -305,11 +305,23 @@ def test_device_drafts_run_when_the_host_sends_no_draft():
             assert len({p.tokens for p in ran}) > 1
 
 
-def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
+def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay(monkeypatch):
     """Verify programs priced at 10 decode passes and drafts from another key's history: after the
     first HistoSpec chunk of a (rows, width) key the guard runs plain chunks (probing every
-    ``PROBE_EVERY``-th), and the tokens stay the plain engine's."""
+    ``PROBE_EVERY``-th), each of its trials runs at most ``TRIAL_PASSES`` passes (1 here; the
+    unguarded engine's chunks run 2), and the tokens stay the plain engine's."""
+    from rhyme_jax.rollout import chunk_spec
     from rhyme_jax.rollout.spec_guard import PROBE_EVERY
+
+    monkeypatch.setattr(chunk_spec, "TRIAL_PASSES", 1)
+    asked = []  # passes asked of each HistoSpec chunk
+    real_call = chunk_spec.call
+
+    def call(engine, flat_state, inp, *args):
+        asked.append(int(inp.base.passes))
+        return real_call(engine, flat_state, inp, *args)
+
+    monkeypatch.setattr(chunk_spec, "call", call)
 
     state, eos = _model()[1], _sampled_eos(3)
     prompts = _prompts(0)
@@ -329,14 +341,16 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
         def observe(self, *args, width=0):
             pass
 
-    runs = {}
+    runs, passes = {}, {}
     for guarded in (True, False):
+        asked.clear()
         eng = _engine(**kw, passes_per_dispatch=2)
         eng.pass_cost = Priced({}, {"source": "test"})
         eng.spec_guard.enabled = guarded
         eng.spec_guard.observe_seconds = lambda *a: None  # price by Priced alone (realized seconds: test_spec_guard)
         with _drafter(store, pids, window="aimd") as d:  # the AIMD window always sends its drafts
             runs[guarded] = got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
+        passes[guarded] = set(asked)
         for g, w in zip(got.tokens, want.tokens):
             np.testing.assert_array_equal(g, w)
     on, off = runs[True].stats, runs[False].stats
@@ -344,7 +358,8 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay():
     assert on["spec_chunk_passes"] < off["spec_chunk_passes"]
     # every HistoSpec chunk (2 passes at most) the guard let run was a key's first or a probe
     keys = len(eng.spec_guard.gain)
-    assert 0 < on["spec_chunk_passes"] <= 2 * (keys + on["spec_chunks_declined"] // (PROBE_EVERY - 1))
+    assert 0 < on["spec_chunk_passes"] <= keys + on["spec_chunks_declined"] // (PROBE_EVERY - 1)
+    assert passes == {True: {1}, False: {2}}  # every guarded HistoSpec chunk here is a trial
 
 
 def test_draft_room_climbs_the_ladder_and_the_guard_picks_a_rung():

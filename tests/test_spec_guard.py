@@ -87,3 +87,18 @@ def test_the_climb_tries_a_rung_once_those_below_paid_and_runs_the_fastest():
         g.observe(4, 384, 32, accepted=0, row_passes=1)
     assert g.gain[(4, 384, 32)] == pytest.approx(9 / 16)
     assert g.choose(4, 384, rungs, 1.0) == 6 and g.declined[(4, 384, 32)] == 1  # the climb stops at 32
+
+
+def test_first_tries_and_probes_are_trials_and_paying_choices_are_not():
+    """``trial`` marks a key's first try and a probe (the chunk then runs at most ``TRIAL_PASSES``
+    passes); a rung chosen because it paid, a plain chunk and a disabled guard's choice are not."""
+    g = SpecGuard()
+    assert g.choose(64, 96, ONE, decode_seconds=1.0) == 96 and g.trial  # first try
+    g.observe(64, 96, 96, accepted=300, row_passes=100)  # 3 a row-pass: pays at 3 s a pass
+    assert g.choose(64, 96, ONE, decode_seconds=1.0) == 96 and not g.trial
+    g.observe(64, 96, 96, accepted=0, row_passes=100)  # EMA 1.5: (1 + 1.5) * 1.0 < 3.0
+    got = [g.choose(64, 96, ONE, decode_seconds=1.0) for _ in range(PROBE_EVERY)]
+    assert got[:-1] == [None] * (PROBE_EVERY - 1) and got[-1] == 96 and g.trial  # the probe
+    assert g.choose(64, 96, ONE, decode_seconds=1.0) is None and not g.trial
+    off = SpecGuard(enabled=False)
+    assert off.choose(64, 96, ONE, decode_seconds=1.0) == 96 and not off.trial

@@ -25,6 +25,7 @@ budget); rows that finish leave at the chunk's end, as in ``rollout/chunk.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from rhyme_jax.rollout.device_drafts import append_tokens, fit_to_budget, lookup
 from rhyme_jax.rollout.forward import RaggedMeta
 from rhyme_jax.rollout.passes import StaticModel, verify_pass
 from rhyme_jax.rollout.shapes import PassShape, verify_pairs
+from rhyme_jax.rollout.spec_guard import TRIAL_PASSES
 
 CONTEXT = 256  # C: own tokens of each row searched on the device (the host drafter's self-lookup width)
 
@@ -254,7 +256,8 @@ def decode(engine, table, run, drafter) -> bool:
     that accepts whole drafts, such as a response repeating one token to the cap, climbs the
     ladder ``Q`` = 3, 17, 33 of a small row bucket); the engine's ``SpecGuard``
     (``rollout/spec_guard.py``) picks the rung at or below it that emitted the most tokens a
-    second at this width (``guarded_program``). Pages are reserved, the chunk runs and every row's emitted
+    second at this width (``guarded_program``); a trial of the guard's (a key's first try or a
+    probe) runs at most ``TRIAL_PASSES`` passes. Pages are reserved, the chunk runs and every row's emitted
     tokens are recorded. Falls back to a plain chunk (``chunk.decode``) when the guard finds that
     no rung emitted more tokens a second than decode (with the guard off: when the host
     drafter's choice carries no draft). The host's choice only sizes the chunk: on the ledger
@@ -273,10 +276,11 @@ def decode(engine, table, run, drafter) -> bool:
         table.stats["spec_chunks_declined"] += 1  # no verify program here emits more tokens a second
         return chunk.decode(engine, table, run)
     total, q_len = pair
-    budgets = chunk.reserve(table, ids, engine.plan.passes * q_len)
+    passes = min(engine.plan.passes, TRIAL_PASSES) if engine.spec_guard.trial else engine.plan.passes
+    budgets = chunk.reserve(table, ids, passes * q_len)
     if budgets is None:
         return False
-    base = chunk.inputs(engine, table, ids, budgets)
+    base = dataclasses.replace(chunk.inputs(engine, table, ids, budgets), passes=passes)
     ctx = np.full((rows, CONTEXT), -1, np.int32)
     tails = table.tails.get(ids)
     w = min(CONTEXT, tails.shape[1])

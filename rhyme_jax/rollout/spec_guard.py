@@ -22,7 +22,11 @@ guard declined 4 of the chunks of a step whose HistoSpec rollout ran 0.71x plain
 with realized seconds but a fixed probe every 8th chunk, the probes were most of the HistoSpec
 chunks that ran (186 declined, 29 run in one step) at 5x a plain pass each (device drafting over
 long histories included): epoch 2 0.86x. Probing lets a key whose acceptance rises (prompts that
-gained history) be measured again. Plain and HistoSpec chunks sample the same tokens (the
+gained history) be measured again. A first try or a probe (a trial, ``SpecGuard.trial``) runs at
+most ``TRIAL_PASSES`` passes of the chunk: on the ledger run at 48869c4 the trials that did not
+pay were what the steps without a row at the token cap lost (0.84-0.94x plain in 4 of 8 such
+steps: 2-6 trial chunks of 16 passes at about 2x a decode pass each), and a few passes measure a
+key's acceptance and seconds as well as sixteen. Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
 """
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 PROBE_EVERY = 8  # declined chunks of a key before its first probing HistoSpec chunk
 MAX_PROBE_EVERY = 256  # the longest interval between probes after repeated failures
 EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per row-pass
+TRIAL_PASSES = 4  # most passes of a trial chunk (a key's first try or a probe)
 
 
 @dataclass
@@ -52,6 +57,8 @@ class SpecGuard:
       declined: ``(rows, width, tokens) -> chunks declined since the key last ran``.
       interval: ``(rows, width, tokens) -> declined chunks between probes`` (``PROBE_EVERY``, doubling).
       enabled: False runs every chunk the host's choice asks for (ablations).
+      trial: whether the last ``choose`` picked a key's first try or a probe (the chunk then
+        runs at most ``TRIAL_PASSES`` passes, ``chunk_spec.decode``).
     """
 
     gain: dict[tuple[int, int, int], float] = field(default_factory=dict)
@@ -60,6 +67,7 @@ class SpecGuard:
     declined: dict[tuple[int, int, int], int] = field(default_factory=dict)
     interval: dict[tuple[int, int, int], int] = field(default_factory=dict)
     enabled: bool = True
+    trial: bool = False
 
     def choose(self, rows: int, width: int, rungs: list[tuple[int, float]], decode_seconds: float) -> int | None:
         """The packed tokens ``T`` of the verify program a HistoSpec chunk of ``rows`` row bucket
@@ -74,8 +82,9 @@ class SpecGuard:
         after ``PROBE_EVERY`` declined chunks (then twice as late each time, at most
         ``MAX_PROBE_EVERY``; a chunk that pays resets it). Otherwise the candidate that emitted
         the most tokens a second, ``(1 + gain) / verify``, runs. A disabled guard runs the
-        largest rung.
+        largest rung. Sets ``trial`` (a first try or a probe).
         """
+        self.trial = False
         if not self.enabled:
             return int(rungs[-1][0]) if rungs else None
         best, best_rate, stop = None, 0.0, None
@@ -83,6 +92,7 @@ class SpecGuard:
         for tokens, verify_seconds in rungs:
             key = (int(rows), int(width), int(tokens))
             if key not in self.gain:
+                self.trial = True
                 return int(tokens)  # first try: every rung below paid
             verify = self.spec_seconds.get(key, float(verify_seconds))
             if (1.0 + self.gain[key]) * self.plain_seconds.get(decode_key, float(decode_seconds)) < verify:
@@ -96,6 +106,7 @@ class SpecGuard:
             if self.declined[stop] >= every:  # a probe; the next one comes twice as late unless this pays
                 self.declined[stop] = 0
                 self.interval[stop] = min(2 * every, MAX_PROBE_EVERY)
+                self.trial = True
                 return stop[2]
         if best is None:
             return None
@@ -123,4 +134,4 @@ def _average(table: dict, key: tuple, value: float) -> None:
     table[key] = value if old is None else EMA_WEIGHT * value + (1.0 - EMA_WEIGHT) * old
 
 
-__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "SpecGuard"]
+__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "SpecGuard", "TRIAL_PASSES"]
