@@ -24,9 +24,9 @@ chunks that ran (186 declined, 29 run in one step) at 5x a plain pass each (devi
 long histories included): epoch 2 0.86x. Probing lets a key whose acceptance rises (prompts that
 gained history) be measured again. A first try or a probe (a trial, ``SpecGuard.trial``) runs at
 most ``TRIAL_PASSES`` passes of the chunk: on the ledger run at 48869c4 the trials that did not
-pay were what the steps without a row at the token cap lost (0.84-0.94x plain in 4 of 8 such
-steps: 2-6 trial chunks of 16 passes at about 2x a decode pass each), and a few passes measure a
-key's acceptance and seconds as well as sixteen. Plain and HistoSpec chunks sample the same tokens (the
+pay were what the steps without a row at the token cap lost (0.84-0.94x plain in 5 of the 12
+such steps: 2-9 trial chunks of 16 passes at about 2x a decode pass each). A few passes measure a
+key's acceptance and seconds, if more noisily than sixteen (docs/results.md, "L5 at commit 195d6c0"). Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
 """
 
