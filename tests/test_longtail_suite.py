@@ -17,12 +17,13 @@ def test_length_stats():
     assert s["p90"] == pytest.approx(np.percentile([1, 2, 3, 4, 5, 6, 7, 1000], 90))
 
 
-@pytest.mark.slow  # three tiny runs of the ledger task (~1 min on 2 cores)
+@pytest.mark.slow  # four tiny runs of the ledger task (~1 min on 2 cores)
 def test_tiny_longtail_suite(tmp_path, compile_cache):
     from rhyme_lab.ablate import runner
     from rhyme_lab.ablate.units import run_unit
 
-    assert registry.units_of(["L5"]) == ["longtail_sft", "longtail_goodput_paired", "longtail_plain_seed1"]
+    assert registry.units_of(["L5"]) == ["longtail_sft", "longtail_goodput_paired", "longtail_plain_seed0",
+                                             "longtail_plain_seed1"]
     for name in registry.units_of(["L5"]):
         run_unit(name, tmp_path, "tiny")
     _, results = runner.run_suite("longtail", scale="tiny", out=tmp_path, only="L5", progress=False)
@@ -32,6 +33,9 @@ def test_tiny_longtail_suite(tmp_path, compile_cache):
     assert rows and all(x["rows"] > 0 and x["p50"] <= x["p90"] <= x["p99"] <= x["max"] for x in rows)
     assert all(0 < x["rollout_share"] < 1 and x["histospec_rollout"] > 0 for x in rows)
     assert set(r["held_out"]) == set(longtail.SEED_UNITS)
+    before = {u: r["held_out"][u]["before"] for u in longtail.SEED_UNITS}
+    assert len(set(before.values())) == 1, before  # one evaluation of the warm start, shared by the seeds
+    assert len(list((tmp_path / "runs" / "longtail_sft" / "sft" / "held_out_before").glob("*.json"))) == 1
     assert r["histopipe"]["steps"] > 0 and r["histopipe"]["makespan_ratio"] > 0
     assert (tmp_path / "gantt_longtail.png").is_file()
     assert "| epoch | steps | reward | length p50" in r["details"]

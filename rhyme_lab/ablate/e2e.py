@@ -120,6 +120,7 @@ def _analysis(run_dir: Path) -> dict:
 def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", twin: str = "",
                held_out: bool = False) -> dict:
     from rhyme_jax.train.trainer import GRPOTrainer
+    from rhyme_lab.ablate.before_eval import before_eval
 
     pairs: list | None = [] if paired else None
     twins: dict[int, dict] = {}
@@ -138,11 +139,12 @@ def _grpo_unit(cfg, progress, *, paired: bool, warmup: bool, oracle: str = "", t
         warm = warm_up(trainer) if warmup else 0.0
         if held_out:  # greedy held-out accuracy before and after, per problem (eval/), outside the timed steps
             progress(0, cfg.grpo.steps, "held-out evaluation before GRPO")
-            trainer.record_eval(0, trainer.evaluate(), before=True)
+            trainer.record_eval(0, before_eval(trainer, cfg), before=True)
         steps = _train(trainer, progress, pairs)
         if held_out:
             progress(cfg.grpo.steps, cfg.grpo.steps, "held-out evaluation after GRPO")
             trainer.record_eval(cfg.grpo.steps, trainer.evaluate())
+            trainer.save()  # the final policy, for later evaluations (checkpoints/)
         for row in steps:
             if row["step"] in twins:
                 row["twin"] = twins[row["step"]]
