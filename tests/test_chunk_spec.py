@@ -389,6 +389,14 @@ def test_draft_room_climbs_the_ladder_and_the_guard_picks_a_rung():
     for _ in range(3):  # 1 -> 0.125 a row-pass: 1.125 x 1.0 s < 1.2 s
         guard.observe(4, 384, 6, accepted=0, row_passes=16)
     assert guarded_program(eng, 4, 384, 2, 2) is None  # the bottom rung no longer pays
+    fresh = SimpleNamespace(plan=p, spec_guard=SpecGuard(), pass_cost=lambda rows, t, q, width=0: t / 3.5)
+    fresh.spec_guard.observe_seconds(False, 4, 384, 4, 1.0)
+    fresh.spec_guard.observe(4, 384, 6, accepted=16, row_passes=16, drafted=16)  # every 1-token draft lands
+    fresh.spec_guard.observe_seconds(True, 4, 384, 6, 2.5)  # but (1 + 1) x 1.0 s < 2.5 s
+    # the rung above the ask, (32, 17), priced 32 / 3.5 = 9.1 s: 4 live rows get 7 draft tokens each there
+    assert guarded_program(fresh, 4, 384, 2, 2) is None  # (1 + 7) x 1.0 < 9.1
+    assert guarded_program(fresh, 4, 384, 2, 2, live=1) == (32, 17)  # one live row: (1 + 16) x 1.0 >= 9.1
+    assert fresh.spec_guard.trial
 
 def test_extra_row_buckets_are_planned_and_checked_at_load():
     """``rollout.row_buckets``: extra decode/verify row buckets beside ``max_slots / 16``, ``/ 4``

@@ -7,7 +7,7 @@ width, verify program), plain decode's seconds are kept per (row bucket, width).
 
 import pytest
 
-from rhyme_jax.rollout.spec_guard import EMA_WEIGHT, MAX_PROBE_EVERY, PROBE_EVERY, SpecGuard
+from rhyme_jax.rollout.spec_guard import EMA_WEIGHT, MAX_PROBE_EVERY, PROBE_EVERY, PROMISE_MARGIN, SpecGuard
 
 ONE = [(96, 3.0)]  # one rung: 96 packed tokens priced at 3 s a pass
 
@@ -102,3 +102,42 @@ def test_first_tries_and_probes_are_trials_and_paying_choices_are_not():
     assert g.choose(64, 96, ONE, decode_seconds=1.0) is None and not g.trial
     off = SpecGuard(enabled=False)
     assert off.choose(64, 96, ONE, decode_seconds=1.0) == 96 and not off.trial
+
+
+def test_a_rung_whose_drafts_land_lets_the_climb_past_it_even_above_the_chunks_ask():
+    """A rung whose drafts were accepted at a rate ``a`` at which the next rung's draft room ``k``
+    would pay (``(1 + a (1 - a^k) / (1 - a)) * decode >= verify``) promises it: a rung that does
+    not pay but promises does not stop the climb, and the next rung gets its first try, also the
+    rung just above the chunk's ask (``above``), which is otherwise never climbed to. A promised
+    rung that was tried and did not pay is tried again once the rate below rose by
+    ``PROMISE_MARGIN`` since it last promised it."""
+    g = SpecGuard()
+    g.observe_seconds(False, 4, 384, 4, 1.0)
+    g.observe(4, 384, 6, accepted=1, row_passes=3, drafted=3)  # a third of the 1-token drafts land
+    g.observe_seconds(True, 4, 384, 6, 2.5)  # (1 + 1/3) * 1.0 < 2.5: does not pay
+    above = (32, 2.0, 9)  # 9 draft tokens a row at 2 s a pass
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, above) is None  # 1/3 promises 0.5 a pass: 1.5 < 2.0
+    assert g.declined[(4, 384, 6)] == 1
+    g.observe(4, 384, 6, accepted=3, row_passes=3, drafted=3)  # now every draft lands: rate 2/3
+    assert g.rate[(4, 384, 6)] == pytest.approx(EMA_WEIGHT * 1.0 + (1 - EMA_WEIGHT) / 3)
+    assert g.gain[(4, 384, 6)] == pytest.approx(2 / 3)  # (1 + 2/3) * 1.0 < 2.5: still does not pay
+    # 2/3 promises (2/3)(1 - (2/3)^9) / (1/3) = 1.95 a pass at 32: 2.95 * 1.0 >= 2.0
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0) is None  # without a rung above, the climb stops
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, (32, 4.0, 9)) is None  # a dearer rung above: no promise
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, above) == 32 and g.trial
+    g.observe(4, 384, 32, accepted=0, row_passes=3, drafted=27)  # the rows were not repeating yet
+    g.observe_seconds(True, 4, 384, 32, 2.0)
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, above) is None  # 32 was judged: accepts nothing
+    assert g.declined[(4, 384, 32)] == 1
+    g.observe(4, 384, 6, accepted=3, row_passes=3, drafted=3)  # the rate below rises to 5/6 (> 2/3 + 0.1)
+    assert g.rate[(4, 384, 6)] >= g.promised[(4, 384, 32)] + PROMISE_MARGIN
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, above) == 32 and g.trial  # tried again
+    g.observe(4, 384, 32, accepted=54, row_passes=3, drafted=54)  # 9 a row-pass in each of 2 chunks
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, above) == 32 and not g.trial  # EMA 9: pays at 2 s
+    assert g.choose(4, 384, [(6, 2.5, 1)], 1.0, above) == 32 and not g.trial  # no new promise: no trial
+    low = SpecGuard()  # a top rung that pays on drafts that rarely land: the rung above is not tried
+    low.observe(4, 384, 6, accepted=1, row_passes=3, drafted=3)
+    low.observe_seconds(True, 4, 384, 6, 1.2)  # (1 + 1/3) * 1.0 >= 1.2
+    assert low.choose(4, 384, [(6, 1.2, 1)], 1.0, above) == 6 and (4, 384, 32) not in low.gain
+    low.observe(4, 384, 6, accepted=3, row_passes=3, drafted=3)  # they land: it promises the rung above
+    assert low.choose(4, 384, [(6, 1.2, 1)], 1.0, above) == 32 and low.trial

@@ -234,16 +234,22 @@ def ladder(plan, rows: int) -> list[tuple[int, int]]:
     return [(t, q) for t, q in verify_pairs(rows, plan.verify_budget) if q > 1]
 
 
-def guarded_program(engine, rows: int, width: int, want: int, q_want: int) -> tuple[int, int] | None:
-    """The verify program a chunk runs: of the ladder's rungs up to ``program``'s pair, the one
-    the engine's ``SpecGuard.choose`` picks at this row bucket and width (it climbs from the
-    bottom, trying a rung once the rungs below it paid, and runs the one that emitted the most
-    tokens a second); ``None`` for a plain chunk."""
+def guarded_program(engine, rows: int, width: int, want: int, q_want: int,
+                    live: int | None = None) -> tuple[int, int] | None:
+    """The verify program a chunk of ``live`` rows (default ``rows``) runs: of the ladder's rungs
+    up to ``program``'s pair, and the rung above it where the drafts promise it, the one the
+    engine's ``SpecGuard.choose`` picks at this row bucket and width (it climbs from the bottom,
+    trying a rung once the rungs below it paid or promised it, and runs the one that emitted the
+    most tokens a second); ``None`` for a plain chunk. A rung's draft room per live row is
+    ``min(Q - 1, (T - live) // live)``."""
+    live = rows if live is None else live
     top = program(engine.plan, rows, want, q_want)
     pairs = ladder(engine.plan, rows)
-    pairs = pairs[: pairs.index(top) + 1]
-    rungs = [(t, engine.pass_cost(rows, t, q, width=width)) for t, q in pairs]
-    tokens = engine.spec_guard.choose(rows, width, rungs, engine.pass_cost(rows, rows, 1, width=width))
+    pairs = pairs[: pairs.index(top) + 2]  # up to the chunk's ask, and the rung above it
+    rungs = [(t, engine.pass_cost(rows, t, q, width=width), min(q - 1, (t - live) // max(live, 1)))
+             for t, q in pairs]
+    above = rungs.pop() if pairs[-1] != top else None
+    tokens = engine.spec_guard.choose(rows, width, rungs, engine.pass_cost(rows, rows, 1, width=width), above)
     return None if tokens is None else next(p for p in pairs if p[0] == tokens)
 
 
@@ -271,7 +277,7 @@ def decode(engine, table, run, drafter) -> bool:
     n, rows = ids.size, engine.plan.bucket(ids.size)
     last, best = table.chunk_accepted_per_pass, table.chunk_best_accepted
     want = n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last)))
-    pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)))
+    pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)), n)
     if pair is None:
         table.stats["spec_chunks_declined"] += 1  # no verify program here emits more tokens a second
         return chunk.decode(engine, table, run)
@@ -303,7 +309,7 @@ def decode(engine, table, run, drafter) -> bool:
     s["accepted_tokens"] += n_acc
     table.chunk_accepted_per_pass = n_acc / max(n_run, 1)
     table.chunk_best_accepted = max(float(count.max(initial=0)) / max(n_run, 1) - 1.0, 0.0)
-    engine.spec_guard.observe(rows, inp.pass_shape().width, total, n_acc, row_passes)  # the key its seconds go under
+    engine.spec_guard.observe(rows, inp.pass_shape().width, total, n_acc, row_passes, n_draft)  # the key its seconds go under
     toks, lps = np.asarray(toks)[:n], np.asarray(lps)[:n]
     sent = np.asarray(choice.draft_lens, np.int64)
     drafter.observe_chunk(table.req[ids], sent, _common_prefix(host_drafts, toks, sent, count), count)

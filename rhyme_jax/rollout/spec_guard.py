@@ -26,7 +26,16 @@ gained history) be measured again. A first try or a probe (a trial, ``SpecGuard.
 most ``TRIAL_PASSES`` passes of the chunk: on the ledger run at 48869c4 the trials that did not
 pay were what the steps without a row at the token cap lost (0.84-0.94x plain in 5 of the 12
 such steps: 2-9 trial chunks of 16 passes at about 2x a decode pass each). A few passes measure a
-key's acceptance and seconds, if more noisily than sixteen (docs/results.md, "L5 at commit 195d6c0"). Plain and HistoSpec chunks sample the same tokens (the
+key's acceptance and seconds, if more noisily than sixteen (docs/results.md, "L5 at commit 195d6c0").
+A rung's drafts also promise the next: where the rate at which they were accepted would make the
+next rung's longer drafts pay (the expected accepted tokens of a draft whose tokens each land with
+that rate, Leviathan et al. 2023, eq. 1), the next rung is tried even if this one does not pay,
+also the rung just above the chunk's ask, and a rung judged on older chunks is tried again once
+the rate below it has risen by ``PROMISE_MARGIN``. On the ledger run the rows at the token cap
+settle into repeating one line: a small rung accepts all of its 1-token drafts while its own
+tokens a second stay below decode's, and the climb had waited for the probes' back-off (the
+always-right oracle's step 2 of the bound unit: 711-843 passes before, 272-405 with the promise;
+docs/results.md, "L5 at commit ..."). Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
 """
 
@@ -38,6 +47,7 @@ PROBE_EVERY = 8  # declined chunks of a key before its first probing HistoSpec c
 MAX_PROBE_EVERY = 256  # the longest interval between probes after repeated failures
 EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per row-pass
 TRIAL_PASSES = 4  # most passes of a trial chunk (a key's first try or a probe)
+PROMISE_MARGIN = 0.1  # rise in the rung below's acceptance rate that has a rung tried again
 
 
 @dataclass
@@ -51,6 +61,8 @@ class SpecGuard:
 
     Attributes:
       gain: ``(rows, width, tokens) -> accepted draft tokens per live row-pass`` (exponential average).
+      rate: ``(rows, width, tokens) -> accepted over drafted tokens`` (exponential average).
+      promised: ``(rows, width, tokens) -> the rate below`` when a promise last had it tried.
       spec_seconds: ``(rows, width, tokens) -> seconds per pass`` of HistoSpec chunks;
         plain_seconds: ``(rows, width) -> seconds per pass`` of plain chunks (exponential
         averages; ``observe_seconds``).
@@ -62,6 +74,8 @@ class SpecGuard:
     """
 
     gain: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    rate: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    promised: dict[tuple[int, int, int], float] = field(default_factory=dict)
     spec_seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
     plain_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     declined: dict[tuple[int, int, int], int] = field(default_factory=dict)
@@ -69,37 +83,51 @@ class SpecGuard:
     enabled: bool = True
     trial: bool = False
 
-    def choose(self, rows: int, width: int, rungs: list[tuple[int, float]], decode_seconds: float) -> int | None:
+    def choose(self, rows: int, width: int, rungs: list[tuple], decode_seconds: float,
+               above: tuple | None = None) -> int | None:
         """The packed tokens ``T`` of the verify program a HistoSpec chunk of ``rows`` row bucket
         at ``width`` pages runs, or None for a plain chunk.
 
-        ``rungs``: the candidate programs ``(tokens, verify_seconds)``, ascending, up to the
-        largest the chunk asks for (``verify_seconds``: the engine's ``PassCost`` price, used
-        where the key has no realized seconds yet; ``decode_seconds`` likewise for decode). The
-        guard climbs them from the bottom: an unseen rung runs (its first try) once every rung
-        below it paid; a rung that paid, ``(1 + gain) * decode >= verify`` with realized
-        figures, is a candidate; the first rung that did not pay stops the climb and is probed
-        after ``PROBE_EVERY`` declined chunks (then twice as late each time, at most
+        ``rungs``: the candidate programs ``(tokens, verify_seconds[, room])``, ascending, up
+        to the largest the chunk asks for (``verify_seconds``: the engine's ``PassCost`` price,
+        used where the key has no realized seconds yet; ``decode_seconds`` likewise for decode;
+        ``room``: draft tokens a live row gets there, for the promise); ``above``: the rung
+        above the ask, climbed to only on a promise. The guard climbs them from the bottom: an
+        unseen rung runs (its first try) once every rung below it paid or promised it (a promise
+        renewed by ``PROMISE_MARGIN`` tries a seen rung again); a rung that paid,
+        ``(1 + gain) * decode >= verify`` with realized figures, is a candidate; the first rung
+        that neither paid nor promised the next stops the climb and is probed after
+        ``PROBE_EVERY`` declined chunks (then twice as late each time, at most
         ``MAX_PROBE_EVERY``; a chunk that pays resets it). Otherwise the candidate that emitted
         the most tokens a second, ``(1 + gain) / verify``, runs. A disabled guard runs the
-        largest rung. Sets ``trial`` (a first try or a probe).
+        largest rung. Sets ``trial`` (a first try, a probe or a renewed promise).
         """
         self.trial = False
         if not self.enabled:
             return int(rungs[-1][0]) if rungs else None
         best, best_rate, stop = None, 0.0, None
         decode_key = (int(rows), int(width))
-        for tokens, verify_seconds in rungs:
+        decode = self.plain_seconds.get(decode_key, float(decode_seconds))
+        ladder = [*rungs, above] if above is not None else list(rungs)
+        via = None  # the rung below, whose drafts promise this one pays
+        for i, (tokens, verify_seconds, *_) in enumerate(ladder):
             key = (int(rows), int(width), int(tokens))
-            if key not in self.gain:
+            if key not in self.gain or self._fresh(via, key):
+                if via is not None:
+                    self.promised[key] = self.rate[via]
                 self.trial = True
-                return int(tokens)  # first try: every rung below paid
+                return int(tokens)  # first try (the rungs below paid or promise) or a renewed promise
             verify = self.spec_seconds.get(key, float(verify_seconds))
-            if (1.0 + self.gain[key]) * self.plain_seconds.get(decode_key, float(decode_seconds)) < verify:
+            pays = (1.0 + self.gain[key]) * decode >= verify
+            nxt = ladder[i + 1] if i + 1 < len(ladder) else None
+            via = key if nxt is not None and self._promising(key, nxt, rows, width, decode) else None
+            if not pays and via is None:
                 stop = key
                 break
-            if (1.0 + self.gain[key]) / verify > best_rate:
+            if pays and (1.0 + self.gain[key]) / verify > best_rate:
                 best, best_rate = key, (1.0 + self.gain[key]) / verify
+            if pays and i + 1 == len(rungs) and via is None:
+                break  # the chunk's top rung paid: the one above it is climbed only on promise
         if stop is not None:
             self.declined[stop] = self.declined.get(stop, 0) + 1
             every = self.interval.get(stop, PROBE_EVERY)
@@ -114,11 +142,37 @@ class SpecGuard:
         self.interval.pop(best, None)
         return best[2]
 
-    def observe(self, rows: int, width: int, tokens: int, accepted: int, row_passes: int) -> None:
+    def _fresh(self, via: tuple[int, int, int] | None, key: tuple[int, int, int]) -> bool:
+        """Whether the drafts of ``via`` (the rung below) have been accepted at a rate at least
+        ``PROMISE_MARGIN`` above the rate at which they last promised ``key``: ``key``, judged on
+        older chunks, is tried again (on the ledger run a response's tail settles into a period
+        of one or a few lines: the larger rungs tried before it had settled accepted little)."""
+        return via is not None and self.rate[via] >= self.promised.get(key, -1.0) + PROMISE_MARGIN
+
+    def _promising(self, key: tuple[int, int, int], above: tuple, rows: int, width: int, decode: float) -> bool:
+        """Whether the rung ``above`` (``(tokens, verify_seconds, room)``: ``room`` draft tokens a
+        live row gets there) would pay if its drafts were accepted at the rate ``key``'s were:
+        each draft token accepted with probability ``a`` (``rate``), a row accepts
+        ``a (1 - a^room) / (1 - a)`` tokens a pass in expectation (Leviathan et al. 2023, arXiv
+        2211.17192, eq. 1), against decode's seconds and ``above``'s realized (else priced) ones."""
+        a = self.rate.get(key)
+        if a is None or len(above) < 3 or above[2] < 1:
+            return False
+        room = int(above[2])
+        expect = float(room) if a >= 1.0 else a * (1.0 - a ** room) / (1.0 - a)
+        verify = self.spec_seconds.get((int(rows), int(width), int(above[0])), float(above[1]))
+        return (1.0 + expect) * decode >= verify
+
+    def observe(self, rows: int, width: int, tokens: int, accepted: int, row_passes: int,
+                drafted: int = 0) -> None:
         """A HistoSpec chunk of ``rows`` at ``width`` running the ``tokens`` program accepted
-        ``accepted`` draft tokens over ``row_passes`` live row-passes (no-op when it ran none)."""
+        ``accepted`` of ``drafted`` draft tokens over ``row_passes`` live row-passes (no-op when
+        it ran none; the acceptance rate only where it drafted)."""
+        key = (int(rows), int(width), int(tokens))
         if row_passes > 0:
-            _average(self.gain, (int(rows), int(width), int(tokens)), float(accepted) / float(row_passes))
+            _average(self.gain, key, float(accepted) / float(row_passes))
+        if drafted > 0:
+            _average(self.rate, key, float(accepted) / float(drafted))
 
     def observe_seconds(self, spec: bool, rows: int, width: int, tokens: int, seconds_per_pass: float) -> None:
         """A chunk's seconds per pass (its call's seconds over the passes it ran), HistoSpec
@@ -134,4 +188,4 @@ def _average(table: dict, key: tuple, value: float) -> None:
     table[key] = value if old is None else EMA_WEIGHT * value + (1.0 - EMA_WEIGHT) * old
 
 
-__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "SpecGuard", "TRIAL_PASSES"]
+__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "PROMISE_MARGIN", "SpecGuard", "TRIAL_PASSES"]
