@@ -4,6 +4,8 @@ responses depend on misses the cache."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from rhyme_jax.config import load_config
@@ -38,6 +40,11 @@ def test_second_unit_reads_the_first_units_evaluation_and_a_changed_key_misses(t
     np.testing.assert_array_equal(b.correct, a.correct)
     assert b.sampled_per_problem is None
     assert before_eval.cache_path(_cfg(params)).parent == tmp_path / "sft" / "held_out_before"
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    named = [before_eval.cache_key(_cfg(p, f"model.tokenizer_path={t}"))
+             for p, t in ((params, tok), (os.path.relpath(params), os.path.relpath(tok)))]
+    assert named[0] == named[1]  # the same warm start and tokenizer named relative or absolute
 
     third = _Trainer()
     before_eval.before_eval(third, _cfg(params, "data.num_eval=8"))  # another eval set

@@ -9,8 +9,8 @@ responses: greedy decoding does not draw from the run's key. On the ledger task 
 start's params (``<warm start>/held_out_before/<key>.json``) and the next reads it back.
 
 The key hashes everything the greedy responses and their scores depend on: the ``model``,
-``data``, ``rollout`` and ``reward`` sections, ``run.init_from`` with its files' sizes and
-modification times, ``run.eval_samples`` and, when the evaluation samples (mean@k draws with
+``data``, ``rollout`` and ``reward`` sections (paths resolved), ``run.init_from`` with its files'
+sizes and modification times, ``run.eval_samples`` and, when the evaluation samples (mean@k draws with
 ``run.seed``), the run seed. A changed warm start or eval set misses the cache.
 """
 
@@ -34,7 +34,10 @@ def cache_key(cfg) -> str:
     params = Path(cfg.run.init_from)
     files = sorted((str(p.relative_to(params)), p.stat().st_size, p.stat().st_mtime_ns)
                    for p in params.rglob("*") if p.is_file())
-    parts = {"model": repr(cfg.model), "data": repr(cfg.data), "rollout": repr(cfg.rollout),
+    model = cfg.model
+    if model.tokenizer_path:  # the same tokenizer named from another directory: the same key
+        model = dataclasses.replace(model, tokenizer_path=str(Path(model.tokenizer_path).resolve()))
+    parts = {"model": repr(model), "data": repr(cfg.data), "rollout": repr(cfg.rollout),
              "reward": repr(cfg.reward), "init_from": str(params.resolve()), "files": files,
              "eval_samples": int(cfg.run.eval_samples),
              "seed": int(cfg.run.seed) if cfg.run.eval_samples else None}
