@@ -131,6 +131,8 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "longtail_plain_seed0 with run seed 1 (the second learning seed)", held_out=True),
     Unit("longtail_plain_long", "learn", _cfg("longtail_plain_long"), 1, ("longtail_sft",),
          "longtail_plain_seed0 for 48 steps over 384 prompts seen once (run by hand)", held_out=True),
+    Unit("longtail_plain_long_seed1", "learn", _cfg("longtail_plain_long_seed1"), 1, ("longtail_sft",),
+         "longtail_plain_long with run seed 1 (run by hand)", held_out=True),
     Unit("longtail_bound_paired", "learn_paired", _cfg("longtail_bound"), 1, ("longtail_sft",),
          "4 steps of the ledger task's GRPO, every rollout plain, with HistoSpec and with the always-right oracle",
          oracle="always-right"),
