@@ -35,7 +35,7 @@ the rate below it has risen by ``PROMISE_MARGIN``. On the ledger run the rows at
 settle into repeating one line: a small rung accepts all of its 1-token drafts while its own
 tokens a second stay below decode's, and the climb had waited for the probes' back-off (the
 always-right oracle's step 2 of the bound unit: 711-843 passes before, 272-405 with the promise;
-docs/results.md, "L5 at commit ..."). Plain and HistoSpec chunks sample the same tokens (the
+docs/results.md, "L5 at commit b0bed53"). Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
 """
 
