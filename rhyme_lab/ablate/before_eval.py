@@ -5,13 +5,14 @@ A unit with ``held_out`` evaluates its policy greedily on the held-out problems 
 its GRPO steps (``e2e._grpo_unit``). Before any step the policy is the warm start's, so units of
 different run seeds that start from one warm start (L5's two learning seeds) would decode the same
 responses: greedy decoding does not draw from the run's key. On the ledger task one evaluation of
-400 problems costs ~15 minutes on 2 cores, so the first unit stores its result beside the warm
+400 problems took 14 minutes on 2 cores (L5's warm start), so the first unit stores its result beside the warm
 start's params (``<warm start>/held_out_before/<key>.json``) and the next reads it back.
 
 The key hashes everything the greedy responses and their scores depend on: the ``model``,
 ``data``, ``rollout`` and ``reward`` sections (paths resolved), ``run.init_from`` with its files'
 sizes and modification times, ``run.eval_samples`` and, when the evaluation samples (mean@k draws with
-``run.seed``), the run seed. A changed warm start or eval set misses the cache.
+``run.seed``), the run seed. A changed warm start or eval set misses the cache; a change of the
+code that decodes or scores (the engine, the reward) does not: delete ``held_out_before/`` then.
 """
 
 from __future__ import annotations
