@@ -204,7 +204,9 @@ def test_one_step_off_deferral_survives_a_resume(tmp_path, cross_step):
 # change sizes as well as switches; the configs that include them switch one part each.
 SCALED_ABLATION_RUNS = {"e2e_fifo.yaml", "histospec_per_step.yaml", "histospec_real.yaml", "histospec_tiny.yaml",
                         "learn_plain.yaml", "learn_real_plain.yaml", "learn_workers_fifo.yaml",
-                        "longtail_goodput.yaml", "longtail_bound.yaml", "longtail_smollm2.yaml"}  # the learning suites' base runs
+                        "longtail_goodput.yaml", "longtail_bound.yaml", "longtail_smollm2.yaml",
+                        "longtail_plain_long.yaml"}  # the learning suites' base runs
+SEED_RUNS = {"longtail_plain_seed1.yaml", "longtail_plain_long_seed1.yaml"}  # a learning run's second seed
 
 
 def test_ablation_configs_load_and_switch_one_part_each():
@@ -222,6 +224,11 @@ def test_ablation_configs_load_and_switch_one_part_each():
         seen.add(cfg.run.name)
         if path.name in SCALED_ABLATION_RUNS:
             continue
+        if path.name in SEED_RUNS:  # the run seed and the name, nothing else
+            assert cfg.run.seed != base.run.seed, path.name
+            same = dataclasses.replace(cfg.run, seed=base.run.seed, name=base.run.name)
+            assert dataclasses.replace(cfg, run=same) == base, path.name
+            continue
         # a HistoSpec config may also raise the verify token budget (room for whole drafts)
         budget = dataclasses.replace(cfg.rollout, max_verify_tokens=base.rollout.max_verify_tokens)
         assert cfg.grpo == base.grpo and cfg.model == base.model and budget == base.rollout, path.name
@@ -232,4 +239,4 @@ def test_ablation_configs_load_and_switch_one_part_each():
             assert cfg.spec == base.spec and cfg.parallel == base.parallel, path.name
         else:
             assert cfg.spec != base.spec and cfg.parallel == base.parallel, path.name
-    assert len(seen) == 33
+    assert len(seen) == 36

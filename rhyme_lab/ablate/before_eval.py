@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rhyme_jax.io.atomic import atomic_write
+
 CACHE_DIR = "held_out_before"
 
 
@@ -72,7 +74,7 @@ def before_eval(trainer, cfg):
         return EvalResult(**{**doc, **arrays})
     res = trainer.evaluate()
     if path is not None:
-        from rhyme_lab.ablate.units import write_json
-
-        write_json(path, dataclasses.asdict(res))
+        doc = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in dataclasses.asdict(res).items()}
+        with atomic_write(path, "w") as fh:
+            json.dump(doc, fh)
     return res
