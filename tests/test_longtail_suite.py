@@ -1,7 +1,7 @@
 """L5 (suite ``longtail``, ``rhyme_lab/ablate/longtail.py``) at the tiny scale: the ledger task's
 units run (warm start, the paired HistoSpec run, the second seed) and the report gives the
 per-epoch lengths, the paired ratios, the HistoPipe replay with its Gantt plot and both seeds'
-held-out gains."""
+held-out gains; L6 (suite ``longtail_recur``) gives the same over its paired learning run."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_length_stats():
     assert s["p90"] == pytest.approx(np.percentile([1, 2, 3, 4, 5, 6, 7, 1000], 90))
 
 
-@pytest.mark.slow  # four tiny runs of the ledger task (~1 min on 2 cores)
+@pytest.mark.slow  # five tiny runs of the ledger task (~1 min on 2 cores)
 def test_tiny_longtail_suite(tmp_path, compile_cache):
     from rhyme_lab.ablate import runner
     from rhyme_lab.ablate.units import run_unit
@@ -39,6 +39,16 @@ def test_tiny_longtail_suite(tmp_path, compile_cache):
     assert r["histopipe"]["steps"] > 0 and r["histopipe"]["makespan_ratio"] > 0
     assert (tmp_path / "gantt_longtail.png").is_file()
     assert "| epoch | steps | reward | length p50" in r["details"]
+    # L6: the run that learns and recurs, paired, with its own held-out gain from the same evaluation
+    assert registry.units_of(["L6"]) == ["longtail_sft", "longtail_recur_paired"]
+    run_unit("longtail_recur_paired", tmp_path, "tiny")
+    _, results = runner.run_suite("longtail_recur", scale="tiny", out=tmp_path, only="L6", progress=False)
+    r6 = results["L6"]
+    assert r6["status"] == "ok", r6.get("reason")
+    assert list(r6["held_out"]) == [longtail.RECUR_UNIT] and r6["held_out"][longtail.RECUR_UNIT]["before"] in set(before.values())
+    assert len(r6["epochs"]) == 3 and all(x["histospec_rollout"] > 0 for x in r6["epochs"])
+    assert len(list((tmp_path / "runs" / "longtail_sft" / "sft" / "held_out_before").glob("*.json"))) == 1
+    assert (tmp_path / "gantt_longtail_recur.png").is_file()
 
 
 def test_makespan_bound_is_the_longest_row_or_the_shared_work():

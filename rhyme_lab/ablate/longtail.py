@@ -33,6 +33,7 @@ from rhyme_lab.ablate.measures import Inputs, MissingInput, figure, ratio_of_sum
 PAIRED_UNIT = "longtail_goodput_paired"
 SEED_UNITS = ("longtail_plain_seed0", "longtail_plain_seed1")  # the held-out gain of two seeds
 REAL_UNIT = "longtail_smollm2_paired"  # optional: SmolLM2 at 1,024 new tokens (run by hand, quick)
+RECUR_UNIT = "longtail_recur_paired"  # L6: 48 steps over 192 prompts seen twice, paired, held-out gain (by hand)
 BOUND_UNIT = "longtail_bound_paired"  # optional: the always-right oracle beside the run's drafter (run by hand, quick)
 WORKERS = 4
 PROMPT_TOKENS = 64.0  # a sample's prefill in the cost model (the ledger prompts' median is ~44 tokens, p90 ~100)
@@ -249,12 +250,12 @@ def length_rhyme(steps) -> dict:
             "spearman_max": corr(prev_max, now_max), "rows_over_2x_prev_max": over / rows if rows else None}
 
 
-def placement(r: dict, out: Path | None = None) -> dict:
+def placement(r: dict, out: Path | None = None, gantt: str = "gantt_longtail.png") -> dict:
     """HistoPipe against fifo on ``WORKERS`` simulated workers over the run's steps with history:
     its tiers (tier 1 + 2 + tail migration: ``makespan_ratio``), whole prompts placed exactly
     (``exact_ratio``) and every prompt's samples spread over the workers (``sched.placement:
     spread``, ``spread_ratio``), beside the oracles and the bound; with ``out``,
-    ``gantt_longtail.png``: the step where fifo's longest row exceeds its median row most, fifo
+    ``out / gantt``: the step where fifo's longest row exceeds its median row most, fifo
     beside the spread placement on one time axis."""
     from rhyme_jax.sched.timeline import plot_gantt
     from rhyme_lab.schedule.replay import FULL, load_steps, replay
@@ -294,7 +295,7 @@ def placement(r: dict, out: Path | None = None) -> dict:
         worst = max(per_fifo, key=lambda s: tail.get(s, 0.0))
         doc["gantt_step"] = worst
         doc["gantt"] = str(plot_gantt({0: res["intervals"]["fifo"][worst], 1: res["intervals"]["spread+mig"][worst]},
-                                      Path(out) / "gantt_longtail.png", num_workers=WORKERS, same_scale=True,
+                                      Path(out) / gantt, num_workers=WORKERS, same_scale=True,
                                       labels={0: f"fifo, step {worst}", 1: f"HistoPipe (spread), step {worst}"},
                                       title="ledger task: one tail-heavy step on 4 rollout workers (replayed)"))
     return doc
@@ -316,7 +317,20 @@ def table_lines(rows: list[dict]) -> list[str]:
 
 def l5(inp: Inputs) -> dict:
     """L5 (module docstring): the per-epoch table, the held-out gains, the HistoPipe replay."""
-    r = inp.unit(PAIRED_UNIT)
+    return regime(inp, PAIRED_UNIT, SEED_UNITS, "gantt_longtail.png")
+
+
+def l6(inp: Inputs) -> dict:
+    """L6: L5's figures over the run that both learns and recurs (``RECUR_UNIT``: 48 steps over 192
+    prompts seen twice, paired HistoSpec), its own held-out gain on 400 problems."""
+    return regime(inp, RECUR_UNIT, (RECUR_UNIT,), "gantt_longtail_recur.png")
+
+
+def regime(inp: Inputs, paired_unit: str, seed_units: tuple[str, ...], gantt: str) -> dict:
+    """The per-epoch table of the paired unit ``paired_unit``, the held-out gains of the units
+    ``seed_units`` that evaluated (``Unit.held_out``), the HistoPipe replay over the paired unit's
+    steps (Gantt plot ``gantt`` under the suite's output), the bound and SmolLM2 units where run."""
+    r = inp.unit(paired_unit)
     rows = epoch_table(r)
     later = [x for x in rows if x["epoch"] >= 2]
     figs = []
@@ -327,7 +341,7 @@ def l5(inp: Inputs) -> dict:
                         x.get("histospec_rollout_se"), x["steps"]),
                  figure("HistoSpec end-to-end ratio", v, x.get("histospec_e2e"), x.get("histospec_e2e_se"), x["steps"])]
     gains = {}
-    for name in SEED_UNITS:
+    for name in seed_units:
         try:
             u = inp.unit(name)
         except MissingInput:
@@ -339,7 +353,7 @@ def l5(inp: Inputs) -> dict:
             if "sampled" in g:
                 sg = g["sampled"]
                 figs.append(figure("held-out sampled accuracy (mean@k) gain (paired)", name, sg["gain"], sg["se"], sg["n"]))
-    sched = placement(r, inp.out)
+    sched = placement(r, inp.out, gantt)
     figs += [figure("HistoPipe makespan ratio vs fifo (replayed, 4 workers)", "epochs with history",
                     sched["makespan_ratio"], n=sched["steps"]),
              figure("bound on any placement's makespan ratio vs fifo", "epochs with history", sched["bound_ratio"],

@@ -133,6 +133,9 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "longtail_plain_seed0 for 48 steps over 384 prompts seen once (run by hand)", held_out=True),
     Unit("longtail_plain_long_seed1", "learn", _cfg("longtail_plain_long_seed1"), 1, ("longtail_sft",),
          "longtail_plain_long with run seed 1 (run by hand)", held_out=True),
+    Unit("longtail_recur_paired", "learn_paired", _cfg("longtail_recur"), 1, ("longtail_sft",),
+         "48 steps over 192 prompts seen twice, every rollout plain and with HistoSpec, held-out gain on 400 problems"
+         " (run by hand)", held_out=True),
     Unit("longtail_bound_paired", "learn_paired", _cfg("longtail_bound"), 1, ("longtail_sft",),
          "4 steps of the ledger task's GRPO, every rollout plain, with HistoSpec and with the always-right oracle",
          oracle="always-right"),
@@ -205,6 +208,9 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
              "ratios, acceptance; HistoPipe vs fifo replayed on 4 workers, Gantt; held-out gain of two seeds",
              "rollout 84-91% of a step; HistoSpec 1.86x, HistoPipe 1.68x, 2.6x end to end",
              ("longtail_goodput_paired", "longtail_plain_seed0", "longtail_plain_seed1")),
+    Ablation("L6", "L5's run that both learns and recurs: 48 steps over 192 prompts seen twice (ledger task)",
+             "L5's per-epoch figures and HistoPipe replay over the learning run; its held-out gain on 400 problems",
+             "as L5", ("longtail_recur_paired",)),
 )}
 
 SUITES: dict[str, tuple[str, ...]] = {
@@ -213,6 +219,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "histospec": ("A3", "A4", "A5", "A10", "K1", "K2", "K3", "K4", "K6", "O5"),
     "learning": ("L1", "L2", "L3", "L4"),
     "longtail": ("L5",),
+    "longtail_recur": ("L6",),  # ~1.5 h on 2 cores after the warm start: --out results/longtail shares L5's
 }
 
 
