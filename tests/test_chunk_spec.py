@@ -362,6 +362,54 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay(monkeypatch):
     assert passes == {True: {1}, False: {2}}  # every guarded HistoSpec chunk here is a trial
 
 
+def test_declined_chunks_grade_the_device_drafts_on_the_tokens_they_emit():
+    """Verify priced at 1,000 decode passes, so the guard declines every chunk but a key's first
+    try: each declined chunk runs plain and grades the drafts the device would have made at its
+    start on the tokens it then emitted (``graded_plain``). With the always-right oracle's history
+    none of them misses; with another key's rollouts as history some do. The tokens stay plain
+    decode's either way."""
+    from rhyme_lab.ablate.paired import AlwaysRightDrafter
+
+    class Priced(PassCost):
+        def __call__(self, rows, tokens, q_len, width=0):
+            return 1000.0 if q_len > 1 else 1.0
+
+        def observe(self, *args, width=0):
+            pass
+
+    state, eos = _model()[1], _sampled_eos(3)
+    prompts = _prompts(0)
+    prompts = [prompts[i // 2] for i in range(6)]
+    pids = np.arange(6) // 2
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
+    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
+    other = _engine(**kw).generate(state, prompts, sp, jax.random.key(5))
+    store = HistoryStore()
+    store.update(0, pids, [np.asarray(p) for p in prompts], other.tokens, np.zeros(6))
+    graded = {}
+    for name in ("right", "other"):
+        eng = _engine(**kw, passes_per_dispatch=4)
+        eng.pass_cost = Priced({}, {"source": "test"})
+        eng.spec_guard.observe_seconds = lambda *a: None
+        calls = graded[name] = []
+        real = eng.spec_guard.observe_shadow
+        eng.spec_guard.observe_shadow = lambda rows, width, a, f, real=real, calls=calls: (calls.append((a, f)),
+                                                                                              real(rows, width, a, f))
+        if name == "right":
+            got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=AlwaysRightDrafter(prompts, want.tokens, MAX_NEW))
+        else:
+            with _drafter(store, pids, window="aimd") as d:
+                got = eng.generate(state, prompts, sp, jax.random.key(3), drafter=d.batch(pids))
+        for g, w in zip(got.tokens, want.tokens):
+            np.testing.assert_array_equal(g, w)
+        assert len(calls) == got.stats["spec_chunks_declined"] > 0
+    accepted, failed = np.sum(graded["right"], axis=0)
+    assert accepted > 0 and failed == 0  # every draft of the oracle's history is the token sampled there
+    accepted, failed = np.sum(graded["other"], axis=0)
+    assert failed > 0
+
+
 def test_draft_room_climbs_the_ladder_and_the_guard_picks_a_rung():
     """``program``: the smallest rung with the packed tokens and the draft room ``Q`` asked for
     (the ledger config's 4-row bucket: (6, 3), (32, 17), (132, 33)); ``guarded_program``: of the

@@ -141,3 +141,42 @@ def test_a_rung_whose_drafts_land_lets_the_climb_past_it_even_above_the_chunks_a
     assert low.choose(4, 384, [(6, 1.2, 1)], 1.0, above) == 6 and (4, 384, 32) not in low.gain
     low.observe(4, 384, 6, accepted=3, row_passes=3, drafted=3)  # they land: it promises the rung above
     assert low.choose(4, 384, [(6, 1.2, 1)], 1.0, above) == 32 and low.trial
+
+
+def test_declined_chunks_graded_on_their_tokens_try_a_rung_before_the_probe():
+    """``observe_shadow`` keeps per (rows, width) the per-token rate ``accepted / (accepted +
+    misses)`` of the drafts graded on plain chunks' tokens. A climb that stops at a rung in
+    back-off tries, at once, the first rung from there up whose drafts would pay at that rate (a
+    trial), once per rise of ``PROMISE_MARGIN``; a rate that fell ``PROMISE_MARGIN`` below re-arms it."""
+    g = SpecGuard()
+    g.observe_seconds(False, 4, 384, 4, 1.0)
+    g.observe(4, 384, 6, accepted=0, row_passes=3, drafted=3)  # the bottom rung's drafts missed
+    g.observe_seconds(True, 4, 384, 6, 2.5)
+    rungs, above = [(6, 2.5, 1)], (32, 2.0, 9)
+    assert g.choose(4, 384, rungs, 1.0, above) is None and g.declined[(4, 384, 6)] == 1
+    g.observe_shadow(4, 384, accepted=0, failed=0)  # nothing graded: no rate
+    assert (4, 384) not in g.shadow
+    g.observe_shadow(4, 24, accepted=30, failed=2)  # another width: its own rate
+    assert g.choose(4, 384, rungs, 1.0, above) is None
+    g.observe_shadow(4, 384, accepted=30, failed=2)  # a = 30/32: 1.94 x 1.0 < 2.5 at room 1, 7.6 x 1.0 >= 2.0 at 9
+    assert g.shadow[(4, 384)] == pytest.approx(30 / 32)
+    assert g.choose(4, 384, rungs, 1.0, above) == 32 and g.trial  # the rung the rate promises, before any probe
+    assert g.declined[(4, 384, 6)] == 2  # the probe's count goes on
+    g.observe(4, 384, 32, accepted=0, row_passes=3, drafted=27)  # it did not land after all
+    g.observe_seconds(True, 4, 384, 32, 2.0)
+    assert g.choose(4, 384, rungs, 1.0, above) is None and not g.trial  # the same rate: no second try
+    g.observe_shadow(4, 384, accepted=30, failed=2)  # the rate holds: still no second try
+    assert g.choose(4, 384, rungs, 1.0, above) is None
+    for _ in range(2):
+        g.observe_shadow(4, 384, accepted=0, failed=10)  # it falls to 0.23: the record is dropped
+    assert g.shadow[(4, 384)] < 30 / 32 - PROMISE_MARGIN and not g.shadow_promised
+    assert g.choose(4, 384, rungs, 1.0, above) is None  # 0.23 promises nothing
+    for _ in range(4):
+        g.observe_shadow(4, 384, accepted=10, failed=0)  # rises again to 0.95
+    assert g.choose(4, 384, rungs, 1.0, above) == 32 and g.trial
+    cheap = SpecGuard()  # the bottom rung itself pays at the rate: it is the one tried
+    cheap.observe_seconds(False, 4, 384, 4, 1.0)
+    cheap.observe(4, 384, 6, accepted=0, row_passes=3, drafted=3)
+    cheap.observe_seconds(True, 4, 384, 6, 1.5)
+    cheap.observe_shadow(4, 384, accepted=9, failed=1)  # 1.9 x 1.0 >= 1.5
+    assert cheap.choose(4, 384, rungs, 1.0, above) == 6 and cheap.trial

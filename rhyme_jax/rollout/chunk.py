@@ -180,10 +180,17 @@ def decode(engine, table, run) -> bool:
     """One chunk of plain decode passes over the live slots of ``table`` through ``run`` (the
     engine's ``_Passes``): reserve pages, run, record every row's emitted tokens (finished rows
     are released). Returns False, having done nothing, when the pool cannot hold the chunk."""
+    return decode_tokens(engine, table, run) is not None
+
+
+def decode_tokens(engine, table, run) -> tuple[np.ndarray, np.ndarray] | None:
+    """``decode``, returning what the chunk's live rows (``table.live()`` before it, in order)
+    emitted: ``(tokens int32[n, N], count int64[n])``, row ``i``'s tokens ``tokens[i, :count[i]]``
+    (before the EOS / budget cut of ``record``); None where ``decode`` returns False."""
     ids = table.live()
     budgets = reserve(table, ids, engine.plan.passes)
     if budgets is None:
-        return False
+        return None
     inp = inputs(engine, table, ids, budgets)
     toks, lps, count, n_run = run(inp)
     n = ids.size
@@ -191,6 +198,7 @@ def decode(engine, table, run) -> bool:
     table.stats["decode_steps"] += int(n_run)
     table.stats["decode_dispatches"] += 1
     table.stats["sequence_steps"] += int(count.sum())
-    table.length[ids] += table.record(ids, np.asarray(toks)[:, :n].T, np.asarray(lps)[:, :n].T, count)
-    return True
+    toks = np.asarray(toks)[:, :n].T
+    table.length[ids] += table.record(ids, toks, np.asarray(lps)[:, :n].T, count)
+    return toks, count
 

@@ -253,6 +253,55 @@ def guarded_program(engine, rows: int, width: int, want: int, q_want: int,
     return None if tokens is None else next(p for p in pairs if p[0] == tokens)
 
 
+def own_context(table, ids: np.ndarray, rows: int) -> np.ndarray:
+    """``int32[rows, CONTEXT]``: the last ``CONTEXT`` tokens of live slots ``ids`` (their tails,
+    ending with the pending token), right-aligned, ``-1`` before them and in padding rows."""
+    ctx = np.full((rows, CONTEXT), -1, np.int32)
+    tails = table.tails.get(ids)
+    w = min(CONTEXT, tails.shape[1])
+    ctx[:ids.size, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
+    return ctx
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _shadow_drafts(source: Int[Array, "S L"], pattern_min: Int[Array, ""], k: int, own_from: int):
+    """``lookup_drafts`` of every row with a room of ``k`` tokens (a plain chunk's passes)."""
+    return lookup_drafts(source, pattern_min, jnp.full((source.shape[0],), k, jnp.int32), k, own_from=own_from)
+
+
+def graded_plain(engine, table, run, drafter, rows: int, width: int) -> bool:
+    """A plain chunk (``chunk.decode_tokens``) that also grades the drafts the device would have
+    made at its start (``_shadow_drafts`` over the chunk's ``history`` and the rows' own tokens,
+    room ``plan.passes``): a draft token is accepted exactly when plain sampling draws it, so the
+    emitted tokens say how many each row would have accepted. The accepted tokens and the drafts
+    cut by a miss go to ``SpecGuard.observe_shadow`` under ``(rows, width)``, which lets a rung
+    whose drafts now pay be tried before the probe's back-off would (``spec_guard`` docstring).
+    Returns ``chunk.decode``'s answer."""
+    ids = table.live()
+    hist = history(engine, table, ids, drafter, rows)
+    source = np.concatenate([hist, own_context(table, ids, rows)], axis=1)
+    drafts, lens = _shadow_drafts(source, np.int32(drafter.pattern_min), engine.plan.passes, hist.shape[1])
+    out = chunk.decode_tokens(engine, table, run)
+    if out is None:
+        return False
+    toks, count = out
+    n = ids.size
+    lens = np.asarray(lens[:n], np.int64)
+    acc = _common_prefix(np.asarray(drafts[:n]), toks, lens, count)
+    engine.spec_guard.observe_shadow(rows, width, int(acc.sum()), int(np.sum(acc < np.minimum(lens, count))))
+    return True
+
+
+def warm_shadow(engine) -> int:
+    """Compile ``_shadow_drafts`` for every row bucket of ``engine.plan`` (a chunked HistoSpec
+    engine's warm-up); returns the number of shapes."""
+    width = engine.draft_history + CONTEXT
+    for rows in engine.plan.buckets():
+        jax.block_until_ready(_shadow_drafts(np.full((rows, width), -1, np.int32), np.int32(1), engine.plan.passes,
+                                             engine.draft_history))
+    return len(engine.plan.buckets())
+
+
 def decode(engine, table, run, drafter) -> bool:
     """One chunk of verify passes with device drafts over the live slots of ``table``: the
     program fits the live rows plus the larger of the draft tokens the host's goodput choice
@@ -277,23 +326,20 @@ def decode(engine, table, run, drafter) -> bool:
     n, rows = ids.size, engine.plan.bucket(ids.size)
     last, best = table.chunk_accepted_per_pass, table.chunk_best_accepted
     want = n + max(int(choice.draft_lens.sum()), int(np.ceil(1.5 * last)))
-    pair = guarded_program(engine, rows, engine.table_width(ids), want, 1 + int(np.ceil(1.5 * best)), n)
+    width = engine.table_width(ids)
+    pair = guarded_program(engine, rows, width, want, 1 + int(np.ceil(1.5 * best)), n)
     if pair is None:
         table.stats["spec_chunks_declined"] += 1  # no verify program here emits more tokens a second
-        return chunk.decode(engine, table, run)
+        return graded_plain(engine, table, run, drafter, rows, width)
     total, q_len = pair
     passes = min(engine.plan.passes, TRIAL_PASSES) if engine.spec_guard.trial else engine.plan.passes
     budgets = chunk.reserve(table, ids, passes * q_len)
     if budgets is None:
         return False
     base = dataclasses.replace(chunk.inputs(engine, table, ids, budgets), passes=passes)
-    ctx = np.full((rows, CONTEXT), -1, np.int32)
-    tails = table.tails.get(ids)
-    w = min(CONTEXT, tails.shape[1])
-    ctx[:n, CONTEXT - w:] = tails[:, tails.shape[1] - w:]
     smaller = [b for b in engine.plan.buckets() if b < rows]
-    inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), ctx, total, q_len,
-                          int(drafter.pattern_min), max(smaller, default=0))
+    inp = SpecChunkInputs(base, history(engine, table, ids, drafter, rows), own_context(table, ids, rows), total,
+                          q_len, int(drafter.pattern_min), max(smaller, default=0))
     t0 = time.perf_counter()
     toks, lps, count, tally = run(inp)
     count = np.asarray(count[:n], np.int64)
@@ -321,5 +367,6 @@ def decode(engine, table, run, drafter) -> bool:
     return True
 
 
-__all__ = ["CONTEXT", "SpecChunkInputs", "call", "decode", "dummy_inputs", "guarded_program", "history", "ladder",
+__all__ = ["CONTEXT", "SpecChunkInputs", "call", "decode", "dummy_inputs", "graded_plain", "guarded_program", "history",
+           "ladder", "own_context", "warm_shadow",
            "program", "spec_chunk"]

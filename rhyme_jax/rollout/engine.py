@@ -177,6 +177,8 @@ class RolloutEngine:
                 list(pool.map(lambda inp: runner.lower(inp).compile(), inputs))
         for inp in inputs:
             runner.run(inp)
+        if spec and self.plan.passes > 1:  # the chunked engine grades declined chunks' tokens (chunk_spec.graded_plain)
+            chunk_spec.warm_shadow(self)
         return len(inputs)
 
     def runner(self, state: nnx.State, sampling: SamplingParams) -> "PassRunner":

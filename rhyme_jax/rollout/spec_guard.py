@@ -37,6 +37,18 @@ tokens a second stay below decode's, and the climb had waited for the probes' ba
 always-right oracle's step 2 of the bound unit: 711-843 passes before, 272-405 with the promise;
 docs/results.md, "L5 at commit b0bed53"). Plain and HistoSpec chunks sample the same tokens (the
 rollout's per-position streams), so the guard changes time, never tokens.
+
+Declined chunks still measure the drafts. Because a draft token is accepted exactly when it is the
+token plain sampling draws there, the tokens a plain chunk emits grade the drafts the device would
+have made at its start (``chunk_spec``: one ``lookup_drafts`` over the chunk's history and the
+rows' own tokens, compared with what the rows then emitted): ``observe_shadow`` keeps that
+per-token acceptance rate per row bucket and width, and where it has risen (by ``PROMISE_MARGIN``
+since it last had a rung tried) so far that a rung's drafts would pay, that rung gets a trial at
+once instead of waiting for the probe's back-off. On the ledger run's bound unit at 0b760a5 (idle
+2-core CPU) the back-off had grown to hundreds of chunks while the rows at the token cap decoded
+their first ~1,500 tokens (about 0.5 accepted per pass), and their period, which an ideal
+self-lookup drafter accepts 32 tokens a pass from about 2,000 tokens on (a replay over the saved
+tokens), was never probed again: step 2 ran 3,917 of plain's 4,096 passes.
 """
 
 from __future__ import annotations
@@ -68,6 +80,10 @@ class SpecGuard:
         averages; ``observe_seconds``).
       declined: ``(rows, width, tokens) -> chunks declined since the key last ran``.
       interval: ``(rows, width, tokens) -> declined chunks between probes`` (``PROBE_EVERY``, doubling).
+      shadow: ``(rows, width) -> per-token acceptance rate`` of the drafts graded on plain
+        chunks' tokens (exponential average; ``observe_shadow``).
+      shadow_promised: ``(rows, width, tokens) -> the shadow rate`` at which that rung last got
+        a shadow trial (dropped once the rate falls ``PROMISE_MARGIN`` below it).
       enabled: False runs every chunk the host's choice asks for (ablations).
       trial: whether the last ``choose`` picked a key's first try or a probe (the chunk then
         runs at most ``TRIAL_PASSES`` passes, ``chunk_spec.decode``).
@@ -80,6 +96,8 @@ class SpecGuard:
     plain_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     declined: dict[tuple[int, int, int], int] = field(default_factory=dict)
     interval: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    shadow: dict[tuple[int, int], float] = field(default_factory=dict)
+    shadow_promised: dict[tuple[int, int, int], float] = field(default_factory=dict)
     enabled: bool = True
     trial: bool = False
 
@@ -98,9 +116,10 @@ class SpecGuard:
         ``(1 + gain) * decode >= verify`` with realized figures, is a candidate; the first rung
         that neither paid nor promised the next stops the climb and is probed after
         ``PROBE_EVERY`` declined chunks (then twice as late each time, at most
-        ``MAX_PROBE_EVERY``; a chunk that pays resets it). Otherwise the candidate that emitted
+        ``MAX_PROBE_EVERY``; a chunk that pays resets it), unless the shadow rate promises it or
+        a rung above it first (``_shadow_trial``). Otherwise the candidate that emitted
         the most tokens a second, ``(1 + gain) / verify``, runs. A disabled guard runs the
-        largest rung. Sets ``trial`` (a first try, a probe or a renewed promise).
+        largest rung. Sets ``trial`` (a first try, a probe, a renewed or a shadow promise).
         """
         self.trial = False
         if not self.enabled:
@@ -123,6 +142,10 @@ class SpecGuard:
             via = key if nxt is not None and self._promising(key, nxt, rows, width, decode) else None
             if not pays and via is None:
                 stop = key
+                shadow = self._shadow_trial(rows, width, ladder[i:], decode)
+                if shadow is not None:
+                    self.trial = True
+                    return shadow
                 break
             if pays and (1.0 + self.gain[key]) / verify > best_rate:
                 best, best_rate = key, (1.0 + self.gain[key]) / verify
@@ -149,14 +172,33 @@ class SpecGuard:
         of one or a few lines: the larger rungs tried before it had settled accepted little)."""
         return via is not None and self.rate[via] >= self.promised.get(key, -1.0) + PROMISE_MARGIN
 
+    def _shadow_trial(self, rows: int, width: int, ladder: list[tuple], decode: float) -> int | None:
+        """The packed tokens of the first rung of ``ladder`` (the rung the climb stopped at, then
+        those above it) whose drafts would pay at the shadow rate of ``(rows, width)`` and that
+        has not had a shadow trial since the rate last rose ``PROMISE_MARGIN``; None if none."""
+        a = self.shadow.get((int(rows), int(width)))
+        if a is None:
+            return None
+        for rung in ladder:
+            key = (int(rows), int(width), int(rung[0]))
+            if a >= self.shadow_promised.get(key, -1.0) + PROMISE_MARGIN and self._pays_at(a, rung, rows, width, decode):
+                self.shadow_promised[key] = a
+                return key[2]
+        return None
+
     def _promising(self, key: tuple[int, int, int], above: tuple, rows: int, width: int, decode: float) -> bool:
-        """Whether the rung ``above`` (``(tokens, verify_seconds, room)``: ``room`` draft tokens a
-        live row gets there) would pay if its drafts were accepted at the rate ``key``'s were:
-        each draft token accepted with probability ``a`` (``rate``), a row accepts
-        ``a (1 - a^room) / (1 - a)`` tokens a pass in expectation (Leviathan et al. 2023, arXiv
-        2211.17192, eq. 1), against decode's seconds and ``above``'s realized (else priced) ones."""
+        """Whether the rung ``above`` would pay if its drafts were accepted at the rate ``key``'s
+        were (``_pays_at``)."""
         a = self.rate.get(key)
-        if a is None or len(above) < 3 or above[2] < 1:
+        return a is not None and self._pays_at(a, above, rows, width, decode)
+
+    def _pays_at(self, a: float, above: tuple, rows: int, width: int, decode: float) -> bool:
+        """Whether the rung ``above`` (``(tokens, verify_seconds, room)``: ``room`` draft tokens a
+        live row gets there) would pay if each draft token were accepted with probability ``a``:
+        a row then accepts ``a (1 - a^room) / (1 - a)`` tokens a pass in expectation (Leviathan
+        et al. 2023, arXiv 2211.17192, eq. 1), against decode's seconds and ``above``'s
+        realized (else priced) ones."""
+        if len(above) < 3 or above[2] < 1:
             return False
         room = int(above[2])
         expect = float(room) if a >= 1.0 else a * (1.0 - a ** room) / (1.0 - a)
@@ -173,6 +215,21 @@ class SpecGuard:
             _average(self.gain, key, float(accepted) / float(row_passes))
         if drafted > 0:
             _average(self.rate, key, float(accepted) / float(drafted))
+
+    def observe_shadow(self, rows: int, width: int, accepted: int, failed: int) -> None:
+        """A plain chunk of ``rows`` at ``width`` against the drafts the device would have made at
+        its start: ``accepted`` draft tokens equal to the tokens the rows then emitted, ``failed``
+        drafts cut by a token that differed. The per-token rate ``accepted / (accepted +
+        failed)`` (each draft token is a trial until the first miss; drafts that ended without
+        one are censored) enters ``shadow``; a rung's shadow record is dropped once the rate falls
+        ``PROMISE_MARGIN`` below it, so a later rise tries it again. No-op without a graded token."""
+        if accepted + failed <= 0:
+            return
+        cell = (int(rows), int(width))
+        _average(self.shadow, cell, float(accepted) / float(accepted + failed))
+        a = self.shadow[cell]
+        for key in [k for k, v in self.shadow_promised.items() if k[:2] == cell and a < v - PROMISE_MARGIN]:
+            del self.shadow_promised[key]
 
     def observe_seconds(self, spec: bool, rows: int, width: int, tokens: int, seconds_per_pass: float) -> None:
         """A chunk's seconds per pass (its call's seconds over the passes it ran), HistoSpec
