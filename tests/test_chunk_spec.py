@@ -305,6 +305,35 @@ def test_device_drafts_run_when_the_host_sends_no_draft():
             assert len({p.tokens for p in ran}) > 1
 
 
+def _pairs_with_history():
+    """Six rows (3 prompts x 2 samples), their plain rollout at key 3 and a history store holding
+    the rollout at key 5: ``(state, prompts, pids, sampling, engine kwargs, want, store)``."""
+    state, eos = _model()[1], _sampled_eos(3)
+    prompts = _prompts(0)
+    prompts = [prompts[i // 2] for i in range(6)]
+    pids = np.arange(6) // 2
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
+    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
+    hist = _engine(**kw).generate(state, prompts, sp, jax.random.key(5))
+    store = HistoryStore()
+    store.update(0, pids, [np.asarray(p) for p in prompts], hist.tokens, np.zeros(6))
+    return state, prompts, pids, sp, kw, want, store
+
+
+def _priced(verify: float) -> type:
+    """A ``PassCost`` pricing every verify program at ``verify`` decode passes, learning nothing."""
+
+    class Priced(PassCost):
+        def __call__(self, rows, tokens, q_len, width=0):
+            return verify if q_len > 1 else 1.0
+
+        def observe(self, *args, width=0):
+            pass
+
+    return Priced
+
+
 def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay(monkeypatch):
     """Verify programs priced at 10 decode passes and drafts from another key's history: after the
     first HistoSpec chunk of a (rows, width) key the guard runs plain chunks (probing every
@@ -323,23 +352,8 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay(monkeypatch):
 
     monkeypatch.setattr(chunk_spec, "call", call)
 
-    state, eos = _model()[1], _sampled_eos(3)
-    prompts = _prompts(0)
-    prompts = [prompts[i // 2] for i in range(6)]
-    pids = np.arange(6) // 2
-    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
-    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
-    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
-    hist = _engine(**kw).generate(state, prompts, sp, jax.random.key(5))
-    store = HistoryStore()
-    store.update(0, pids, [np.asarray(p) for p in prompts], hist.tokens, np.zeros(6))
-
-    class Priced(PassCost):
-        def __call__(self, rows, tokens, q_len, width=0):
-            return 10.0 if q_len > 1 else 1.0
-
-        def observe(self, *args, width=0):
-            pass
+    state, prompts, pids, sp, kw, want, store = _pairs_with_history()
+    Priced = _priced(10.0)
 
     runs, passes = {}, {}
     for guarded in (True, False):
@@ -370,23 +384,8 @@ def test_declined_chunks_grade_the_device_drafts_on_the_tokens_they_emit():
     decode's either way."""
     from rhyme_lab.ablate.paired import AlwaysRightDrafter
 
-    class Priced(PassCost):
-        def __call__(self, rows, tokens, q_len, width=0):
-            return 1000.0 if q_len > 1 else 1.0
-
-        def observe(self, *args, width=0):
-            pass
-
-    state, eos = _model()[1], _sampled_eos(3)
-    prompts = _prompts(0)
-    prompts = [prompts[i // 2] for i in range(6)]
-    pids = np.arange(6) // 2
-    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
-    kw = dict(max_slots=3, eos_ids=(eos,), max_prefill_tokens=32)
-    want = _engine(**kw).generate(state, prompts, sp, jax.random.key(3))
-    other = _engine(**kw).generate(state, prompts, sp, jax.random.key(5))
-    store = HistoryStore()
-    store.update(0, pids, [np.asarray(p) for p in prompts], other.tokens, np.zeros(6))
+    Priced = _priced(1000.0)
+    state, prompts, pids, sp, kw, want, store = _pairs_with_history()
     graded = {}
     for name in ("right", "other"):
         eng = _engine(**kw, passes_per_dispatch=4)
