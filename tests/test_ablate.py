@@ -29,7 +29,8 @@ def test_every_ablation_config_loads(path):
 def test_registry_covers_the_paper_ids_with_loadable_sweeps():
     assert list(SUITES["paper"]) == PAPER_IDS and list(SUITES["learning"]) == ["L1", "L2", "L3", "L4"]
     assert list(SUITES["longtail"]) == ["L5"] and list(SUITES["longtail_recur"]) == ["L6"]
-    assert list(ABLATIONS) == PAPER_IDS + list(SUITES["learning"]) + ["L5", "L6"]
+    assert list(SUITES["longtail_recur_seed1"]) == ["L7"]
+    assert list(ABLATIONS) == PAPER_IDS + list(SUITES["learning"]) + ["L5", "L6", "L7"]
     for a in ABLATIONS.values():
         assert a.units and all(u in UNITS for u in a.units), a.id
         for path in a.configs():

@@ -49,6 +49,15 @@ def test_tiny_longtail_suite(tmp_path, compile_cache):
     assert len(r6["epochs"]) == 3 and all(x["histospec_rollout"] > 0 for x in r6["epochs"])
     assert len(list((tmp_path / "runs" / "longtail_sft" / "sft" / "held_out_before").glob("*.json"))) == 1
     assert (tmp_path / "gantt_longtail_recur.png").is_file()
+    composed = r6["whole_system"]  # epochs whose steps the replay covers (prompts with history)
+    assert composed and all(x["system"] > 0 and x["histopipe"] > 0 for x in composed.values())
+    # L7: L6 with run seed 1, and both seeds' held-out gain pooled per problem
+    run_unit("longtail_recur_seed1_paired", tmp_path, "tiny")
+    _, results = runner.run_suite("longtail_recur_seed1", scale="tiny", out=tmp_path, only="L7", progress=False)
+    r7 = results["L7"]
+    assert r7["status"] == "ok", r7.get("reason")
+    assert r7["pooled_held_out"]["seeds"] == 2 and r7["pooled_held_out"]["before"] in set(before.values())
+    assert (tmp_path / "gantt_longtail_recur_seed1.png").is_file()
 
 
 def test_makespan_bound_is_the_longest_row_or_the_shared_work():
@@ -206,3 +215,51 @@ def test_history_dp_plans_from_the_last_rollout_and_is_timed_on_the_true_lengths
     swapped = longtail.history_dp([StepLengths(1, ids, x), StepLengths(2, ids, x[::-1])], cm, 2)
     assert swapped[2] > longtail.oracle_prompts(x[::-1], cm, 2)
     assert longtail.history_dp([StepLengths(1, ids, x), StepLengths(2, ids + 1, x)], cm, 2) == {}
+
+
+def test_whole_system_composes_measured_histospec_with_replayed_makespans():
+    """compose.whole_system: per epoch, (rest + fifo makespan) over (rest + spread makespan x the
+    step's measured HistoSpec ratio), ratios of sums over the replayed timed steps; steps the
+    replay skipped (no history) and the compiling step are left out."""
+    from rhyme_lab.ablate import compose
+
+    def step(i, ep, plain, spec, rest):
+        return {"step": i, "rollout/epoch": ep, "plain": {"seconds": plain}, "spec": {"seconds": spec},
+                "wall_s": plain + spec + rest}
+
+    r = {"skip": 1, "steps": [step(1, 1, 50.0, 50.0, 9.0), step(2, 1, 10.0, 10.0, 2.0),
+                              step(3, 2, 10.0, 5.0, 2.0), step(4, 2, 20.0, 8.0, 4.0)]}
+    spans = {3: {"fifo": 8.0, "spread": 4.0}, 4: {"fifo": 16.0, "spread": 12.0}, 1: {"fifo": 1.0, "spread": 1.0}}
+    out = compose.whole_system(r, spans)
+    assert list(out) == [2]  # step 1 compiles (skip), step 2 has no replay
+    x = out[2]
+    system = (2 + 8 + 4 + 16) / (2 + 4 * 0.5 + 4 + 12 * 0.4)
+    assert x["steps"] == 2 and x["system"] == pytest.approx(system)
+    assert x["histopipe"] == pytest.approx(30 / 22) and x["histospec"] == pytest.approx(30 / 13)
+    assert x["rollout_share_fifo"] == pytest.approx(24 / 30) and x["system_se"] > 0
+    assert "epoch 2: " in compose.cell(out) and compose.cell({}) is None
+
+
+def test_pooled_gain_averages_the_seeds_per_problem(tmp_path):
+    """seeds.pooled_gain: per problem the seeds' mean after less the shared before, its paired SE;
+    None below two evaluated seeds; another before (warm start or problems) is refused."""
+    from rhyme_jax.io.summary import eval_path
+    from rhyme_lab.ablate import seeds
+
+    before = np.array([0, 0, 1, 1, 0, 1, 0, 0], np.float64)
+    afters = [np.array([1, 0, 1, 1, 1, 1, 0, 0.]), np.array([1, 1, 1, 0, 0, 1, 0, 1.])]
+    runs = []
+    for i, after in enumerate(afters):
+        d = tmp_path / f"seed{i}"
+        for step, x in ((0, before), (3, after)):
+            eval_path(d, step).parent.mkdir(parents=True, exist_ok=True)
+            np.savez(eval_path(d, step), correct=x, sampled=np.zeros(0))
+        runs.append((d, 3))
+    g = seeds.pooled_gain(runs)
+    diff = (afters[0] + afters[1]) / 2 - before
+    assert g["seeds"] == 2 and g["n"] == 8 and g["gain"] == pytest.approx(diff.mean())
+    assert g["se"] == pytest.approx(diff.std(ddof=1) / np.sqrt(8)) and g["z"] == pytest.approx(g["gain"] / g["se"])
+    assert seeds.pooled_gain(runs[:1]) is None and seeds.pooled_gain(runs + [(tmp_path / "none", 3)])["seeds"] == 2
+    np.savez(eval_path(runs[1][0], 0), correct=1 - before, sampled=np.zeros(0))
+    with pytest.raises(ValueError, match="another evaluation before GRPO"):
+        seeds.pooled_gain(runs)

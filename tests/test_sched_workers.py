@@ -206,7 +206,7 @@ SCALED_ABLATION_RUNS = {"e2e_fifo.yaml", "histospec_per_step.yaml", "histospec_r
                         "learn_plain.yaml", "learn_real_plain.yaml", "learn_workers_fifo.yaml",
                         "longtail_goodput.yaml", "longtail_bound.yaml", "longtail_smollm2.yaml",
                         "longtail_plain_long.yaml", "longtail_recur.yaml"}  # the learning suites' base runs
-SEED_RUNS = {"longtail_plain_seed1.yaml", "longtail_plain_long_seed1.yaml"}  # a learning run's second seed
+SEED_RUNS = {"longtail_plain_seed1.yaml", "longtail_plain_long_seed1.yaml", "longtail_recur_seed1.yaml"}  # a learning run's second seed
 
 
 def test_ablation_configs_load_and_switch_one_part_each():
@@ -239,4 +239,4 @@ def test_ablation_configs_load_and_switch_one_part_each():
             assert cfg.spec == base.spec and cfg.parallel == base.parallel, path.name
         else:
             assert cfg.spec != base.spec and cfg.parallel == base.parallel, path.name
-    assert len(seen) == 37
+    assert len(seen) == 38

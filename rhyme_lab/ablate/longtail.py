@@ -27,6 +27,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from rhyme_lab.ablate.compose import cell as compose_cell
+from rhyme_lab.ablate.compose import system_figures, whole_system
 from rhyme_lab.ablate.learning import by_epoch, paired_epochs
 from rhyme_lab.ablate.measures import Inputs, MissingInput, figure, ratio_of_sums
 
@@ -267,6 +269,7 @@ def placement(r: dict, out: Path | None = None, gantt: str = "gantt_longtail.png
     spread = res["configs"]["spread+mig"]
     per_fifo = {x["step"]: x for x in res["per_step"]["fifo"]}
     per_full = {x["step"]: x for x in res["per_step"][FULL]}
+    per_spread = {x["step"]: x for x in res["per_step"]["spread+mig"]}
     ratios = np.array([per_fifo[s]["makespan_s"] / per_full[s]["makespan_s"] for s in per_fifo])
     bound = sum(makespan_bound(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
     oracle = sum(oracle_grouped(st.lengths, cm, WORKERS) for st in steps if st.step in per_fifo)
@@ -289,7 +292,8 @@ def placement(r: dict, out: Path | None = None, gantt: str = "gantt_longtail.png
            "step_ratio_max": float(ratios.max()) if ratios.size else None,
            "idle_fifo": fifo["bubble_fraction"], "idle_histopipe": full["bubble_fraction"],
            "migrated_share": full["migrated_share"],
-           "cost_model": {"a": cm.a, "b": cm.b, "c": cm.c, "source": source}, "length_rhyme": length_rhyme(steps)}
+           "cost_model": {"a": cm.a, "b": cm.b, "c": cm.c, "source": source}, "length_rhyme": length_rhyme(steps),
+           "per_step": {s: {"fifo": per_fifo[s]["makespan_s"], "spread": per_spread[s]["makespan_s"]} for s in per_fifo}}
     if out is not None and per_fifo:
         tail = {st.step: float(st.lengths.max() / max(np.median(st.lengths), 1.0)) for st in steps}
         worst = max(per_fifo, key=lambda s: tail.get(s, 0.0))
@@ -379,11 +383,14 @@ def regime(inp: Inputs, paired_unit: str, seed_units: tuple[str, ...], gantt: st
                  f"{_x(sched['history_dp_ratio'])}, the exact-length grouped placement "
                  f"{sched['oracle_ratio']:.2f}x, any placement at most {sched['bound_ratio']:.2f}x), "
                  f"idle with the tiers {sched['idle_fifo']:.0%} -> {sched['idle_histopipe']:.0%}")
+    system = whole_system(r, sched["per_step"])
+    figs += system_figures(system)
+    cells += [compose_cell(system)] if system else []
     lr = sched["length_rhyme"]
     if lr["spearman_mean"] is not None:
         cells.append(f"length ranks from the prompt's last rollout: Spearman {lr['spearman_mean']:.2f} (mean), "
                      f"{lr['spearman_max']:.2f} (max); {lr['rows_over_2x_prev_max']:.1%} of rows past twice its last max")
-    cells += [f"{n}: held-out {_gain_cell(g)}" + (f"; sampled mean@k {_gain_cell(g['sampled'])}" if "sampled" in g else "")
+    cells += [f"{n}: held-out {gain_cell(g)}" + (f"; sampled mean@k {gain_cell(g['sampled'])}" if "sampled" in g else "")
               for n, g in gains.items()]
     details = "\n".join(table_lines(rows))
     try:
@@ -400,7 +407,7 @@ def regime(inp: Inputs, paired_unit: str, seed_units: tuple[str, ...], gantt: st
         cells.append(real["cell"])
         details += f"\n\n{REAL_UNIT}:\n" + "\n".join(table_lines(real["epochs"]))
     return {"ours": "; ".join(cells), "figures": figs, "details": details, "epochs": rows,
-            "held_out": gains, "histopipe": sched, "real_model": real, "histospec_bound": bound,
+            "held_out": gains, "histopipe": sched, "whole_system": system, "real_model": real, "histospec_bound": bound,
             "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
                      f"workers under the cost model fitted to the run's plain rollouts (a, b, c and the fit in 'histopipe')"}
 
@@ -409,7 +416,8 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def _gain_cell(g: dict) -> str:
+def gain_cell(g: dict) -> str:
+    """A held-out gain (``held_out``'s dict) as "before -> after (gain ± se, z)" for the report."""
     if g["z"] is None:
         return f"{g['before']:.3f} -> {g['after']:.3f} (no spread)"
     return f"{g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f} ± {g['se']:.3f}, z {g['z']:.1f})"

@@ -136,6 +136,8 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
     Unit("longtail_recur_paired", "learn_paired", _cfg("longtail_recur"), 1, ("longtail_sft",),
          "48 steps over 192 prompts seen twice, every rollout plain and with HistoSpec, held-out gain on 400 problems"
          " (run by hand)", held_out=True),
+    Unit("longtail_recur_seed1_paired", "learn_paired", _cfg("longtail_recur_seed1"), 1, ("longtail_sft",),
+         "longtail_recur_paired with run seed 1 (L6's second seed, run by hand)", held_out=True),
     Unit("longtail_bound_paired", "learn_paired", _cfg("longtail_bound"), 1, ("longtail_sft",),
          "4 steps of the ledger task's GRPO, every rollout plain, with HistoSpec and with the always-right oracle",
          oracle="always-right"),
@@ -211,6 +213,9 @@ ABLATIONS: dict[str, Ablation] = {a.id: a for a in (
     Ablation("L6", "L5's run that both learns and recurs: 48 steps over 192 prompts seen twice (ledger task)",
              "L5's per-epoch figures and HistoPipe replay over the learning run; its held-out gain on 400 problems",
              "as L5", ("longtail_recur_paired",)),
+    Ablation("L7", "L6 with run seed 1: its second seed (ledger task)",
+             "L6's figures over the second seed's run; the held-out gain of both seeds, pooled",
+             "as L5", ("longtail_recur_seed1_paired",)),
 )}
 
 SUITES: dict[str, tuple[str, ...]] = {
@@ -220,6 +225,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "learning": ("L1", "L2", "L3", "L4"),
     "longtail": ("L5",),
     "longtail_recur": ("L6",),  # ~1.5 h on 2 cores after the warm start: --out results/longtail shares L5's
+    "longtail_recur_seed1": ("L7",),  # as longtail_recur, with run seed 1 (both seeds' gain pooled where L6's unit ran)
 }
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from rhyme_lab.ablate import learning, longtail, measures, spec_measures
+from rhyme_lab.ablate import learning, longtail, measures, seeds, spec_measures
 from rhyme_lab.ablate.registry import ROOT, UNITS, AblationError, get_scale, suite_ids, units_of
 from rhyme_lab.ablate.units import progress_file, unit_json, write_json
 from rhyme_lab import provenance
@@ -26,7 +26,7 @@ MEASURES = {"A1": measures.a1, "A2": measures.a2, "A3": measures.a3, "A4": measu
             "A6": measures.a6, "A10": spec_measures.a10, "K1": spec_measures.k1, "K2": spec_measures.k2,
             "K3": spec_measures.k3, "K4": spec_measures.k4, "K6": spec_measures.k6, "O5": spec_measures.o5,
             "O6": spec_measures.o6, "L1": learning.l1, "L2": learning.l2, "L3": learning.l3,
-            "L4": learning.l4, "L5": longtail.l5, "L6": longtail.l6}
+            "L4": learning.l4, "L5": longtail.l5, "L6": longtail.l6, "L7": seeds.l7}
 
 
 def default_out(suite: str, scale: str) -> Path:
