@@ -242,7 +242,8 @@ def test_whole_system_composes_measured_histospec_with_replayed_makespans():
 
 def test_pooled_gain_averages_the_seeds_per_problem(tmp_path):
     """seeds.pooled_gain: per problem the seeds' mean after less the shared before, its paired SE;
-    None below two evaluated seeds; another before (warm start or problems) is refused."""
+    None below two evaluated seeds; seeds with different befores (warm starts from different
+    machines) pool as independent gains; another number of problems is refused."""
     from rhyme_jax.io.summary import eval_path
     from rhyme_lab.ablate import seeds
 
@@ -260,6 +261,14 @@ def test_pooled_gain_averages_the_seeds_per_problem(tmp_path):
     assert g["seeds"] == 2 and g["n"] == 8 and g["gain"] == pytest.approx(diff.mean())
     assert g["se"] == pytest.approx(diff.std(ddof=1) / np.sqrt(8)) and g["z"] == pytest.approx(g["gain"] / g["se"])
     assert seeds.pooled_gain(runs[:1]) is None and seeds.pooled_gain(runs + [(tmp_path / "none", 3)])["seeds"] == 2
-    np.savez(eval_path(runs[1][0], 0), correct=1 - before, sampled=np.zeros(0))
-    with pytest.raises(ValueError, match="another evaluation before GRPO"):
+    assert g["pooling"] == "per problem"
+    other = 1 - before  # seed 1 from another warm start
+    np.savez(eval_path(runs[1][0], 0), correct=other, sampled=np.zeros(0))
+    g = seeds.pooled_gain(runs)
+    d0, d1 = afters[0] - before, afters[1] - other
+    se = np.hypot(d0.std(ddof=1), d1.std(ddof=1)) / np.sqrt(8) / 2
+    assert g["pooling"] == "independent" and g["gain"] == pytest.approx((d0.mean() + d1.mean()) / 2)
+    assert g["se"] == pytest.approx(se) and g["before"] == pytest.approx(0.5)
+    np.savez(eval_path(runs[1][0], 0), correct=before[:6], sampled=np.zeros(0))
+    with pytest.raises(ValueError, match="6 problems"):
         seeds.pooled_gain(runs)
