@@ -72,7 +72,7 @@ def pooled_gain(runs: list[tuple[str | Path, int]]) -> dict | None:
 
 def l7(inp: Inputs) -> dict:
     """L7 (module docstring): L6's figures over the seed-1 run (``SEED1_UNIT``), and where L6's
-    unit ran in the same output, the held-out gain of both seeds pooled per problem."""
+    unit ran in the same output, the held-out gain of both seeds pooled (``pooled_gain``)."""
     out = regime(inp, SEED1_UNIT, (SEED1_UNIT,), "gantt_longtail_recur_seed1.png")
     runs = []
     for name in (RECUR_UNIT, SEED1_UNIT):
