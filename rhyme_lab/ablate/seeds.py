@@ -1,17 +1,18 @@
-"""L7: L6's run with a second run seed, and the held-out gain of both seeds pooled per problem.
+"""L7: L6's run with a second run seed, and the held-out gain of both seeds pooled.
 
-A learning claim needs several seeds (issue 51: paired z >= 4 in two seeds). Both seeds of the
-run that learns and recurs (``longtail.RECUR_UNIT``, ``SEED1_UNIT``) start from the same warm
-start and are evaluated greedy on the same 400 held-out problems before and after GRPO, so
-their gains pool per problem: ``d_i = mean_s(after_s,i) - before_i``, mean and paired standard
-error over the problems (``io.summary.paired_gain`` on the seeds' mean). The pooled standard
+A learning claim needs several seeds (issue 51: paired z >= 4 in two seeds). Seeds of the run
+that learns and recurs (``longtail.RECUR_UNIT``, ``SEED1_UNIT``) run on one machine start from
+the same warm start and are evaluated greedy on the same 400 held-out problems before and after
+GRPO, so their gains pool per problem: ``d_i = mean_s(after_s,i) - before_i``, mean and paired
+standard error over the problems (``io.summary.paired_gain`` on the seeds' mean). That standard
 error keeps the between-seed variance that each problem's mean carries, and no more: it is not
-the independent-samples ``sqrt(se_0^2 + se_1^2) / 2``, since both seeds share the before.
+the independent-samples ``sqrt(se_0^2 + se_1^2) / 2``, since the seeds share the before.
 
-The warm start is deterministic on one machine but not across CPU models (XLA's kernels differ:
-the same SFT scores 0.42 on an Intel Xeon and 0.47 on an AMD EPYC on the first 100 problems). Seeds
-run on different machines therefore start from different weights and their befores differ; their
-gains are then independent and pool as the mean gain with ``sqrt(sum_s se_s^2) / S``.
+The warm start is deterministic on one machine but not across CPU models (presumably XLA's
+float32 kernels differ by CPU; the same SFT scores 0.42 on an Intel Xeon and 0.47 on an AMD
+EPYC on the first 100 problems). Seeds run on different machines therefore start from different
+weights and their befores differ; their gains are then independent and pool as the mean gain
+with ``sqrt(sum_s se_s^2) / S``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import numpy as np
 from rhyme_lab.ablate.longtail import RECUR_UNIT, gain_cell, regime
 from rhyme_lab.ablate.measures import Inputs, MissingInput, figure
 
-SEED1_UNIT = "longtail_recur_seed1_paired"  # L6's config with run.seed 1 (run by hand, ~1.5 h after the warm start)
+SEED1_UNIT = "longtail_recur_seed1_paired"  # L6's config with run.seed 1 (run by hand, 1-1.5 h after the warm start)
 
 
 def pooled_gain(runs: list[tuple[str | Path, int]]) -> dict | None:
-    """The greedy held-out gain of several seeds of one run, pooled per problem.
+    """The greedy held-out gain of several seeds of one run, pooled (module docstring).
 
     Args:
       runs: ``(run_dir, steps)`` per seed; each run's ``eval/step_000000.npz`` (before) and
