@@ -52,14 +52,14 @@ def test_list_falls_back_with_warning_and_auto_picks_backend():
         assert api.resolve_name(("pallas_tpu", "pallas_gpu", "reference")) == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert api.resolve_name("auto") == "reference"
+        assert api.resolve_name("auto") == "live_pages"  # the CPU: plain jax.numpy over the live pages
         assert api.resolve_name(("pallas_gpu_interpret", "reference")) == "pallas_gpu_interpret"
     with pytest.raises(ValueError, match="none of"):
         api.resolve_name(("pallas_tpu", "pallas_gpu"))
     assert "pallas_tpu" not in api.available_implementations()
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("impl", ["live_pages", "pallas_gpu_interpret", "pallas_tpu_interpret"])
 def test_engine_greedy_with_kernel_equals_reference(impl):
     prompts = _prompts(4, (5, 11, 3))
     sp = SamplingParams(temperature=0.0, max_new_tokens=5)
@@ -97,7 +97,7 @@ _SHARDED = textwrap.dedent("""
     # the stacked pool [L, KVH, ...] sharded on its KV-head axis, read at a traced layer index
     ks = jax.device_put(jnp.stack([0 * kp, kp]), NamedSharding(mesh, P(None, "tensor")))
     vs = jax.device_put(jnp.stack([0 * vp, vp]), NamedSharding(mesh, P(None, "tensor")))
-    for impl in ("reference", "pallas_gpu_interpret"):
+    for impl in ("reference", "live_pages", "pallas_gpu_interpret"):
         fn = jax.jit(lambda li, *a: api.sharded_ragged_paged_attention(mesh, *a, layer=li, implementation=impl, **kw))
         np.testing.assert_allclose(np.asarray(fn(jnp.int32(1), q, ks, vs, *meta)), np.asarray(want), atol=1e-5)
     print("SHARDED_OK", got.sharding.spec)

@@ -6,6 +6,8 @@ Implementations (same signature and semantics as ``reference.ragged_paged_attent
 
 =========================  ==================================================================
 ``reference``              plain ``jax.numpy`` oracle; any backend
+``live_pages``             plain ``jax.numpy``, reads only the live rows' pages (``live_pages.py``);
+                           any backend; ``auto`` off TPU and GPU
 ``pallas_tpu``             Mosaic TPU kernel (``pallas_tpu.py``); TPU only
 ``pallas_gpu``             Pallas GPU kernel, Triton lowering (``pallas_gpu.py``); NVIDIA GPU
 ``pallas_tpu_interpret``   the TPU kernel on the TPU interpreter (CPU tests; slow)
@@ -18,7 +20,7 @@ comma-separated string as in the config: ``"pallas_gpu,reference"``):
 * a single name fails fast (``ValueError``) when it is unknown or cannot run on this backend;
 * a list takes the first entry that can run here and warns when it skips one;
 * ``"auto"`` is ``["pallas_tpu", "reference"]`` on TPU, ``["pallas_gpu", "reference"]`` on GPU
-  and ``["reference"]`` elsewhere. On an accelerator, ``auto`` also compiles the kernel once on
+  and ``"live_pages"`` elsewhere (the CPU). On an accelerator, ``auto`` also compiles the kernel once on
   a small probe batch and falls back to the reference, with a warning, if that fails.
 
 Block sizes live in ``BlockSizes`` (one field per kernel); pass them as ``block_sizes=`` (default:
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.ragged_paged_attention import pallas_gpu, pallas_tpu, reference
+from pallas_kernels.ragged_paged_attention import live_pages, pallas_gpu, pallas_tpu, reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +111,14 @@ class _Impl:
 
 _IMPLEMENTATIONS: dict[str, _Impl] = {
     "reference": _Impl(reference.ragged_paged_attention, None),
+    "live_pages": _Impl(live_pages.ragged_paged_attention, None, stacked=True),
     "pallas_tpu": _Impl(pallas_tpu.ragged_paged_attention, ("tpu",), "tpu"),
     "pallas_gpu": _Impl(pallas_gpu.ragged_paged_attention, ("gpu",), "gpu", stacked=True),
     "pallas_tpu_interpret": _Impl(pallas_tpu.ragged_paged_attention, None, "tpu", True),
     "pallas_gpu_interpret": _Impl(pallas_gpu.ragged_paged_attention, None, "gpu", True, stacked=True),
 }
 _AUTO = {"tpu": ("pallas_tpu", "reference"), "gpu": ("pallas_gpu", "reference")}
+_AUTO_ELSEWHERE = "live_pages"  # CPU and any other backend: plain jax.numpy, reads only the live pages
 _TARGET: list[str] = []  # target_backend's stack
 
 
@@ -188,7 +192,7 @@ def resolve_name(implementation: str | tuple[str, ...]) -> str:
 def _resolve(implementation: str | tuple[str, ...], backend: str, lowering_only: bool) -> str:
     if implementation == "auto":
         if backend not in _AUTO:
-            return "reference"
+            return _AUTO_ELSEWHERE
         kernel = _AUTO[backend][0]
         if lowering_only:
             return kernel
