@@ -74,8 +74,11 @@ def test_stacked_pool_read_at_a_traced_layer_through_the_api():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE[jnp.float32])
 
 
-def test_block_pages_bounds_the_score_block_and_the_table():
-    assert live_pages.block_pages(64, 24, 16, 1) == live_pages.PAGES_PER_BLOCK
-    assert live_pages.block_pages(1, 8, 16, 1) == 8  # never more than the page table holds
-    big_q = live_pages.block_pages(64, 384, 16, 64)
-    assert 1 <= big_q < live_pages.PAGES_PER_BLOCK and big_q * 16 * 64 <= live_pages._SCORE_BLOCK
+def test_block_groups_bounds_the_score_block_and_the_table():
+    assert live_pages.group_pages(384) == live_pages.GROUP_PAGES and live_pages.group_pages(2) == 1
+    span = live_pages.group_pages(24)  # a quarter of the table: 6
+    assert span == 6 and live_pages.block_groups(64, 24, 16, 1) == live_pages.PAGES_PER_BLOCK // span
+    assert live_pages.block_groups(1, 8, 16, 1) == 4  # never more than the page table holds (spans of 2)
+    big_q = live_pages.block_groups(64, 384, 16, 64)
+    span = live_pages.group_pages(384)
+    assert 1 <= big_q * span < live_pages.PAGES_PER_BLOCK and big_q * span * 16 * 64 <= live_pages._SCORE_BLOCK

@@ -30,16 +30,27 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.ragged_paged_attention import reference
 
 MAX_Q_LEN = 64  # longer query rows (prefill chunks) take the reference's per-sequence layout
-PAGES_PER_BLOCK = 256  # pages a loop iteration gathers (see ``block_pages``)
-_SCORE_BLOCK = 1 << 17  # score entries per KV-head group a block may hold (``block_pages``)
+PAGES_PER_BLOCK = 256  # pages a loop iteration gathers (see ``block_groups``)
+GROUP_PAGES = 8  # page-table columns of one row gathered as one entry (see ``group_pages``)
+_SCORE_BLOCK = 1 << 17  # score entries per KV-head group a block may hold (``block_groups``)
 
 
-def block_pages(num_rows: int, width: int, page_size: int, max_q_len: int) -> int:
-    """Pages one loop iteration gathers: ``PAGES_PER_BLOCK``, fewer when a block's scores
-    (``C x page_size x max_q_len`` per head) would exceed ``_SCORE_BLOCK`` entries, and never more
-    than the page table holds (``num_rows x width``); at least 1."""
-    by_scores = max(1, _SCORE_BLOCK // max(1, page_size * max_q_len))
-    return max(1, min(PAGES_PER_BLOCK, by_scores, num_rows * width))
+def group_pages(width: int) -> int:
+    """Page-table columns of one row that an entry of the flattened list gathers together
+    (``GROUP_PAGES``, at most a quarter of the table, at least 1): scores of ``span x page_size``
+    keys per (entry, KV head) make dense enough matrix products on the CPU, and a row wastes at most
+    ``span - 1`` pages past its end."""
+    return max(1, min(GROUP_PAGES, width // 4))
+
+
+def block_groups(num_rows: int, width: int, page_size: int, max_q_len: int) -> int:
+    """Page groups (``group_pages``) one loop iteration gathers: ``PAGES_PER_BLOCK`` pages' worth,
+    fewer when a block's scores (pages x ``page_size x max_q_len`` per head) would exceed
+    ``_SCORE_BLOCK`` entries, never more than the page table holds (``num_rows`` rows of
+    ``ceil(width / span)`` groups); at least 1."""
+    span = group_pages(width)
+    by_scores = max(1, _SCORE_BLOCK // max(1, span * page_size * max_q_len))
+    return max(1, min(PAGES_PER_BLOCK // span, by_scores, num_rows * -(-width // span)))
 
 
 def ragged_paged_attention(
@@ -93,11 +104,12 @@ def ragged_paged_attention(
     q_seq = q_seq.reshape(num_s, max_q_len, num_kv_heads, group, head_dim)
     q_pos = kv_lens[:, None] - q_lens[:, None] + qi[None, :]  # [S, Q]
 
-    n_pages = jnp.where(live, jnp.clip(-(-kv_lens // page_size), 0, width), 0)  # [S] live pages per row
-    ends = jnp.cumsum(n_pages)
-    blk = block_pages(num_s, width, page_size, max_q_len)
-    state = _fold_pages(q_seq, q_pos, k_pages, v_pages, page_indices, ends, layer=layer, block=blk,
-                        soft_cap=soft_cap, sliding_window=sliding_window)
+    span = group_pages(width)
+    n_groups = jnp.where(live, jnp.clip(-(-kv_lens // (page_size * span)), 0, -(-width // span)), 0)  # [S]
+    ends = jnp.cumsum(n_groups)
+    blk = block_groups(num_s, width, page_size, max_q_len)
+    state = _fold_pages(q_seq, q_pos, kv_lens, k_pages, v_pages, page_indices, ends, layer=layer, block=blk,
+                        span=span, soft_cap=soft_cap, sliding_window=sliding_window)
     _, denom, acc = state
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [S, KVH, G*Q, hd]
     out = out.reshape(num_s, num_kv_heads, group, max_q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
@@ -106,46 +118,47 @@ def ragged_paged_attention(
     return jnp.zeros_like(q).at[dest.reshape(-1)].set(out.reshape(-1, num_heads, head_dim), mode="drop")
 
 
-def _fold_pages(q_seq, q_pos, k_pages, v_pages, page_indices, ends, *, layer, block, soft_cap, sliding_window):
-    """The online softmax over the flattened live pages: ``(max, denom, acc)`` of shapes
-    ``[S, KVH, M]``, ``[S, KVH, M]`` and ``[S, KVH, M, hd]`` (``M = G x Q``, head-major) after
-    every block."""
+def _fold_pages(q_seq, q_pos, kv_lens, k_pages, v_pages, page_indices, ends, *, layer, block, span, soft_cap,
+                sliding_window):
+    """The online softmax over the flattened live page groups (``span`` page-table columns of one
+    row each, ``ends`` their cumulative count per row): ``(max, denom, acc)`` of shapes
+    ``[S, KVH, M]``, ``[S, KVH, M]`` and ``[S, KVH, M, hd]`` (``M = G x Q``, head-major)."""
     num_s, max_q_len, num_kv_heads, group, head_dim = q_seq.shape
     width = page_indices.shape[1]
     page_size = k_pages.shape[-2]
     total = ends[-1]
     starts = ends - jnp.diff(ends, prepend=0)
     num_blocks = (total + block - 1) // block
-    k_offsets = jnp.arange(page_size, dtype=jnp.int32)
+    offsets = jnp.arange(span * page_size, dtype=jnp.int32)  # key offsets within a group
 
     q_m = q_seq.transpose(0, 2, 3, 1, 4).reshape(num_s, num_kv_heads, group * max_q_len, head_dim)  # [S, KVH, M, hd]
     pos_m = jnp.broadcast_to(q_pos[:, None, :], (num_s, group, max_q_len)).reshape(num_s, group * max_q_len)
 
     def body(i, carry):
         m_old, l_old, acc_old = carry
-        f = i * block + jnp.arange(block, dtype=jnp.int32)  # flat live-page ids of this block
-        valid = f < total
+        f = i * block + jnp.arange(block, dtype=jnp.int32)  # flat live-group ids of this block
         r = jnp.clip(jnp.searchsorted(ends, f, side="right"), 0, num_s - 1).astype(jnp.int32)  # owning row
-        col = jnp.clip(f - starts[r], 0, width - 1)
-        page = jnp.where(valid, page_indices[r, col], 0)
-        k, v = _gather(k_pages, page, layer), _gather(v_pages, page, layer)  # [C, KVH, ps, hd]
-        v = jnp.where(valid[:, None, None, None], v.astype(jnp.float32), 0.0)  # the scratch page past the end: 0 x v
-        s = jnp.einsum("ckmd,ckpd->ckmp", q_m[r], k.astype(jnp.float32))  # [C, KVH, M, ps]
+        k_pos = (f - starts[r])[:, None] * (span * page_size) + offsets[None, :]  # [C, span x ps]
+        held = (f < total)[:, None] & (k_pos < kv_lens[r][:, None])  # keys the row holds
+        cols = jnp.clip(k_pos[:, ::page_size] // page_size, 0, width - 1)  # [C, span]
+        page = jnp.where(held[:, ::page_size], page_indices[r[:, None], cols], 0)
+        k, v = _gather(k_pages, page, layer), _gather(v_pages, page, layer)  # [C, KVH, span x ps, hd]
+        v = jnp.where(held[:, None, :, None], v.astype(jnp.float32), 0.0)  # pages past a row's end: 0 x v
+        s = jnp.einsum("ckmd,cknd->ckmn", q_m[r], k.astype(jnp.float32))  # [C, KVH, M, span x ps]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        k_pos = col[:, None] * page_size + k_offsets[None, :]  # [C, ps]
         qp = pos_m[r]  # [C, M]
-        mask = valid[:, None, None] & (k_pos[:, None, :] <= qp[:, :, None])  # [C, M, ps]
+        mask = held[:, None, :] & (k_pos[:, None, :] <= qp[:, :, None])  # [C, M, span x ps]
         if sliding_window is not None:
             mask = mask & (qp[:, :, None] - k_pos[:, None, :] < sliding_window)
-        mask = mask[:, None]  # [C, 1, M, ps]
+        mask = mask[:, None]  # [C, 1, M, span x ps]
         s = jnp.where(mask, s, reference.NEG_INF)
         m_blk = jax.ops.segment_max(jnp.max(s, axis=-1), r, num_s, indices_are_sorted=True)
         m_new = jnp.maximum(m_old, m_blk)
         p = jnp.where(mask, jnp.exp(s - m_new[r][..., None]), 0.0)
         corr = jnp.exp(m_old - m_new)
         l_new = l_old * corr + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_s, indices_are_sorted=True)
-        pv = jnp.einsum("ckmp,ckpd->ckmd", p, v)
+        pv = jnp.einsum("ckmn,cknd->ckmd", p, v)
         acc_new = acc_old * corr[..., None] + jax.ops.segment_sum(pv, r, num_s, indices_are_sorted=True)
         return m_new, l_new, acc_new
 
@@ -156,11 +169,12 @@ def _fold_pages(q_seq, q_pos, k_pages, v_pages, page_indices, ends, *, layer, bl
 
 
 def _gather(pages, page, layer):
-    """Pages ``page i32[C]`` of one layer's pool ``[KVH, P, ps, hd]`` or, with ``layer``, of the
-    stacked pool ``[L, KVH, P, ps, hd]`` read in place: ``[C, KVH, ps, hd]``."""
-    if layer is None:
-        return pages[:, page].transpose(1, 0, 2, 3)
-    return pages[layer, :, page]  # advanced indices split by a slice: their dimension leads
+    """Pages ``page i32[C, span]`` of one layer's pool ``[KVH, P, ps, hd]`` or, with ``layer``, of
+    the stacked pool ``[L, KVH, P, ps, hd]`` read in place: ``[C, KVH, span x ps, hd]``."""
+    c, span = page.shape
+    g = pages[:, page] if layer is None else pages[layer, :, page]  # [KVH, C, span, ps, hd] / [C, span, KVH, ps, hd]
+    g = g.transpose(1, 0, 2, 3, 4) if layer is None else g.transpose(0, 2, 1, 3, 4)
+    return g.reshape(c, g.shape[1], span * g.shape[3], g.shape[4])
 
 
-__all__ = ["MAX_Q_LEN", "block_pages", "ragged_paged_attention"]
+__all__ = ["MAX_Q_LEN", "block_groups", "group_pages", "ragged_paged_attention"]

@@ -37,7 +37,7 @@ class EngineConfig:
         sequences + 1.
       on_overlong_prompt: ``"error"`` (raise ``PromptTooLongError``) or ``"skip"``.
       attention_impl: ragged paged attention implementation: a name, ``"auto"`` (kernel of the
-        backend, reference on CPU) or an ordered list (``pallas_kernels/.../api.py``); resolved
+        backend, ``live_pages`` on CPU) or an ordered list (``pallas_kernels/.../api.py``); resolved
         on the backend by the engine.
       max_prefill_tokens: token budget of one prefill pass (rounded up to a power of two, at least
         one full sequence); bounds the number of prefill shape buckets.

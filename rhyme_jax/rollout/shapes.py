@@ -56,7 +56,9 @@ def seq_buckets(max_slots: int, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
     attention computes every row of a bucket, live or not: on the 2-core CPU one decode pass of
     the ledger config's model at 384 pages cost 2.6 ms for a 1-row bucket, 8.8 ms for 4 rows,
     18.3 ms for 8 and 48.8 ms for 16 (docs/results.md, L5), so a long response decoding alone
-    or with a few others at the token cap runs far faster in a bucket of its size."""
+    or with a few others at the token cap runs far faster in a bucket of its size. ``live_pages``
+    (the CPU's attention since commit bf88383) reads only the live rows' pages, so the bucket
+    sets the cost of the rest of the pass (projections, MLP), not of its attention."""
     return tuple(sorted({max(1, max_slots // 16), max(1, max_slots // 4), max_slots}
                         | {int(b) for b in extra if 1 <= int(b) <= max_slots}))
 
