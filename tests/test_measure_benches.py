@@ -97,3 +97,18 @@ def test_pass_overhead_figures_split_host_and_device_time():
     assert f["drafting_share"] == pytest.approx(0.1) and f["decode_dispatches"] == 10
     text = pass_overhead.table({"model": "demo"}, {"engines": {1: f}, "same_tokens": True})
     assert "| 1 | 5.000 | 15.000 | 500 | 667 | 75.0% | 10.0% | 100 | 10 |" in text
+
+
+def test_tail_attention_sweep_times_each_implementation_against_its_decode():
+    from rhyme_lab.bench import tail_attention as ta
+
+    cases = (ta.TailCase(4, 8, 1, 100, 1), ta.TailCase(4, 8, 1, 100, 3))
+    rows = ta.sweep(cases, ("reference", "live_pages"), log=None, repeats=1, layers=2)
+    assert [r["q_len"] for r in rows] == [1, 3]
+    assert all(r["ms"][i] > 0 for r in rows for i in ("reference", "live_pages"))
+    assert rows[0]["x_decode"] == {"reference": 1.0, "live_pages": 1.0}
+    assert rows[1]["x_decode"]["live_pages"] == pytest.approx(rows[1]["ms"]["live_pages"] / rows[0]["ms"]["live_pages"])
+    assert "| 4 | 8 | 1 | 100 | 3 |" in ta.table(rows)
+    with pytest.raises(ValueError, match="context"):
+        ta.case_inputs(np.random.default_rng(0), ta.TailCase(1, 2, 1, 100, 1), layers=1, kv_heads=1, heads=1,
+                       head_dim=4, page_size=16)
