@@ -81,8 +81,10 @@ def ragged_paged_attention(
     Raises:
       RaggedAttentionInputError: inconsistent ranks/shapes (the reference's checks).
     """
-    one_layer = k_pages if layer is None else k_pages[0]
-    reference._check_shapes(q, one_layer, one_layer, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
+    k_one, v_one = ((k_pages, v_pages) if layer is None else  # one layer's shapes, no slice of the pool
+                    (jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype),
+                     jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype)))
+    reference._check_shapes(q, k_one, v_one, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
     if max_q_len > MAX_Q_LEN:
         if layer is not None:
             k_pages, v_pages = k_pages[layer], v_pages[layer]
@@ -90,7 +92,7 @@ def ragged_paged_attention(
                                                 sm_scale=sm_scale, max_q_len=max_q_len, soft_cap=soft_cap,
                                                 sliding_window=sliding_window)
     t_total, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = one_layer.shape
+    num_kv_heads, _, page_size, _ = k_one.shape
     num_s, width = page_indices.shape
     group = num_heads // num_kv_heads
 
