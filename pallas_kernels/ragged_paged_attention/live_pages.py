@@ -118,7 +118,8 @@ def ragged_paged_attention(
                         span=span, soft_cap=soft_cap, sliding_window=sliding_window)
     _, denom, acc = state
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [S, KVH, G*Q, hd]
-    out = out.reshape(num_s, num_kv_heads, group, max_q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
+    out = out.reshape(num_s, num_kv_heads, group, max_q_len, head_dim).transpose(0, 3, 1, 2, 4)  # [S, Q, KVH, G, hd]
+    out = out.reshape(num_s, max_q_len, num_heads, head_dim).astype(q.dtype)
     row_ok = qi[None, :] < q_lens[:, None]
     dest = jnp.where(row_ok, rows, t_total)
     return jnp.zeros_like(q).at[dest.reshape(-1)].set(out.reshape(-1, num_heads, head_dim), mode="drop")
