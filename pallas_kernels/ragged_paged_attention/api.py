@@ -267,10 +267,10 @@ def ragged_paged_attention(
       block_sizes: kernel tiling; ``None`` = ``default_block_sizes(max_q_len, q.dtype)``.
         Ignored by ``reference``.
       layer: the layer of a stacked pool to read (int or int32 scalar, e.g. a ``lax.scan``
-        index). The GPU kernel takes the whole stacked pool as its operand and reads the layer
+        index). The GPU kernel and ``live_pages`` take the whole stacked pool and read the layer
         inside it, so a layer loop never slices or copies the pool; the other implementations
-        get ``k_pages[layer]`` (the reference's gathers read through the slice; the TPU kernel
-        would see a per-layer operand).
+        get ``k_pages[layer]`` (the reference's gathers read through the slice, so it stays the
+        oracle it was; the TPU kernel would see a per-layer operand).
 
     Raises:
       ValueError: ``implementation`` selects nothing runnable here.

@@ -22,7 +22,8 @@ rows and 1.11x slower at 4, where the loops of 30 layers cost more than the few 
 Same signature and semantics as ``reference.ragged_paged_attention`` (its docstring), plus
 ``layer`` (the stacked pool ``[L, KVH, P, ps, hd]``: the gather reads the layer in place, no
 slice of the pool). Steps with ``max_q_len > MAX_Q_LEN`` (long prefill chunks, whose score
-blocks would be ``Q`` times larger) go to the reference.
+blocks would be ``Q`` times larger) take the reference's layout, which reads the stacked pool in
+place as well (``reference.ragged_paged_attention(..., layer=)``).
 """
 
 from __future__ import annotations
@@ -85,19 +86,15 @@ def ragged_paged_attention(
     Raises:
       RaggedAttentionInputError: inconsistent ranks/shapes (the reference's checks).
     """
-    k_one, v_one = ((k_pages, v_pages) if layer is None else  # one layer's shapes, no slice of the pool
-                    (jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype),
-                     jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype)))
+    k_one, v_one = reference._one_layer(k_pages, v_pages, layer)  # one layer's shapes, no slice of the pool
     reference._check_shapes(q, k_one, v_one, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
-    if max_q_len > MAX_Q_LEN:
-        if layer is not None:
-            k_pages, v_pages = k_pages[layer], v_pages[layer]
-        return reference.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                                sm_scale=sm_scale, max_q_len=max_q_len, soft_cap=soft_cap,
-                                                sliding_window=sliding_window)
     t_total, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_one.shape
     num_s, width = page_indices.shape
+    if max_q_len > MAX_Q_LEN:  # the reference's layout, reading the stacked pool in place
+        return reference.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                                sm_scale=sm_scale, max_q_len=max_q_len, soft_cap=soft_cap,
+                                                sliding_window=sliding_window, layer=layer)
     group = num_heads // num_kv_heads
 
     cu = cu_q_lens.astype(jnp.int32)

@@ -67,8 +67,8 @@ def _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seq
 
 def ragged_paged_attention(
     q: Float[Array, "T H hd"],
-    k_pages: Float[Array, "KVH P ps hd"],
-    v_pages: Float[Array, "KVH P ps hd"],
+    k_pages: Float[Array, "*L KVH P ps hd"],
+    v_pages: Float[Array, "*L KVH P ps hd"],
     kv_lens: Int[Array, "S"],
     page_indices: Int[Array, "S pps"],
     cu_q_lens: Int[Array, "S+1"],
@@ -78,6 +78,7 @@ def ragged_paged_attention(
     max_q_len: int,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "T H hd"]:
     """Attention of packed ragged queries over a paged KV cache (one layer).
 
@@ -94,6 +95,10 @@ def ragged_paged_attention(
       max_q_len: static upper bound on every ``q_len`` (rows beyond it are silently dropped).
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)`` (after scaling).
       sliding_window: if set, a query only sees keys with ``q_pos - k_pos < sliding_window``.
+      layer: with ``k_pages, v_pages`` the stacked pool ``[L, KVH, num_pages, page_size, hd]``,
+        the layer to read (int or int32 scalar): the gathers read that layer in place, with no
+        slice of the pool (``live_pages`` sends its long query rows here so). ``None``: the pool
+        is one layer's.
 
     Returns:
       ``[T_total, H, hd]`` in ``q.dtype``; rows not owned by a live sequence are zero.
@@ -101,14 +106,32 @@ def ragged_paged_attention(
     Raises:
       RaggedAttentionInputError: inconsistent ranks/shapes.
     """
-    _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
+    _check_shapes(q, *_one_layer(k_pages, v_pages, layer), kv_lens, page_indices, cu_q_lens, num_seqs, max_q_len)
     attend = _attend_by_token if token_layout(q.shape[0], page_indices.shape[0], max_q_len) else _attend_by_sequence
     return attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                  max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window)
+                  max_q_len=max_q_len, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer)
+
+
+def _one_layer(k_pages, v_pages, layer):
+    """One layer's ``(k, v)`` for the shape checks: the pool itself, or with ``layer`` shape
+    structs of ``pool[layer]`` (no slice of the stacked pool is traced)."""
+    if layer is None:
+        return k_pages, v_pages
+    return (jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype))
+
+
+def _take_pages(pages, index, layer):
+    """Pages ``index i32[...]`` of one layer's pool ``[KVH, P, ps, hd]`` (or, with ``layer``, of
+    the stacked pool ``[L, KVH, P, ps, hd]``, read in place): ``[KVH, *index.shape, ps, hd]``."""
+    if layer is None:
+        return pages[:, index]
+    g = pages[layer, :, index]  # the scalar and the index array broadcast first: [*index.shape, KVH, ps, hd]
+    return jnp.moveaxis(g, index.ndim, 0)
 
 
 def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, max_q_len,
-                        soft_cap, sliding_window):
+                        soft_cap, sliding_window, layer=None):
     """``ragged_paged_attention`` laid out per sequence: each sequence's query rows gathered into
     ``[S, max_q_len]`` slots and its pages into ``[KVH, S, L, hd]``."""
     t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, group, kv_cap = _layout_sizes(
@@ -127,9 +150,9 @@ def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
     q_seq = q_seq.reshape(num_s, max_q_len, num_kv_heads, group, head_dim)
 
     # Gather each sequence's pages: [KVH, S, L, hd].
-    pages = jnp.clip(page_indices, 0, k_pages.shape[1] - 1)
-    k_seq = k_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim)
-    v_seq = v_pages[:, pages].reshape(num_kv_heads, num_s, kv_cap, head_dim)
+    pages = jnp.clip(page_indices, 0, k_pages.shape[-3] - 1)
+    k_seq = _take_pages(k_pages, pages, layer).reshape(num_kv_heads, num_s, kv_cap, head_dim)
+    v_seq = _take_pages(v_pages, pages, layer).reshape(num_kv_heads, num_s, kv_cap, head_dim)
 
     # q is scaled before the dot (T x H x hd values, not S x H x Q x L scores) and the softmax is
     # normalised after the PV product: two fewer passes over the score tensor (``_softmax_parts``)
@@ -158,7 +181,7 @@ def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, n
 def _layout_sizes(q, k_pages, page_indices):
     """``(t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, group, kv_cap)``."""
     t_total, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape[-4:]  # one layer's shape, stacked pool or not
     num_s, pages_per_seq = page_indices.shape
     return (t_total, num_heads, head_dim, num_kv_heads, page_size, num_s, num_heads // num_kv_heads,
             pages_per_seq * page_size)
@@ -189,7 +212,7 @@ def token_layout(t_total: int, num_seqs: int, max_q_len: int) -> bool:
 
 
 def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, max_q_len,
-                     soft_cap, sliding_window):
+                     soft_cap, sliding_window, layer=None):
     """``ragged_paged_attention`` with the work laid out per packed token instead of per sequence:
     each row gathers its sequence's pages (``[KVH, T, L, hd]``) and scores ``T x L`` keys, where
     the per-sequence layout scores ``S x max_q_len x L`` (padded) but gathers only ``S x L``
@@ -204,9 +227,9 @@ def _attend_by_token(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_
     tok_ok = (t < cu[jnp.clip(num_seqs[0], 0, num_s)]) & (t < cu[seq + 1])  # live, owned rows
     q_pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + (t - cu[seq])  # [T]
 
-    pages = jnp.clip(page_indices, 0, k_pages.shape[1] - 1)[seq]  # [T, pps]
-    k_tok = k_pages[:, pages].reshape(num_kv_heads, t_total, kv_cap, head_dim)
-    v_tok = v_pages[:, pages].reshape(num_kv_heads, t_total, kv_cap, head_dim)
+    pages = jnp.clip(page_indices, 0, k_pages.shape[-3] - 1)[seq]  # [T, pps]
+    k_tok = _take_pages(k_pages, pages, layer).reshape(num_kv_heads, t_total, kv_cap, head_dim)
+    v_tok = _take_pages(v_pages, pages, layer).reshape(num_kv_heads, t_total, kv_cap, head_dim)
     q_t = q.reshape(t_total, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
     scores = jnp.einsum("tkgd,ktld->tkgl", q_t, k_tok.astype(jnp.float32))
     if soft_cap is not None:
