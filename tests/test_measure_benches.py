@@ -103,9 +103,13 @@ def test_tail_attention_sweep_times_each_implementation_against_its_decode():
     from rhyme_lab.bench import tail_attention as ta
 
     cases = (ta.TailCase(4, 8, 1, 100, 1), ta.TailCase(4, 8, 1, 100, 3))
-    rows = ta.sweep(cases, ("reference", "live_pages"), log=None, repeats=1, layers=2)
+    rows = ta.sweep(cases, ("reference", "live_pages"), log=None, repeats=1, layers=2, pool_pages=50)
     assert [r["q_len"] for r in rows] == [1, 3]
     assert all(r["ms"][i] > 0 for r in rows for i in ("reference", "live_pages"))
+    q, pool, kv, table, *_ = ta.case_inputs(np.random.default_rng(0), cases[0], layers=1, kv_heads=1, heads=1,
+                                            head_dim=4, page_size=16, pool_pages=50)
+    assert pool.shape[2] == 50 and len(set(np.asarray(table).ravel())) == 32 and 0 not in np.asarray(table)
+    assert set(ta.MODELS) == {"longtail", "smollm2"} and all(len(m[2]) > 0 for m in ta.MODELS.values())
     assert rows[0]["x_decode"] == {"reference": 1.0, "live_pages": 1.0}
     assert rows[1]["x_decode"]["live_pages"] == pytest.approx(rows[1]["ms"]["live_pages"] / rows[0]["ms"]["live_pages"])
     assert "| 4 | 8 | 1 | 100 | 3 |" in ta.table(rows)

@@ -11,6 +11,11 @@ over the stacked pool (``[L, KVH, P, ps, hd]``, read at the scan's layer index a
 does), median of ``repeats`` calls after a compiling one. Figures are milliseconds per pass
 (attention only) and, per implementation, each verify case's ratio to the decode case of the same
 program.
+
+``MODELS`` holds two shape sets: ``longtail`` (``configs/longtail.yaml``'s 4-layer model and the
+tail programs above) and ``smollm2`` (SmolLM2-135M's 30 layers, 3 KV heads of 64, and the programs
+of ``configs/ablations/longtail_smollm2.yaml``: 16 slots, tables of 80 pages, row buckets 1, 4 and
+16, with the engine's pool of ``1 + 16 x 80`` pages).
 """
 
 from __future__ import annotations
@@ -40,13 +45,26 @@ class TailCase:
 # the 64-row bucket at width 96; decode and verify of drafts of 4, 8 and 32 tokens
 CASES = tuple(TailCase(s, w, n, c, q) for s, w, n, c in ((4, 384, 1, 4200), (16, 384, 5, 4200), (64, 96, 20, 600))
               for q in (1, 5, 9, 33))
+# SmolLM2 at 1,024 new tokens: a row alone at the cap, the 4-row bucket full and half live (80 and 64
+# pages: the pass_overhead case of 768 new tokens), the 16-row bucket full and at its tail; decode
+# and verify of a 4-token draft
+SMOLLM2_CASES = tuple(TailCase(s, w, n, c, q) for s, w, n, c in (
+    (1, 80, 1, 1100), (4, 64, 4, 900), (4, 80, 4, 900), (4, 80, 2, 1100), (16, 80, 16, 600), (16, 80, 6, 900),
+    (16, 20, 16, 300)) for q in (1, 5))
+# model shapes (layers, kv_heads, heads, head_dim, page_size), the pool's pages (0: the cases' own
+# 1 + rows x width) and the cases of each shape set
+MODELS = {
+    "longtail": (dict(layers=4, kv_heads=2, heads=4, head_dim=32, page_size=16), 0, CASES),
+    "smollm2": (dict(layers=30, kv_heads=3, heads=9, head_dim=64, page_size=16), 1 + 16 * 80, SMOLLM2_CASES),
+}
 
 
 def case_inputs(rng: np.random.Generator, case: TailCase, *, layers: int, kv_heads: int, heads: int,
-                head_dim: int, page_size: int):
+                head_dim: int, page_size: int, pool_pages: int = 0):
     """``(q f32[T, H, hd], pool f32[L, KVH, P, ps, hd], kv_lens, page_indices, cu_q_lens, num_seqs)``:
     distinct shuffled pages per row (page 0 the scratch page), dead rows with length 0 and no
-    query tokens, ``T = max(S, live x Q)``.
+    query tokens, ``T = max(S, live x Q)``; ``P = max(pool_pages, 1 + S x W)`` (an engine's pool
+    holds every slot's pages, more than one program's table).
 
     Raises:
       ValueError: ``context`` exceeds the page table (``width x page_size``) or ``q_len`` exceeds it.
@@ -55,8 +73,9 @@ def case_inputs(rng: np.random.Generator, case: TailCase, *, layers: int, kv_hea
 
     if case.context > case.width * page_size or case.q_len > case.context:
         raise ValueError(f"{case}: context must lie in [q_len, width x page_size = {case.width * page_size}]")
-    num_pages = 1 + case.rows * case.width
-    table = rng.permutation(np.arange(1, num_pages)).reshape(case.rows, case.width).astype(np.int32)
+    num_pages = max(int(pool_pages), 1 + case.rows * case.width)
+    table = rng.permutation(np.arange(1, num_pages))[: case.rows * case.width].reshape(case.rows, case.width)
+    table = table.astype(np.int32)
     kv = np.zeros(case.rows, np.int32)
     kv[: case.live] = case.context
     cu = np.zeros(case.rows + 1, np.int32)
@@ -69,16 +88,17 @@ def case_inputs(rng: np.random.Generator, case: TailCase, *, layers: int, kv_hea
 
 
 def pass_ms(case: TailCase, implementation: str, *, layers: int = 4, kv_heads: int = 2, heads: int = 4,
-            head_dim: int = 32, page_size: int = 16, repeats: int = 10, seed: int = 0) -> float:
+            head_dim: int = 32, page_size: int = 16, pool_pages: int = 0, repeats: int = 10, seed: int = 0) -> float:
     """Median milliseconds of the attention of ``layers`` layers of one pass ``case`` with
-    ``implementation`` (``api.ragged_paged_attention``); defaults: ``configs/longtail.yaml``'s model."""
+    ``implementation`` (``api.ragged_paged_attention``); defaults: ``configs/longtail.yaml``'s model,
+    a pool of the case's own pages."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.ragged_paged_attention import api
 
     q, pool, *meta = case_inputs(np.random.default_rng(seed), case, layers=layers, kv_heads=kv_heads,
-                                 heads=heads, head_dim=head_dim, page_size=page_size)
+                                 heads=heads, head_dim=head_dim, page_size=page_size, pool_pages=pool_pages)
 
     @jax.jit
     def attend(q, pool, *meta):
