@@ -8,7 +8,8 @@ length. Each case here is one such program: ``S`` rows of which ``live`` hold ``
 tokens, ``W`` page columns, ``Q`` query tokens per live row (1 = decode, more = verify of a draft
 of ``Q - 1``). A case times the attention of every layer of the model in one jitted ``lax.scan``
 over the stacked pool (``[L, KVH, P, ps, hd]``, read at the scan's layer index as the engine
-does), median of ``repeats`` calls after a compiling one. Figures are milliseconds per pass
+does), median of ``repeats`` rounds that call each implementation once in turn, after compiling
+every one. Figures are milliseconds per pass
 (attention only) and, per implementation, each verify case's ratio to the decode case of the same
 program.
 
@@ -87,11 +88,12 @@ def case_inputs(rng: np.random.Generator, case: TailCase, *, layers: int, kv_hea
     return q, pool, jnp.asarray(kv), jnp.asarray(table), jnp.asarray(cu), jnp.asarray([case.live], np.int32)
 
 
-def pass_ms(case: TailCase, implementation: str, *, layers: int = 4, kv_heads: int = 2, heads: int = 4,
-            head_dim: int = 32, page_size: int = 16, pool_pages: int = 0, repeats: int = 10, seed: int = 0) -> float:
-    """Median milliseconds of the attention of ``layers`` layers of one pass ``case`` with
-    ``implementation`` (``api.ragged_paged_attention``); defaults: ``configs/longtail.yaml``'s model,
-    a pool of the case's own pages."""
+def pass_program(case: TailCase, implementation: str, *, layers: int = 4, kv_heads: int = 2, heads: int = 4,
+                 head_dim: int = 32, page_size: int = 16, pool_pages: int = 0, seed: int = 0):
+    """``(fn, args)``: the jitted attention of ``layers`` layers of one pass ``case`` with
+    ``implementation`` (``api.ragged_paged_attention`` in a ``lax.scan`` over the stacked pool),
+    compiled and run once, and its inputs; defaults: ``configs/longtail.yaml``'s model, a pool of
+    the case's own pages."""
     import jax
     import jax.numpy as jnp
 
@@ -110,17 +112,29 @@ def pass_ms(case: TailCase, implementation: str, *, layers: int = 4, kv_heads: i
 
     args = (q, pool, *meta)
     attend(*args).block_until_ready()
-    return 1e3 * float(np.median(wall_times(attend, args, repeats)))
+    return attend, args
+
+
+def pass_ms(case: TailCase, implementations=IMPLEMENTATIONS, *, repeats: int = 10, **kw) -> dict[str, float]:
+    """Median milliseconds per implementation of one pass ``case`` (``pass_program``; keywords go
+    there): every program compiled first, then ``repeats`` rounds that call each implementation
+    once in turn, so drift of the machine's speed falls on all of them alike."""
+    progs = {i: pass_program(case, i, **kw) for i in implementations}
+    times: dict[str, list[float]] = {i: [] for i in implementations}
+    for _ in range(repeats):
+        for i, (fn, args) in progs.items():
+            times[i] += wall_times(fn, args, 1)
+    return {i: 1e3 * float(np.median(t)) for i, t in times.items()}
 
 
 def sweep(cases=CASES, implementations=IMPLEMENTATIONS, log=print, **kw) -> list[dict]:
-    """``pass_ms`` of every case and implementation, with ``x_decode``: the case's time over the
-    decode case (``q_len`` 1) of the same program and implementation (None where that case is not
-    in ``cases``). One dict per case: ``rows, width, live, context, q_len, ms: {impl: ms},
+    """``pass_ms`` of every case, with ``x_decode``: the case's time over the decode case
+    (``q_len`` 1) of the same program and implementation (None where that case is not in
+    ``cases``). One dict per case: ``rows, width, live, context, q_len, ms: {impl: ms},
     x_decode: {impl: ratio}``."""
     out = []
     for case in cases:
-        row = {**dataclasses.asdict(case), "ms": {i: pass_ms(case, i, **kw) for i in implementations}}
+        row = {**dataclasses.asdict(case), "ms": pass_ms(case, implementations, **kw)}
         out.append(row)
         if log:
             log(f"S {case.rows} W {case.width} live {case.live} ctx {case.context} Q {case.q_len}: "
