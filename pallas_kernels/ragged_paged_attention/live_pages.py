@@ -16,8 +16,9 @@ weighted values; Milakov & Gimelshein 2018, "Online normalizer calculation for s
 flash-decoding split over keys, Dao et al. 2023) with segment reductions over the block's rows
 (sorted). A verify step reads the same pages as a decode step of the same rows; only its scores
 grow with ``Q``. Measured (docs/results.md, "L7 again at commit 76407a1"): 2.7-12.4x faster than
-the reference at the ledger task's tail programs; on SmolLM2-135M 1.13x faster a pass at 16 live
-rows and 1.11x slower at 4, where the loops of 30 layers cost more than the few dead columns.
+the reference at the ledger task's tail programs; at SmolLM2-135M's programs the attention of 30
+layers is faster but where 16 rows hold nearly all their columns (1.23x slower), while the engine's
+whole pass at 4 rows is 1.10-1.14x slower for a cause outside the attention, not located yet.
 
 Same signature and semantics as ``reference.ragged_paged_attention`` (its docstring), plus
 ``layer`` (the stacked pool ``[L, KVH, P, ps, hd]``: the gather reads the layer in place, no
