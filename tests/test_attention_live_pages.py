@@ -100,7 +100,6 @@ def test_block_groups_bounds_the_score_block_and_the_table():
     assert 1 <= big_q * span < live_pages.PAGES_PER_BLOCK and big_q * span * 16 * 64 <= live_pages._SCORE_BLOCK
 
 
-
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [live_pages.MAX_Q_LEN + 3, 2]])
 def test_reference_reads_a_stacked_pool_at_a_traced_layer(q_lens):
     """``reference.ragged_paged_attention(layer=)`` (per token for decode, per sequence for long

@@ -9,9 +9,8 @@ tokens, ``W`` page columns, ``Q`` query tokens per live row (1 = decode, more = 
 of ``Q - 1``). A case times the attention of every layer of the model in one jitted ``lax.scan``
 over the stacked pool (``[L, KVH, P, ps, hd]``, read at the scan's layer index as the engine
 does), median of ``repeats`` rounds that call each implementation once in turn, after compiling
-every one. Figures are milliseconds per pass
-(attention only) and, per implementation, each verify case's ratio to the decode case of the same
-program.
+every one. Figures are milliseconds per pass (attention only) and, per implementation, each verify
+case's ratio to the decode case of the same program.
 
 ``MODELS`` holds two shape sets: ``longtail`` (``configs/longtail.yaml``'s 4-layer model and the
 tail programs above) and ``smollm2`` (SmolLM2-135M's 30 layers, 3 KV heads of 64, and the programs
