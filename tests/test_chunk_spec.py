@@ -376,16 +376,13 @@ def test_guard_runs_plain_chunks_where_verify_chunks_do_not_pay(monkeypatch):
     assert passes == {True: {1}, False: {2}}  # every guarded HistoSpec chunk here is a trial
 
 
-def test_declined_chunks_grade_the_device_drafts_on_the_tokens_they_emit(monkeypatch):
+def test_declined_chunks_grade_the_device_drafts_on_the_tokens_they_emit():
     """Verify priced at 1,000 decode passes, so the guard declines every chunk but a key's first
-    try: each declined chunk runs plain and (with ``SHADOW_EVERY`` 1) grades the drafts the device
-    would have made at its start on the tokens it then emitted (``graded_plain``). With the
-    always-right oracle's history none of them misses; with another key's rollouts as history some
-    do. The tokens stay plain decode's either way."""
-    from rhyme_jax.rollout import spec_guard
+    try: each declined chunk runs plain and grades the drafts the device would have made at its
+    start on the tokens it then emitted (``graded_plain``). With the always-right oracle's history
+    none of them misses; with another key's rollouts as history some do. The tokens stay plain
+    decode's either way."""
     from rhyme_lab.ablate.paired import AlwaysRightDrafter
-
-    monkeypatch.setattr(spec_guard, "SHADOW_EVERY", 1)
 
     Priced = _priced(1000.0)
     state, prompts, pids, sp, kw, want, store = _pairs_with_history()

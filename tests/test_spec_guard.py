@@ -180,15 +180,3 @@ def test_declined_chunks_graded_on_their_tokens_try_a_rung_before_the_probe():
     cheap.observe_seconds(True, 4, 384, 6, 1.5)
     cheap.observe_shadow(4, 384, accepted=9, failed=1)  # 1.9 x 1.0 >= 1.5
     assert cheap.choose(4, 384, rungs, 1.0, above) == 6 and cheap.trial
-
-
-def test_a_cell_grades_its_first_declined_chunk_then_one_in_shadow_every():
-    """``grade_now``: per (rows, width) cell, the first declined chunk and then every
-    ``SHADOW_EVERY``-th grade the device's drafts; cells count apart."""
-    from rhyme_jax.rollout.spec_guard import SHADOW_EVERY
-
-    g = SpecGuard()
-    first = [g.grade_now(4, 384) for _ in range(2 * SHADOW_EVERY + 1)]
-    assert first == ([True] + [False] * (SHADOW_EVERY - 1)) * 2 + [True]
-    assert g.grade_now(64, 384) and g.grade_now(4, 24)  # other cells start with a grading
-    assert not g.grade_now(4, 384)

@@ -330,9 +330,7 @@ def decode(engine, table, run, drafter) -> bool:
     pair = guarded_program(engine, rows, width, want, 1 + int(np.ceil(1.5 * best)), n)
     if pair is None:
         table.stats["spec_chunks_declined"] += 1  # no verify program here emits more tokens a second
-        if engine.spec_guard.grade_now(rows, width):
-            return graded_plain(engine, table, run, drafter, rows, width)
-        return chunk.decode(engine, table, run)
+        return graded_plain(engine, table, run, drafter, rows, width)
     total, q_len = pair
     passes = min(engine.plan.passes, TRIAL_PASSES) if engine.spec_guard.trial else engine.plan.passes
     budgets = chunk.reserve(table, ids, passes * q_len)

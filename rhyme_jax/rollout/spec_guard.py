@@ -48,12 +48,7 @@ once instead of waiting for the probe's back-off. On the ledger run's bound unit
 2-core CPU) the back-off had grown to hundreds of chunks while the rows at the token cap decoded
 their first ~1,500 tokens (about 0.5 accepted per pass), and their period, which an ideal
 self-lookup drafter accepts 32 tokens a pass from about 2,000 tokens on (a replay over the saved
-tokens), was never probed again: step 2 ran 3,917 of plain's 4,096 passes. Grading is not
-free: the lookup runs over every row's history (1,024 tokens) besides the chunk, about 20 ms a
-chunk on the 2-core CPU where the 16-pass plain chunk of the ledger task's bound unit cost about
-27, and graded on every declined chunk it left the run's drafter at 0.67x plain there against
-0.92x grading none (docs/results.md). So a cell grades its first declined chunk and then one in
-``SHADOW_EVERY`` (``grade_now``).
+tokens), was never probed again: step 2 ran 3,917 of plain's 4,096 passes.
 """
 
 from __future__ import annotations
@@ -65,7 +60,6 @@ MAX_PROBE_EVERY = 256  # the longest interval between probes after repeated fail
 EMA_WEIGHT = 0.5  # weight of the newest chunk in the realized acceptance per row-pass
 TRIAL_PASSES = 4  # most passes of a trial chunk (a key's first try or a probe)
 PROMISE_MARGIN = 0.1  # rise in the rung below's acceptance rate that has a rung tried again
-SHADOW_EVERY = 8  # a (rows, width) cell grades one declined chunk in this many (``grade_now``)
 
 
 @dataclass
@@ -90,7 +84,6 @@ class SpecGuard:
         chunks' tokens (exponential average; ``observe_shadow``).
       shadow_promised: ``(rows, width, tokens) -> the shadow rate`` at which that rung last got
         a shadow trial (dropped once the rate falls ``PROMISE_MARGIN`` below it).
-      ungraded: ``(rows, width) -> declined chunks since the cell last graded one`` (``grade_now``).
       enabled: False runs every chunk the host's choice asks for (ablations).
       trial: whether the last ``choose`` picked a key's first try or a probe (the chunk then
         runs at most ``TRIAL_PASSES`` passes, ``chunk_spec.decode``).
@@ -105,7 +98,6 @@ class SpecGuard:
     interval: dict[tuple[int, int, int], int] = field(default_factory=dict)
     shadow: dict[tuple[int, int], float] = field(default_factory=dict)
     shadow_promised: dict[tuple[int, int, int], float] = field(default_factory=dict)
-    ungraded: dict[tuple[int, int], int] = field(default_factory=dict)
     enabled: bool = True
     trial: bool = False
 
@@ -224,16 +216,6 @@ class SpecGuard:
         if drafted > 0:
             _average(self.rate, key, float(accepted) / float(drafted))
 
-    def grade_now(self, rows: int, width: int) -> bool:
-        """Whether a declined chunk of ``rows`` at ``width`` grades the device's drafts
-        (``chunk_spec.graded_plain``, then ``observe_shadow``): a cell's first declined chunk and
-        then one in ``SHADOW_EVERY`` (module docstring: grading costs a lookup over every row's
-        history)."""
-        cell = (int(rows), int(width))
-        since = self.ungraded.get(cell, 0)
-        self.ungraded[cell] = (since + 1) % SHADOW_EVERY
-        return since == 0
-
     def observe_shadow(self, rows: int, width: int, accepted: int, failed: int) -> None:
         """A plain chunk of ``rows`` at ``width`` against the drafts the device would have made at
         its start: ``accepted`` draft tokens equal to the tokens the rows then emitted, ``failed``
@@ -263,4 +245,4 @@ def _average(table: dict, key: tuple, value: float) -> None:
     table[key] = value if old is None else EMA_WEIGHT * value + (1.0 - EMA_WEIGHT) * old
 
 
-__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "PROMISE_MARGIN", "SHADOW_EVERY", "SpecGuard", "TRIAL_PASSES"]
+__all__ = ["EMA_WEIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "PROMISE_MARGIN", "SpecGuard", "TRIAL_PASSES"]
