@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from rhyme_jax.config import ConfigError, load_config
-from rhyme_jax.model.blocked_attention import blocked_attention, usable
+from rhyme_jax.model.blocked_attention import _kind, _pure, _segment_ranges, blocked_attention, usable
 from rhyme_jax.model.config import ModelConfig
 from rhyme_jax.model.transformer import Decoder, dense_attention
 
@@ -58,6 +58,38 @@ def test_values_and_gradients_equal_the_dense_path(block):
     for got, want in zip(vjp_b(cotangent), vjp_d(cotangent)):
         assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_pairs_inside_one_segment_skip_the_mask():
+    """Block pairs are skipped (no shared segment), visited whole (below the diagonal, both blocks
+    inside one segment in every row: no mask) or masked (the rest)."""
+    segments = _segments([[16, 12]], 32)  # blocks of 8: segment 1, 1, 2, 2 + padding
+    lo, hi = _segment_ranges(segments, 8)
+    pure = _pure(segments, 8)
+    kinds = [[int(_kind(lo, hi, pure, i, j)) for j in range(i + 1)] for i in range(4)]
+    assert kinds == [[1], [2, 1], [0, 0, 1], [0, 0, 1, 1]]  # block 3 holds padding: masked
+    two_rows = _segments([[16, 12], [8, 24]], 32)  # row 2's block 1 is segment 2: (1, 0) is masked
+    lo, hi = _segment_ranges(two_rows, 8)
+    assert int(_kind(lo, hi, _pure(two_rows, 8), 1, 0)) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_long_segments_with_whole_blocks_match_the_dense_path(dtype):
+    """Most pairs of two long rows are whole (unmasked) pairs; values and gradients still equal
+    the dense path's, in float32 (queries scaled once) and bfloat16 (scores scaled)."""
+    t = 96
+    segments = _segments([[70, 26], [40, 40]], t)
+    q, k, v = _qkv(2, t, 4, 2, 8, seed=3, dtype=dtype)
+    allowed = _allowed(segments)
+    valid = (segments != 0)[:, :, None, None]
+    out_b, vjp_b = jax.vjp(lambda q, k, v: blocked_attention(q, k, v, segments, 8), q, k, v)
+    out_d, vjp_d = jax.vjp(lambda q, k, v: dense_attention(q, k, v, allowed), q, k, v)
+    tol = 2e-6 if dtype == jnp.float32 else 3e-2  # bfloat16: a few of its ulps at values up to ~5
+    np.testing.assert_allclose(np.where(valid, np.asarray(out_b, np.float32), 0),
+                               np.where(valid, np.asarray(out_d, np.float32), 0), atol=tol)
+    cotangent = (jnp.asarray(np.random.default_rng(4).normal(size=out_b.shape), jnp.float32) * valid).astype(dtype)
+    for got, want in zip(vjp_b(cotangent), vjp_d(cotangent)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5 * tol)
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_match():

@@ -12,8 +12,12 @@ compute follows the sum of the segments' squared lengths (at block granularity) 
 Forward: FlashAttention-2 (Dao 2023, arXiv 2307.08691, Algorithm 1): an online softmax over the
 visited key blocks, keeping the log-sum-exp per query. Backward: Algorithm 2, recomputing each
 visited block's probabilities from the saved log-sum-exp (``jax.custom_vjp``). Skipped blocks
-cost a ``lax.cond`` each. Values equal the dense path's within float32 rounding
-(tests/test_blocked_attention.py).
+cost a ``lax.switch`` each; a pair below the diagonal whose two blocks lie inside one segment (most
+pairs of a long row) builds no mask. The op works head-major (``[B, K, G, T, d]``), so a block's
+``[bq, bk]`` scores and probabilities feed every product in the layout they are computed in (on
+the CPU, the transposed copies of them cost as much as the products: 5.2 -> 2.7 s for the
+gradient of one 5,486-token row, docs/results.md). Values equal the dense path's within float32
+rounding (tests/test_blocked_attention.py).
 """
 
 from __future__ import annotations
@@ -49,15 +53,41 @@ def _needed(lo, hi, i, j):
     return jnp.any((lo[:, i] <= hi[:, j]) & (lo[:, j] <= hi[:, i]))
 
 
+def _pure(segments: Int[Array, "B T"], block: int):
+    """Per row and block (``bool[B, n]``): every token of the block has one and the same non-zero
+    segment id."""
+    b, t = segments.shape
+    s = segments.reshape(b, t // block, block)
+    return jnp.all(s == s[:, :, :1], axis=2) & (s[:, :, 0] != 0)
+
+
+def _kind(lo, hi, pure, i, j):
+    """How the pair (query block ``i``, key block ``j <= i``) is visited: 0 skipped (no shared
+    segment in any row), 2 whole (``j < i`` and, in every row, both blocks lie inside one and the
+    same segment: every score is allowed, so no mask is built), 1 masked (the rest)."""
+    whole = (j < i) & jnp.all(pure[:, i] & pure[:, j] & (lo[:, i] == lo[:, j]))
+    return jnp.where(_needed(lo, hi, i, j), jnp.where(whole, 2, 1), 0)
+
+
 def _slice(x, i, block, axis=1):
     return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
 
 
-def _block_scores(qi, kj, si, sj, i, j, block):
-    """Scaled float32 scores ``[B, K, G, bq, bk]`` of one block pair and their mask (causal by
-    buffer index, same segment, non-padding key)."""
-    d = qi.shape[-1]
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * (d ** -0.5)
+def _prescaled(q):
+    """``(q', post)`` with ``q' . k * post == q . k * hd**-0.5``: float32 queries are scaled once
+    (``O(T * hd)``), so no ``[bq, bk]`` pass multiplies scores; other dtypes keep their values and
+    scale the float32 scores (``post = hd**-0.5``)."""
+    scale = q.shape[-1] ** -0.5
+    return (q * scale, 1.0) if q.dtype == jnp.float32 else (q, scale)
+
+
+def _block_scores(qi, kj, si, sj, i, j, block, post):
+    """Float32 scores ``[B, K, G, bq, bk]`` of one block pair (``qi . kj * post``; ``qi``
+    ``[B, K, G, bq, d]``, ``kj`` ``[B, K, bk, d]``) and their mask (causal by buffer index, same
+    segment, non-padding key)."""
+    s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
+    if post != 1.0:
+        s = s * post
     qpos = i * block + jnp.arange(block)
     kpos = j * block + jnp.arange(block)
     mask = (kpos[None, :] <= qpos[:, None])[None] & (si[:, :, None] == sj[:, None, :]) & (sj[:, None, :] != 0)
@@ -65,27 +95,35 @@ def _block_scores(qi, kj, si, sj, i, j, block):
 
 
 def _forward(q, k, v, segments, block):
-    """Outputs ``f32[B, T, K, G, d]`` and log-sum-exp ``f32[B, K, G, T]`` (0 where a query has no
-    allowed key; its output is 0)."""
-    b, t, kh, g, d = q.shape
+    """Outputs ``f32[B, K, G, T, d]`` and log-sum-exp ``f32[B, K, G, T]`` (0 where a query has no
+    allowed key; its output is 0) of head-major ``q`` ``[B, K, G, T, d]``, ``k`` and ``v``
+    ``[B, K, T, d]``."""
+    b, kh, g, t, d = q.shape
     n = t // block
     lo, hi = _segment_ranges(segments, block)
+    pure = _pure(segments, block)
+    q, post = _prescaled(q)
 
     def query_block(i):
-        qi, si = _slice(q, i, block), _slice(segments, i, block)
+        qi, si = _slice(q, i, block, axis=3), _slice(segments, i, block)
+
+        def update(j, carry, masked: bool):
+            m, l, acc = carry
+            s, mask = _block_scores(qi, _slice(k, j, block, axis=2), si, _slice(segments, j, block), i, j, block,
+                                    post)
+            if masked:
+                s = jnp.where(mask, s, _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_ref = jnp.where(m_new == _NEG, 0.0, m_new)  # a query with no allowed key yet: exp(_NEG) = 0
+            p = jnp.exp(s - m_ref[..., None])
+            corr = jnp.exp(m - m_ref)
+            pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), _slice(v, j, block, axis=2),
+                            preferred_element_type=jnp.float32)
+            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
         def visit(j, carry):
-            def compute(carry):
-                m, l, acc = carry
-                s, mask = _block_scores(qi, _slice(k, j, block), si, _slice(segments, j, block), i, j, block)
-                s = jnp.where(mask, s, _NEG)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                corr = jnp.exp(m - m_new)
-                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), _slice(v, j, block),
-                                preferred_element_type=jnp.float32)
-                return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
-            return jax.lax.cond(_needed(lo, hi, i, j), compute, lambda c: c, carry)
+            return jax.lax.switch(_kind(lo, hi, pure, i, j), [lambda c: c, partial(update, j, masked=True),
+                                                               partial(update, j, masked=False)], carry)
 
         init = (jnp.full((b, kh, g, block), _NEG, jnp.float32), jnp.zeros((b, kh, g, block), jnp.float32),
                 jnp.zeros((b, kh, g, block, d), jnp.float32))
@@ -96,44 +134,52 @@ def _forward(q, k, v, segments, block):
         return out, jnp.where(some, m + jnp.log(safe_l), 0.0)
 
     out, lse = jax.lax.map(query_block, jnp.arange(n))          # [n, B, K, G, bq, (d)]
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, t, kh, g, d)
+    out = jnp.transpose(out, (1, 2, 3, 0, 4, 5)).reshape(b, kh, g, t, d)
     lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(b, kh, g, t)
     return out, lse
 
 
 def _backward(q, k, v, segments, out, lse, dout, block):
-    """Cotangents of q, k, v (float32) by FlashAttention-2's Algorithm 2 over the visited blocks."""
-    b, t, kh, g, d = q.shape
+    """Cotangents of q, k, v (float32) by FlashAttention-2's Algorithm 2 over the visited blocks.
+    ``dk`` and ``dv`` accumulate as ``[B, K, d, bk]`` (the ``[bq, bk]`` probabilities enter their
+    products in the layout they are computed in; no transposed copy of them)."""
+    b, kh, g, t, d = q.shape
     n = t // block
     scale = d ** -0.5
     lo, hi = _segment_ranges(segments, block)
+    pure = _pure(segments, block)
+    qs, post = _prescaled(q)
     dout = dout.astype(jnp.float32)
-    delta = jnp.transpose(jnp.sum(dout * out, axis=-1), (0, 2, 3, 1))  # [B, K, G, T]
+    delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
 
     def key_block(dq, j):
-        kj, vj, sj = _slice(k, j, block), _slice(v, j, block), _slice(segments, j, block)
+        kj, vj, sj = _slice(k, j, block, axis=2), _slice(v, j, block, axis=2), _slice(segments, j, block)
+
+        def update(i, carry, masked: bool):
+            dq, dk, dv = carry
+            qi, doi = _slice(qs, i, block, axis=3), _slice(dout, i, block, axis=3)
+            s, mask = _block_scores(qi, kj, _slice(segments, i, block), sj, i, j, block, post)
+            if masked:  # a query with no allowed key has lse 0: exp(_NEG) = 0
+                s = jnp.where(mask, s, _NEG)
+            p = jnp.exp(s - _slice(lse, i, block, axis=3)[..., None])
+            dv = dv + jnp.einsum("bkgqd,bkgqs->bkds", doi, p)
+            dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vj.astype(jnp.float32))
+            ds = p * (dp - _slice(delta, i, block, axis=3)[..., None])  # dL/ds, s the unscaled q . k
+            dq_i = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj.astype(jnp.float32)) * scale
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, block, axis=3) + dq_i, i * block, axis=3)
+            dk = dk + jnp.einsum("bkgqd,bkgqs->bkds", qi.astype(jnp.float32), ds) * post
+            return dq, dk, dv
 
         def visit(i, carry):
-            def compute(carry):
-                dq, dk, dv = carry
-                qi, doi = _slice(q, i, block), _slice(dout, i, block)
-                s, mask = _block_scores(qi, kj, _slice(segments, i, block), sj, i, j, block)
-                p = jnp.where(mask, jnp.exp(s - _slice(lse, i, block, axis=3)[..., None]), 0.0)
-                dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, doi)
-                dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj.astype(jnp.float32))
-                ds = p * (dp - _slice(delta, i, block, axis=3)[..., None]) * scale
-                dq_i = jnp.einsum("bkgqs,bskd->bqkgd", ds, kj.astype(jnp.float32))
-                dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, block) + dq_i, i * block, axis=1)
-                dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qi.astype(jnp.float32))
-                return dq, dk, dv
-            return jax.lax.cond(_needed(lo, hi, i, j), compute, lambda c: c, carry)
+            return jax.lax.switch(_kind(lo, hi, pure, i, j), [lambda c: c, partial(update, i, masked=True),
+                                                               partial(update, i, masked=False)], carry)
 
-        zeros = jnp.zeros((b, block, kh, d), jnp.float32)
+        zeros = jnp.zeros((b, kh, d, block), jnp.float32)
         dq, dk, dv = jax.lax.fori_loop(j, n, visit, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
-    unstack = lambda x: jnp.transpose(x, (1, 0, 2, 3, 4)).reshape(b, t, kh, d)  # noqa: E731
+    unstack = lambda x: jnp.transpose(x, (1, 2, 0, 4, 3)).reshape(b, kh, t, d)  # noqa: E731  [n,B,K,d,bk]
     return dq, unstack(dk), unstack(dv)
 
 
@@ -184,5 +230,7 @@ def blocked_attention(q: Float[Array, "B T H hd"], k: Float[Array, "B T KVH hd"]
     if pad:
         widen = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         q, k, v, segments = widen(q), widen(k), widen(v), widen(segments)
-    out = _attention(q.reshape(b, t + pad, kvh, h // kvh, hd), k, v, segments.astype(jnp.int32), int(block))
-    return out.reshape(b, t + pad, h, hd)[:, :t]
+    heads = lambda x: jnp.moveaxis(x, 1, -2)  # noqa: E731  [B, T, ..., hd] -> [B, ..., T, hd]
+    qh = heads(q.reshape(b, t + pad, kvh, h // kvh, hd))
+    out = _attention(qh, heads(k), heads(v), segments.astype(jnp.int32), int(block))  # [B, K, G, T, hd]
+    return jnp.moveaxis(out, -2, 1).reshape(b, t + pad, h, hd)[:, :t]
