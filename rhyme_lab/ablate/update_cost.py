@@ -1,7 +1,8 @@
 """Time one GRPO update at a recipe's sizes with random weights; its peak device memory.
 
 ``time_update`` runs ``train.grpo_step.make_grpo_step`` with the config's
-``grpo.micro_batch_tokens``, ``logit_chunk`` and ``remat`` over one minibatch of ``rows`` rows x
+``grpo.micro_batch_tokens``, ``logit_chunk`` and ``remat`` and its decoder options
+(``model.scan_unroll``, ``model.attention_block``) over one minibatch of ``rows`` rows x
 ``tokens`` tokens of random tokens with random behaviour logprobs and advantages
 (``random_batch``). Weights are random (normal 0.02), float32 master weights computing in
 ``model.dtype`` as in a run: memory and time do not depend on their values. The command line is
@@ -37,10 +38,12 @@ def random_batch(rows: int, tokens: int, vocab: int, seed: int = 0) -> dict:
             "loss_norm": np.full(rows, loss_mask.sum(), np.float32)}  # read by the normalised loss_agg modes
 
 
-def random_state(model_cfg, dtype):
+def random_state(model_cfg, dtype, options: dict | None = None):
     """``(graphdef, state)``: a ``Decoder`` of ``model_cfg`` computing in ``dtype`` with float32
-    master weights drawn normal(0, 0.02) (key 0)."""
-    model = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0)))
+    master weights drawn normal(0, 0.02) (key 0); ``options``: the run's decoder options
+    (``ModelSection.decoder_options``: scan unroll, block-sparse attention)."""
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, dtype=dtype, param_dtype=PARAM_DTYPE, rngs=nnx.Rngs(0),
+                                           **(options or {})))
     graphdef, abstract = nnx.split(model)
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(abstract))))
     state = jax.tree.map(lambda x: (0.02 * jax.random.normal(next(keys), x.shape, jnp.float32)).astype(x.dtype),
@@ -60,7 +63,7 @@ def time_update(cfg, model_cfg, source: str, rows: int, tokens: int, steps: int)
     """
     g = cfg.grpo
     dtype = jnp.dtype(cfg.model.dtype)
-    graphdef, state = random_state(model_cfg, dtype)
+    graphdef, state = random_state(model_cfg, dtype, cfg.model.decoder_options())
     opt = grpo_optimizer(g)
     opt_state = jax.jit(opt.init)(state)
     memory = UpdateMemory(g.micro_batch_tokens, g.logit_chunk, g.remat)
@@ -82,7 +85,8 @@ def time_update(cfg, model_cfg, source: str, rows: int, tokens: int, steps: int)
     median = statistics.median(times[1:] or times)
     return {"model": source, "dtype": str(dtype), "backend": jax.default_backend(), "rows": rows,
             "tokens": tokens, "micro_batches": num_micro_batches(rows, tokens, 1, g.micro_batch_tokens),
-            "logit_chunk": g.logit_chunk, "remat": bool(g.remat), "compile_s": round(compile_s, 2),
+            "logit_chunk": g.logit_chunk, "remat": bool(g.remat), "attention_block": int(cfg.model.attention_block),
+            "compile_s": round(compile_s, 2),
             "first_step_s": round(times[0], 3), "step_s": round(median, 3),
             "tokens_per_s": round(rows * tokens / median, 1),
             "update_temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
