@@ -14,7 +14,7 @@ in use.
 
 With ``--run-dir RUN --step N`` it times instead the whole update of a step that run logged: its
 rows, minibatches and packing under the run's config plus ``--set`` overrides
-(``rhyme_lab.measure.logged_update``), e.g. the ledger task's step 16 with and without remat::
+(``rhyme_lab.ablate.logged_update``), e.g. the ledger task's step 16 with and without remat::
 
     python -m benchmarks.update_step --run-dir results/longtail/runs/longtail_recur_paired --step 16
     python -m benchmarks.update_step --run-dir results/longtail/runs/longtail_recur_paired --step 16 \\
@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from rhyme_lab.ablate.update_cost import time_update
-from rhyme_lab.measure.logged_update import time_logged_update
+from rhyme_lab.ablate.logged_update import time_logged_update
 from rhyme_jax.config import load_config
 from rhyme_jax.train.memory_plan import model_config_of
 

@@ -1,4 +1,4 @@
-"""rhyme_lab/measure/logged_update.py: the update of a logged step is rebuilt from the run's files.
+"""rhyme_lab/ablate/logged_update.py: the update of a logged step is rebuilt from the run's files.
 
 The calls hold exactly the logged rows' prompt and response tokens, split into the trainer's
 minibatches and packed into the config's class buffers; the timed update runs and reports them.
@@ -15,10 +15,10 @@ from rhyme_jax.data import load_problems
 from rhyme_jax.io.rollout_log import RolloutLogError, save_rollouts
 from rhyme_jax.train.policy import build_tokenizer
 from rhyme_jax.train.prompts import PromptTokens
-from rhyme_lab.measure.logged_update import logged_calls, time_logged_update
+from rhyme_lab.ablate.logged_update import logged_calls, time_logged_update
 
 SETS = ["data.num_train=64", "data.num_eval=8", "rollout.max_prompt_len=192", "rollout.max_new_tokens=320",
-        "grpo.pack_lengths=[256,512]", "grpo.micro_batch_tokens=512",
+        "grpo.pack_lengths=[512]", "grpo.micro_batch_tokens=1024",
         "model.attention_block=128"]
 
 
@@ -46,7 +46,7 @@ def test_the_calls_hold_the_logged_rows_in_the_trainers_minibatches(run):
     assert rows == 8 and len(per_step) == cfg.grpo.minibatches == 2
     for half, calls in zip((row_tokens[:4], row_tokens[4:]), per_step):
         assert sum(int(np.count_nonzero(c["attn_mask"])) for c in calls) == sum(half)
-        assert all(c["tokens"].shape[1] in (256, 512) for c in calls)
+        assert all(c["tokens"].shape[1] == 512 for c in calls)
         segments = sorted(int(n) for c in calls for row in c["segment_ids"]
                           for n in np.bincount(row)[1:] if n)
         assert segments == sorted(half)  # one segment per logged row, its prompt + response
