@@ -165,7 +165,7 @@ def _backward(q, k, v, segments, out, lse, dout, block):
             p = jnp.exp(s - _slice(lse, i, block, axis=3)[..., None])
             dv = dv + jnp.einsum("bkgqd,bkgqs->bkds", doi, p)
             dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vj.astype(jnp.float32))
-            ds = p * (dp - _slice(delta, i, block, axis=3)[..., None])  # dL/ds, s the unscaled q . k
+            ds = p * (dp - _slice(delta, i, block, axis=3)[..., None])  # dL/ds of the softmax scores s
             dq_i = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj.astype(jnp.float32)) * scale
             dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, block, axis=3) + dq_i, i * block, axis=3)
             dk = dk + jnp.einsum("bkgqd,bkgqs->bkds", qi.astype(jnp.float32), ds) * post
