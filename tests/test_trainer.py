@@ -468,15 +468,15 @@ def test_padding_free_step_trains_like_the_padded_one(reference, compile_cache, 
     doubled for two programs (``f32.between_programs(2 f32.forward(widths, 1))``, 2.3e-4
     relative for tiny_test's model at 64 tokens); a wrong mask or position changes them by
     percent."""
-    from rhyme_jax.train import trainer as trainer_module
-    packed, pack = [], trainer_module.pack_minibatch
+    from rhyme_jax.train import length_classes  # the trainer packs through length_classes.update_calls
+    packed, pack = [], length_classes.pack_minibatch
 
     def spy(batch, loss_agg, *, multiple):
         out = pack(batch, loss_agg, multiple=multiple)
         packed.append((int(batch["attn_mask"].sum()), int(out["attn_mask"].sum()), out["segment_ids"].max()))
         return out
 
-    monkeypatch.setattr(trainer_module, "pack_minibatch", spy)
+    monkeypatch.setattr(length_classes, "pack_minibatch", spy)
     trainer = GRPOTrainer(tiny_cfg(tmp_path, "grpo.padding_free=true", "grpo.steps=1"),
                           reward_fn=parity_reward)
     try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from jaxtyping import Int
 
-from rhyme_jax.train.packing import fill_buffers, first_fit, target_grid
+from rhyme_jax.train.packing import fill_buffers, first_fit, pack_minibatch, target_grid
 
 
 def place_in_classes(lengths: Int[np.ndarray, "B"], classes: list[int]) -> list[tuple[int, list[int]]]:
@@ -92,3 +92,13 @@ def pack_by_length(batch: dict[str, np.ndarray], loss_agg: str, classes: list[in
             start += len(part)
     return calls
 
+
+
+def update_calls(batch: dict[str, np.ndarray], grpo, multiple: int = 1) -> list[dict[str, np.ndarray]]:
+    """The jitted calls of one optimizer step's right-padded minibatch as the ``grpo`` config section
+    lays them out: ``pack_by_length`` calls with ``grpo.pack_lengths``, else one packed minibatch
+    (``packing.pack_minibatch``) with ``grpo.padding_free``, else the padded minibatch itself.
+    ``multiple``: the batch shards. Raises as ``pack_by_length`` and ``pack_minibatch``."""
+    if grpo.pack_lengths:
+        return pack_by_length(batch, grpo.loss_agg, list(grpo.pack_lengths), grpo.micro_batch_tokens, multiple)
+    return [pack_minibatch(batch, grpo.loss_agg, multiple=multiple) if grpo.padding_free else batch]

@@ -40,8 +40,7 @@ from rhyme_jax.train.dynamic_sampling import fill_batch
 from rhyme_jax.train.evaluate import EvalResult, evaluate_run
 from rhyme_jax.train.losses import group_advantages, loss_normaliser, response_grid, sequence_batch
 from rhyme_jax.train.overlong import mask_rows, soft_overlong_penalty
-from rhyme_jax.train.length_classes import pack_by_length
-from rhyme_jax.train.packing import pack_minibatch
+from rhyme_jax.train.length_classes import update_calls
 from rhyme_jax.train.prompts import epoch_of_step, num_grpo_prompts
 from rhyme_jax.train.reporting import metrics_writer
 from rhyme_jax.train.tis import truncated_is_weights
@@ -239,12 +238,9 @@ class GRPOTrainer:
         tis_metrics = self._truncated_is(batch) if g.tis else {}
         out = []
         for mb in update_order(len(prompts) + pad, g.minibatches, g.num_iterations):
-            sub = {k: v[mb] for k, v in batch.items()}
-            if g.pack_lengths:  # buffers of several lengths, one jitted call each (train/length_classes.py)
-                sub = pack_by_length(sub, g.loss_agg, g.pack_lengths, g.micro_batch_tokens, self.batch_shards)
-            elif g.padding_free:
-                sub = pack_minibatch(sub, g.loss_agg, multiple=self.batch_shards)
-            grid = sum(c["tokens"].size for c in sub) if isinstance(sub, list) else sub["tokens"].size
+            calls = update_calls({k: v[mb] for k, v in batch.items()}, g, self.batch_shards)
+            sub = calls if g.pack_lengths else calls[0]  # class buffers: one jitted call each (train/length_classes.py)
+            grid = sum(c["tokens"].size for c in calls)
             sub = put_global(sub, ln.layout.batch)
             self.state, self.opt_state, m = ln.step_fn(self.state, self.opt_state, sub)
             out.append(dict(jax.device_get(m), **{"update/grid_tokens": float(grid)}, **tis_metrics))

@@ -24,10 +24,9 @@ import numpy as np
 from rhyme_jax.config import load_config
 from rhyme_jax.data import load_problems
 from rhyme_jax.io.rollout_log import load_rollouts
-from rhyme_jax.train.length_classes import pack_by_length
+from rhyme_jax.train.length_classes import update_calls
 from rhyme_jax.train.memory_plan import model_config_of
 from rhyme_jax.train.optim import grpo_optimizer
-from rhyme_jax.train.packing import pack_minibatch
 from rhyme_jax.train.policy import build_tokenizer, tiny_model_config
 from rhyme_jax.train.prompts import PromptTokens
 from rhyme_jax.train.trainer import update_order
@@ -48,11 +47,7 @@ def logged_calls(cfg, run_dir: Path, step: int) -> tuple[list[list[dict]], objec
     responses = [r.tolist() for r in logged["responses"]]
     g, rng, out = cfg.grpo, np.random.default_rng(0), []
     for rows in update_order(len(prompts), g.minibatches, g.num_iterations):
-        batch = minibatch([prompts[i] for i in rows], [responses[i] for i in rows], rng)
-        if g.pack_lengths:
-            out.append(pack_by_length(batch, g.loss_agg, list(g.pack_lengths), g.micro_batch_tokens))
-        else:
-            out.append([pack_minibatch(batch, g.loss_agg) if g.padding_free else batch])
+        out.append(update_calls(minibatch([prompts[i] for i in rows], [responses[i] for i in rows], rng), g))
     return out, model_cfg, len(prompts)
 
 
