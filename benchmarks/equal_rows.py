@@ -7,9 +7,12 @@ tokens in both (``min_new_tokens`` for transformers). transformers gets all rows
 ``generate`` call (batch = rows, KV cache, ``torch.set_num_threads(cores)``); rhyme-jax gets as many
 decode slots as rows, so both run one pass per token over the same rows. Rounds alternate the
 engines after one warm-up call each (compiles rhyme-jax's programs); tokens/s = rows x new tokens
-/ the median wall seconds of a call (prefill included in both). Also printed: rhyme-jax's device
-ms per decode pass and the matmul floor of that pass (its float32 FLOPs at this machine's XLA
-matmul rate per shape, measured in the same run).
+/ the median wall seconds of a call (prefill included in both). Decode alone: each round also
+times 1-token calls (prefill and the first sampled token), and decode tokens/s = rows x (new
+tokens - 1) / (median seconds of the full call - median of the 1-token call), the same for every
+engine. Also printed: rhyme-jax's device ms per decode pass (blocked time of its decode passes,
+prefill passes taken out) and the matmul floor of that pass (its float32 FLOPs at this machine's
+XLA matmul rate per shape, measured in the same run).
 
 Usage (repository root; transformers and torch from the test extras)::
 
@@ -59,6 +62,23 @@ def matmul_floor_ms(cfg, rows: int) -> tuple[float, dict]:
     return 1e3 * total, rates
 
 
+def _rounds(calls: dict, new_tokens: int, rounds: int) -> dict:
+    """Wall seconds per engine and response length (``{engine: {n: [s, ...]}}``, n = 1 and
+    ``new_tokens``): one warm-up call of each, then ``rounds`` rounds that alternate the engines.
+    A 1-token call is the prompt's prefill and its first sampled token, so the difference of the
+    two lengths is decode alone."""
+    for fn in calls.values():
+        fn(new_tokens), fn(1)  # warm-up and compiles
+    secs = {k: {new_tokens: [], 1: []} for k in calls}
+    for r in range(rounds):
+        for k, fn in calls.items():
+            for n in (new_tokens, 1):
+                secs[k][n].append(fn(n))
+        print(f"round {r}: " + ", ".join(f"{k} {v[new_tokens][-1]:.2f} s ({v[1][-1]:.2f} s for 1 token)"
+                                         for k, v in secs.items()), flush=True)
+    return secs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.equal_rows", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
@@ -82,42 +102,41 @@ def main(argv=None) -> int:
     prompts = np.random.default_rng(0).integers(3, hf.config.vocab_size, (args.rows, args.prompt_len))
     ids = torch.tensor(prompts)
 
-    def run_hf() -> float:
+    def run_hf(new: int) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                              top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                              pad_token_id=0)
-        assert out.shape[1] == args.prompt_len + args.new_tokens
+                              top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        assert out.shape[1] == args.prompt_len + new
         return time.perf_counter() - t0
 
     cfg = model_config(MODEL)
     engs, state = pass_overhead.engines(cfg, "float32", args.rows, args.prompt_len, args.new_tokens, [args.chunk])
-    sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
 
-    def run_rj(n: int) -> tuple[float, float]:
+    device_ms = []  # the chunked engine's blocked ms per decode pass (its prefills' share taken out)
+
+    def run_rj(n: int, new: int) -> float:
+        sp = SamplingParams(temperature=1.0, max_new_tokens=new)
         s = engs[n].generate(state, prompts.tolist(), sp, jax.random.key(0)).stats
-        assert s["generated_tokens"] == args.rows * args.new_tokens
-        return s["seconds"], 1e3 * s["device_wait_seconds"] / s["decode_steps"]
+        assert s["generated_tokens"] == args.rows * new
+        if n == args.chunk and new == args.new_tokens:
+            device_ms.append(1e3 * (s["device_wait_seconds"] - s["prefill_wait_seconds"]) / s["decode_steps"])
+        return s["seconds"]
 
-    run_hf(), run_rj(1), run_rj(args.chunk)  # warm-up and compiles
-    secs: dict = {"transformers": [], "rhyme-jax per-pass": [], f"rhyme-jax {args.chunk} passes/dispatch": []}
-    device_ms = []
-    for r in range(args.rounds):
-        secs["transformers"].append(run_hf())
-        secs["rhyme-jax per-pass"].append(run_rj(1)[0])
-        s, dev = run_rj(args.chunk)
-        secs[f"rhyme-jax {args.chunk} passes/dispatch"].append(s)
-        device_ms.append(dev)
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in secs.items()), flush=True)
+    calls = {"transformers": run_hf, "rhyme-jax per-pass": lambda new: run_rj(1, new),
+             f"rhyme-jax {args.chunk} passes/dispatch": lambda new: run_rj(args.chunk, new)}
+    secs = _rounds(calls, args.new_tokens, args.rounds)
     floor, rates = matmul_floor_ms(cfg, args.rows)
-    tps = {k: args.rows * args.new_tokens / statistics.median(v) for k, v in secs.items()}
-    best_peer = tps["transformers"]
+    med = {k: {n: statistics.median(v) for n, v in per.items()} for k, per in secs.items()}
+    tps = {k: args.rows * args.new_tokens / m[args.new_tokens] for k, m in med.items()}
+    decode_tps = {k: args.rows * (args.new_tokens - 1) / (m[args.new_tokens] - m[1]) for k, m in med.items()}
     report = dict(rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
-                  tokens_per_s=tps, over_transformers={k: v / best_peer for k, v in tps.items()},
-                  rhyme_device_ms_per_pass=statistics.median(device_ms), matmul_floor_ms_per_pass=floor,
-                  xla_matmul_gflops=rates, transformers_ms_per_token_step=1e3 * statistics.median(
-                      secs["transformers"]) / args.new_tokens, cores=os.cpu_count(), torch=torch.__version__)
+                  tokens_per_s=tps, over_transformers={k: v / tps["transformers"] for k, v in tps.items()},
+                  decode_tokens_per_s=decode_tps,
+                  decode_over_transformers={k: v / decode_tps["transformers"] for k, v in decode_tps.items()},
+                  decode_ms_per_token_step={k: 1e3 * args.rows / v for k, v in decode_tps.items()},
+                  rhyme_device_ms_per_decode_pass=statistics.median(device_ms), matmul_floor_ms_per_pass=floor,
+                  xla_matmul_gflops=rates, seconds=med, cores=os.cpu_count(), torch=torch.__version__)
     print(json.dumps(report, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,8 @@ def test_chunks_emit_the_per_pass_tokens_and_logprobs(slots):
         assert s["generated_tokens"] == runs[1].stats["generated_tokens"]
         assert s["decode_dispatches"] < s["decode_steps"] and runs[1].stats["decode_dispatches"] == runs[1].stats[
             "decode_steps"]
+    for r in runs.values():  # the prefill passes' share of the blocked time (fewer slots: several prefills)
+        assert r.stats["prefill_steps"] > 1 and 0 < r.stats["prefill_wait_seconds"] < r.stats["device_wait_seconds"]
 
 
 @pytest.mark.slow  # 15 s on 2 shared cores (compiles the dense reference and the chunk programs)

@@ -132,7 +132,9 @@ class RolloutEngine:
         self._guards: dict[type, SpecGuard] = {}
         # Host seconds spent blocked fetching pass outputs after their dispatch (device time plus
         # the transfer), summed over every pass this engine ran; ``generate`` reports its share.
+        # ``prefill_wait_seconds``: the part of it spent on prefill passes.
         self.device_wait_seconds = 0.0
+        self.prefill_wait_seconds = 0.0
 
     # ------------------------------------------------------------------ helpers
     def _graph(self, state) -> nnx.GraphDef:
@@ -280,7 +282,10 @@ class RolloutEngine:
         *out, self.kv = fn(*args, **kw)
         t1 = time.perf_counter()
         out = jax.device_get(tuple(out))
-        self.device_wait_seconds += time.perf_counter() - t1
+        wait = time.perf_counter() - t1
+        self.device_wait_seconds += wait
+        if fn is prefill_pass:
+            self.prefill_wait_seconds += wait
         if live:
             self._observe(shape, out, time.perf_counter() - t0)
         if self.check_invariants:
@@ -458,7 +463,7 @@ class RolloutEngine:
           EngineConfigError: empty prompt, token id outside the vocabulary, bad sampling params,
             bad prefixes.
         """
-        t0, wait0 = time.perf_counter(), self.device_wait_seconds
+        t0, wait0, prefill0 = time.perf_counter(), self.device_wait_seconds, self.prefill_wait_seconds
         reqs = self._validate(prompts, sampling)
         self._ensure_pool(state)
         if getattr(drafter, "idle", False):  # nothing to draft from: plain decoding, no drafter calls
@@ -485,6 +490,7 @@ class RolloutEngine:
             if monitor is not None:
                 table.stop(monitor(table.progress()), on_stop)
         table.stats["device_wait_seconds"] = self.device_wait_seconds - wait0
+        table.stats["prefill_wait_seconds"] = self.prefill_wait_seconds - prefill0
         return table.result(time.perf_counter() - t0)
 
 

@@ -18,7 +18,8 @@ _FINISH = ("eos", "length", "skipped", "migrated")
 COUNT_STATS = ("prefill_tokens", "generated_tokens", "decode_steps", "prefill_steps", "preemptions",
            "skipped", "drafted_tokens", "accepted_tokens", "drafting_seconds", "sequence_steps",
            "forward_passes", "seconds", "predicted_accepted", "decode_dispatches", "device_wait_seconds",
-           "spec_chunk_seconds", "spec_chunk_passes", "spec_chunk_row_passes", "spec_chunks_declined")
+           "prefill_wait_seconds", "spec_chunk_seconds", "spec_chunk_passes", "spec_chunk_row_passes",
+           "spec_chunks_declined")
 
 
 def merge_results(results: Sequence[RolloutResult]) -> RolloutResult:

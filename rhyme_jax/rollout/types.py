@@ -70,7 +70,8 @@ class RolloutResult:
         tokens_per_forward (generated tokens per sequence forward pass; 1.0 without drafts),
         decode_dispatches (device calls running decode/verify passes: ``decode_steps`` per pass,
         fewer with ``passes_per_dispatch > 1``) and device_wait_seconds (host seconds blocked
-        fetching pass outputs after their dispatch: device time plus the transfer);
+        fetching pass outputs after their dispatch: device time plus the transfer; prefill_wait_seconds
+        is its part spent on prefill passes);
         spec_chunk_seconds / spec_chunk_passes / spec_chunk_row_passes: wall seconds, passes and
         live row-passes of the HistoSpec chunks (``rollout/chunk_spec.py``; 0 without them);
         spec_chunks_declined: chunks the host's choice sent drafts for that ran plain because no
