@@ -51,8 +51,11 @@ def test_the_calls_hold_the_logged_rows_in_the_trainers_minibatches(run):
                           for n in np.bincount(row)[1:] if n)
         assert segments == sorted(half)  # one segment per logged row, its prompt + response
     assert model_cfg.num_layers == 4
+    with pytest.raises(RolloutLogError):  # a step the run did not log
+        logged_calls(cfg, run_dir, 4)
 
 
+@pytest.mark.slow  # 20 s on 2 cores: compiles the update's programs
 def test_the_timed_update_reports_its_calls_and_a_missing_step_fails(run):
     run_dir, _, row_tokens = run
     report = time_logged_update(run_dir, 3, ["grpo.remat=true"], repeats=1)
