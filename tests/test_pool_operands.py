@@ -34,13 +34,15 @@ CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_si
                   num_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def _lowered_programs(dtype, unroll: int):
+def _lowered_programs(dtype, unroll: int, layer_weights: str = "auto"):
     """Decode and the largest verify program of a 2-slot engine, lowered for CUDA with the kernel
-    (64 pages: one layer's pool outweighs every other kernel operand)."""
+    (64 pages: one layer's pool outweighs every other kernel operand); ``auto`` layer weights are
+    the stacked ones there (a GPU target)."""
     graphdef, state = nnx.split(Decoder(CFG, dtype=dtype, param_dtype=dtype, scan_unroll=unroll, rngs=nnx.Rngs(0)))
     with api.target_backend("gpu"):
         eng = RolloutEngine(graphdef, CFG, EngineConfig(max_slots=2, page_size=16, num_pages=64, max_prompt_len=16,
-                                                        max_new_tokens=8, eos_ids=(), attention_impl="pallas_gpu"))
+                                                        max_new_tokens=8, eos_ids=(), attention_impl="pallas_gpu",
+                                                        layer_weights=layer_weights))
         runner = eng.runner(state, SamplingParams(temperature=1.0, max_new_tokens=8))
         progs = [s for s in eng.programs(spec=True) if s.kind != "prefill" and s.rows == 2]
         picked = [min(progs, key=lambda s: s.tokens), max(progs, key=lambda s: s.tokens)]
@@ -55,20 +57,24 @@ def _donated(lowered, arg: int) -> bool:
     return "tf.aliasing_output" in attrs or "jax.buffer_donor" in attrs
 
 
-@pytest.mark.parametrize("dtype,unroll", [(jnp.float32, 1), (jnp.bfloat16, 3)])
-def test_kernel_reads_the_donated_pool_not_a_slice(dtype, unroll):
-    """In the decode and verify programs (layer loop scanned, or unrolled) the attention kernel's K
-    and V operands are the whole stacked pool ``[L, KVH, P*ps, hd]``, reached from the donated
-    pool arguments through the loop carry / reshape / in-place scatter only; every other kernel
-    operand is far smaller than one layer's pool."""
-    eng, programs = _lowered_programs(dtype, unroll)
+@pytest.mark.parametrize("dtype,unroll,layer_weights", [(jnp.float32, 1, "auto"), (jnp.bfloat16, 3, "auto"),
+                                                         (jnp.float32, 1, "split")])
+def test_kernel_reads_the_donated_pool_not_a_slice(dtype, unroll, layer_weights):
+    """In the decode and verify programs (layer loop scanned, unrolled, or a Python loop over
+    per-layer weights) the attention kernel's K and V operands are the whole stacked pool
+    ``[L, KVH, P*ps, hd]``, reached from the donated pool arguments through the loop carry /
+    reshape / in-place scatter only; every other kernel operand is far smaller than one layer's
+    pool."""
+    eng, programs = _lowered_programs(dtype, unroll, layer_weights)
+    split = layer_weights == "split"
     L, kvh, pages, ps, hd = eng.kv.k.shape
     layer_elems = kvh * pages * ps * hd
     for shape, lowered in programs:
         ops = [o for o in kernel_operand_sources(lowered.compiler_ir("stablehlo"))
                if o.kernel == "ragged_paged_attention_gpu"]
-        assert len(ops) == 6, shape  # one kernel call in the program text: the loop body, or the
-        # block function every unrolled layer calls
+        assert len(ops) == (6 * CFG.num_layers if split else 6), shape  # one kernel call in the
+        # program text (the loop body, or the block function every unrolled layer calls), or one
+        # per layer of the Python loop
         for o in ops:
             if np.prod(o.shape) < layer_elems:
                 continue
@@ -78,9 +84,9 @@ def test_kernel_reads_the_donated_pool_not_a_slice(dtype, unroll):
                        for s in o.sources), (shape, o)
             assert all(_donated(lowered, int(s.root[5:])) for s in o.sources), (shape, o)
         pools = [o for o in ops if np.prod(o.shape) >= layer_elems]
-        assert len(pools) == 2, shape
         # scanned: one source through the carry; unrolled: one per layer's call site
-        assert all(len(o.sources) == (1 if unroll == 1 else L) for o in pools), (shape, pools)
+        assert len(pools) == 2 * (CFG.num_layers if split else 1), shape
+        assert all(len(o.sources) == (1 if unroll == 1 or split else L) for o in pools), (shape, pools)
 
 
 def test_guard_sees_a_sliced_pool():

@@ -139,6 +139,12 @@ def _backend() -> str:
     return _TARGET[-1] if _TARGET else jax.default_backend()
 
 
+def current_backend() -> str:
+    """The backend programs are built for: ``target_backend``'s inside it, else
+    ``jax.default_backend()`` (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
+    return _backend()
+
+
 def available_implementations() -> tuple[str, ...]:
     """Names that can run on the current default backend (``target_backend``'s inside it;
     registration order)."""

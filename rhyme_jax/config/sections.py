@@ -22,6 +22,7 @@ RolloutDtype = Literal["", "float32", "bfloat16"]
 DataSource = Literal["synthetic", "ledger", "gsm8k", "jsonl", "parquet"]
 AnswerExtraction = Literal["marker", "last_number"]
 OverlongPrompt = Literal["error", "skip"]
+LayerWeights = Literal["auto", "split", "stacked"]
 LRSchedule = Literal["constant", "cosine"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "step_token_mean"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -242,6 +243,7 @@ class RolloutSection:
     # engine weights and KV pages: "" = model.dtype | float32 | bfloat16 (a bf16 copy of the float32 master
     # weights, cast at each weight sync; its logprobs differ from the trainer's: grpo.tis corrects; docs/precision.md)
     dtype: RolloutDtype = ""
+    layer_weights: LayerWeights = "auto"  # split = the blocks' weights as separate arrays, a layer loop without weight slices (CPU: 1.2-1.3x decode, 4x compile); stacked = a scan; auto = split on CPU only (rollout/layer_weights.py)
 
     def __post_init__(self):
         check_fields(self)

@@ -93,7 +93,7 @@ def layer_at(layers: DecoderLayer, index: int) -> DecoderLayer:
 
 
 def scan_layers(layers: DecoderLayer, h: Float[Array, "..."], step, extra=None, *, remat: bool = False,
-                unroll: int = 1):
+                unroll: int = 1, per_layer=None):
     """Run a stacked ``DecoderLayer`` over ``h`` with ``jax.lax.scan``.
 
     ``step(layer, h, index, extra) -> (h, extra)`` applies one block (``layer`` is a one-layer
@@ -101,10 +101,18 @@ def scan_layers(layers: DecoderLayer, h: Float[Array, "..."], step, extra=None, 
     the paged KV pool). With ``remat`` the step is ``jax.checkpoint``-ed: its activations are
     recomputed in the backward pass instead of stored. ``unroll`` blocks run per scan iteration
     (``jax.lax.scan(unroll=)``): 1 compiles one block whatever the depth; ``>= L`` unrolls fully.
+    ``per_layer``: the blocks' parameters as ``L`` separate one-block states (the rollout's
+    layout, ``rollout.layer_weights``) instead of ``layers``' stacked values: a Python loop runs
+    them in order with ``index`` a Python int (no scan, no weight slices).
 
     Returns ``(h, extra)`` after the last layer.
     """
     graphdef, params = nnx.split(layers)
+    if per_layer is not None:
+        carry = (h, extra)
+        for index, p in enumerate(per_layer):
+            carry = step(nnx.merge(graphdef, p), carry[0], index, carry[1])
+        return carry
     n = jax.tree.leaves(params)[0].shape[0]
 
     def body(carry, xs):

@@ -36,6 +36,7 @@ from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.model.precision import cast_floating, dtype_of, with_compute_dtype
+from rhyme_jax.rollout.layer_weights import split_layers, use_split
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, chunk, chunk_spec, shapes
 from rhyme_jax.rollout.allocation import PassChoice
@@ -150,7 +151,12 @@ class RolloutEngine:
         return state if self.dtype is None else cast_floating(state, self.dtype)
 
     def _flat_state(self, state):
-        leaves, treedef = jax.tree.flatten(self._cast(state))
+        """The leaves the pass programs take (``state`` cast to ``self.dtype``, per-layer when
+        ``config.layer_weights`` splits) and the ``StaticModel`` of their structure."""
+        run_state = self._cast(state)
+        if use_split(self.config.layer_weights):
+            run_state = split_layers(run_state)
+        leaves, treedef = jax.tree.flatten(run_state)
         if self._static is None or self._static.value[1] != treedef:
             self._static = StaticModel(self._graph(state), treedef)
         return leaves, self._static

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from rhyme_jax.model.precision import DTYPES
+from rhyme_jax.rollout.layer_weights import LAYOUTS
 from rhyme_jax.rollout.shapes import DEFAULT_PREFILL_TOKENS
 from rhyme_jax.rollout.types import EngineConfigError
 
@@ -52,11 +53,15 @@ class EngineConfig:
         compute in it, the weights it is given cast to it, the KV pool in it;
         ``model.precision``), or ``""``: as the graph and weights it is given (the run's
         ``model.dtype``).
+      layer_weights: ``"auto"`` | ``"split"`` | ``"stacked"``: whether the passes read the
+        blocks' weights as ``L`` separate arrays (a layer loop without weight slices;
+        ``rollout/layer_weights.py``) or through a scan over the stacked ones; ``"auto"`` splits
+        on CPU only. Same tokens either way.
 
     Raises:
       EngineConfigError: ``max_slots``, ``page_size``, ``max_prompt_len``, ``max_new_tokens`` or
-        ``passes_per_dispatch`` below 1, ``num_pages`` below 0, an unknown ``on_overlong_prompt``
-        or ``dtype``; the message names the field.
+        ``passes_per_dispatch`` below 1, ``num_pages`` below 0, an unknown ``on_overlong_prompt``,
+        ``dtype`` or ``layer_weights``; the message names the field.
     """
 
     max_slots: int
@@ -74,6 +79,7 @@ class EngineConfig:
     dtype: str = ""
     draft_history: int = 1024
     row_buckets: Sequence[int] = ()
+    layer_weights: str = "auto"
 
     def __post_init__(self):
         for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens", "passes_per_dispatch",
@@ -88,6 +94,9 @@ class EngineConfig:
                 f"{_WHERE}: on_overlong_prompt must be 'error' or 'skip', got {self.on_overlong_prompt!r}")
         if self.dtype not in ("", *DTYPES):
             raise EngineConfigError(f"{_WHERE}: dtype must be '' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.layer_weights not in LAYOUTS:
+            raise EngineConfigError(
+                f"{_WHERE}: layer_weights must be one of {list(LAYOUTS)}, got {self.layer_weights!r}")
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
         object.__setattr__(self, "row_buckets", tuple(int(b) for b in self.row_buckets))
         if any(b < 1 or b > self.max_slots for b in self.row_buckets):
@@ -112,7 +121,7 @@ class EngineConfig:
                    on_overlong_prompt=r.on_overlong_prompt, attention_impl=r.attention_impl,
                    max_verify_tokens=r.max_verify_tokens, share_prompt_prefix=r.share_prompt_prefix,
                    passes_per_dispatch=r.passes_per_dispatch, draft_history=r.draft_history,
-                   dtype=r.dtype, row_buckets=tuple(r.row_buckets))
+                   dtype=r.dtype, row_buckets=tuple(r.row_buckets), layer_weights=r.layer_weights)
 
     @classmethod
     def from_run(cls, cfg: "RunConfig", eos_ids: Sequence[int] = ()) -> "EngineConfig":

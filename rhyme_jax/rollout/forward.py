@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.model.transformer import scan_layers
 from rhyme_jax.rollout.kv_cache import KVCache
+from rhyme_jax.rollout.layer_weights import LayerSplit, merge_split
 
 
 @jax.tree_util.register_dataclass
@@ -79,7 +80,8 @@ def paged_forward(
     """Run the decoder on packed new tokens, reading and extending the paged KV pool.
 
     Args:
-      graphdef, state: ``nnx.split`` of a ``Decoder``.
+      graphdef, state: ``nnx.split`` of a ``Decoder``; ``state`` may be in the per-layer layout
+        (``layer_weights.LayerSplit``: the blocks run in a Python loop over separate weights).
       kv: the pool; the new tokens' K/V are written at ``meta.slot_mapping`` in every layer.
       tokens, positions: ``i32[T]`` packed new tokens and their absolute positions.
       meta: ragged metadata of the batch.
@@ -92,7 +94,10 @@ def paged_forward(
     Returns:
       ``(logits f32[S', V], updated kv)``.
     """
-    model = nnx.merge(graphdef, state)
+    if isinstance(state, LayerSplit):
+        model, per_layer = merge_split(graphdef, state)
+    else:
+        model, per_layer = nnx.merge(graphdef, state), None
     head_dim = model.cfg.head_dim
     h = model.embed_tokens(tokens)  # [T, D]
     kw = dict(sm_scale=head_dim ** -0.5, max_q_len=max_q_len, implementation=attention_impl)
@@ -113,6 +118,7 @@ def paged_forward(
         h = h + layer.attn.project_out(o.astype(h.dtype))
         return h + layer.mlp(layer.post_attn_norm(h)), (k_pool, v_pool)
 
-    h, (k_pool, v_pool) = scan_layers(model.layers, h, block, (kv.k, kv.v), unroll=model.scan_unroll)
+    h, (k_pool, v_pool) = scan_layers(model.layers, h, block, (kv.k, kv.v), unroll=model.scan_unroll,
+                                    per_layer=per_layer)
     logits = model.unembed(h[logits_rows]).astype(jnp.float32)
     return logits, KVCache(k=k_pool, v=v_pool)
