@@ -12,7 +12,9 @@ times 1-token calls (prefill and the first sampled token), and decode tokens/s =
 tokens - 1) / (median seconds of the full call - median of the 1-token call), the same for every
 engine. Also printed: rhyme-jax's device ms per decode pass (blocked time of its decode passes,
 prefill passes taken out) and the matmul floor of that pass (its float32 FLOPs at this machine's
-XLA matmul rate per shape, measured in the same run).
+XLA matmul rate per shape, measured in the same run). ``--layer-weights stacked`` runs rhyme-jax's
+layer loop as a scan over the stacked weights instead of the CPU default, per-layer weights
+(``rollout/layer_weights.py``).
 
 Usage (repository root; transformers and torch from the test extras)::
 
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=16, help="passes per dispatch of the chunked engine")
+    ap.add_argument("--layer-weights", default="auto", choices=["auto", "split", "stacked"],
+                    help="rollout.layer_weights of the rhyme-jax engines (auto: split here)")
     ap.add_argument("--out", default="runs/bench_equal_rows")
     args = ap.parse_args(argv)
     import jax
@@ -93,6 +97,7 @@ def main(argv=None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rhyme_jax.rollout.engine import SamplingParams
+    from rhyme_jax.rollout.layer_weights import use_split
     from rhyme_lab.measure import pass_overhead
     from rhyme_lab.measure.pass_cost import model_config
 
@@ -111,7 +116,8 @@ def main(argv=None) -> int:
         return time.perf_counter() - t0
 
     cfg = model_config(MODEL)
-    engs, state = pass_overhead.engines(cfg, "float32", args.rows, args.prompt_len, args.new_tokens, [args.chunk])
+    engs, state = pass_overhead.engines(cfg, "float32", args.rows, args.prompt_len, args.new_tokens, [args.chunk],
+                                        layer_weights=args.layer_weights)
 
     device_ms = []  # the chunked engine's blocked ms per decode pass (its prefills' share taken out)
 
@@ -130,7 +136,8 @@ def main(argv=None) -> int:
     med = {k: {n: statistics.median(v) for n, v in per.items()} for k, per in secs.items()}
     tps = {k: args.rows * args.new_tokens / m[args.new_tokens] for k, m in med.items()}
     decode_tps = {k: args.rows * (args.new_tokens - 1) / (m[args.new_tokens] - m[1]) for k, m in med.items()}
-    report = dict(rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
+    layout = "split" if use_split(args.layer_weights, state) else "stacked"
+    report = dict(layer_weights=layout, rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
                   tokens_per_s=tps, over_transformers={k: v / tps["transformers"] for k, v in tps.items()},
                   decode_tokens_per_s=decode_tps,
                   decode_over_transformers={k: v / decode_tps["transformers"] for k, v in decode_tps.items()},

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rhyme_jax.rollout.engine import EngineConfig, EngineConfigError, SamplingParams
-from rhyme_jax.rollout.layer_weights import LayerSplit, split_layers, use_split
+from pallas_kernels.ragged_paged_attention import api
+from rhyme_jax.rollout.layer_weights import SPLIT_MIN_LAYER_BYTES, LayerSplit, layer_bytes, split_layers, use_split
 from test_rollout_engine import CFG, MAX_NEW, _engine, _model, _prompts, logprob_atol
 
 
@@ -45,9 +46,16 @@ def test_split_engine_emits_the_stacked_engines_tokens(passes):
 
 
 def test_layout_choice_and_errors():
-    """``auto`` splits on the CPU backend only; an unknown layout is refused by name."""
-    assert use_split("split") and not use_split("stacked")
-    assert use_split("auto") == (jax.default_backend() == "cpu")
+    """``auto`` splits on the CPU backend only, blocks of at least ``SPLIT_MIN_LAYER_BYTES`` (not
+    the test model's); an unknown layout is refused by name."""
+    state = _model()[1]
+    big = {"layers": {"w": jax.ShapeDtypeStruct((3, SPLIT_MIN_LAYER_BYTES // 4), jnp.float32)}}
+    assert layer_bytes(big) == SPLIT_MIN_LAYER_BYTES and layer_bytes(state) < SPLIT_MIN_LAYER_BYTES
+    assert use_split("split", state) and not use_split("stacked", big)
+    assert not use_split("auto", state)
+    assert use_split("auto", big) == (jax.default_backend() == "cpu")
+    with api.target_backend("gpu"):
+        assert not use_split("auto", big)
     with pytest.raises(ValueError, match="layer_weights='scan'"):
         use_split("scan")
     with pytest.raises(EngineConfigError, match="layer_weights"):

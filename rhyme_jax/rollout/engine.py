@@ -154,7 +154,7 @@ class RolloutEngine:
         """The leaves the pass programs take (``state`` cast to ``self.dtype``, per-layer when
         ``config.layer_weights`` splits) and the ``StaticModel`` of their structure."""
         run_state = self._cast(state)
-        if use_split(self.config.layer_weights):
+        if use_split(self.config.layer_weights, run_state):
             run_state = split_layers(run_state)
         leaves, treedef = jax.tree.flatten(run_state)
         if self._static is None or self._static.value[1] != treedef:

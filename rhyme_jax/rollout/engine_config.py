@@ -56,7 +56,8 @@ class EngineConfig:
       layer_weights: ``"auto"`` | ``"split"`` | ``"stacked"``: whether the passes read the
         blocks' weights as ``L`` separate arrays (a layer loop without weight slices;
         ``rollout/layer_weights.py``) or through a scan over the stacked ones; ``"auto"`` splits
-        on CPU only. Same tokens either way.
+        on CPU where a block holds at least 4 MiB (``layer_weights.use_split``). Same tokens
+        either way.
 
     Raises:
       EngineConfigError: ``max_slots``, ``page_size``, ``max_prompt_len``, ``max_new_tokens`` or

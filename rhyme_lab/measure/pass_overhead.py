@@ -34,9 +34,10 @@ FIELDS = ("host_ms_per_pass", "device_ms_per_pass", "tokens_per_s", "bound_token
 
 
 def engines(cfg: ModelConfig, dtype: str, slots: int, prompt_len: int, new_tokens: int, chunks: list[int],
-            eos_ids=(), attention: str = "auto"):
+            eos_ids=(), attention: str = "auto", layer_weights: str = "auto"):
     """``({passes_per_dispatch: RolloutEngine}, state)``: one engine of ``slots`` slots per chunk
-    size (1 = the per-pass engine) over random (seed 0) ``dtype`` weights of ``cfg``."""
+    size (1 = the per-pass engine) over random (seed 0) ``dtype`` weights of ``cfg``
+    (``layer_weights``: ``EngineConfig.layer_weights``)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -50,7 +51,7 @@ def engines(cfg: ModelConfig, dtype: str, slots: int, prompt_len: int, new_token
                                         train_mesh(1, 1, 1))
     out = {n: RolloutEngine(graphdef, cfg, EngineConfig(
         max_slots=slots, page_size=16, max_prompt_len=prompt_len, max_new_tokens=new_tokens, eos_ids=tuple(eos_ids),
-        attention_impl=attention, passes_per_dispatch=n)) for n in sorted({1, *chunks})}
+        attention_impl=attention, passes_per_dispatch=n, layer_weights=layer_weights)) for n in sorted({1, *chunks})}
     return out, state
 
 
