@@ -36,7 +36,6 @@ from flax import nnx
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.model.precision import cast_floating, dtype_of, with_compute_dtype
-from rhyme_jax.rollout.layer_weights import split_layers, use_split
 from rhyme_jax.parallel.rules import kv_pool_sharding
 from rhyme_jax.rollout import allocation, batching, chunk, chunk_spec, shapes
 from rhyme_jax.rollout.allocation import PassChoice
@@ -44,6 +43,7 @@ from rhyme_jax.rollout.pass_cost import PassCost
 from rhyme_jax.rollout.batching import PassInputs
 from rhyme_jax.rollout.engine_config import EngineConfig  # noqa: F401 (re-exported with the engine)
 from rhyme_jax.rollout.kv_cache import KVCache
+from rhyme_jax.rollout.layer_weights import split_layers, use_split
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
