@@ -286,6 +286,18 @@ if want passover; then
   done
 fi
 
+# rollout.layer_weights on the device: SmolLM2's 64-row decode and 3-draft verify pass with the
+# blocks' weights split per layer against the stacked scan (auto keeps the scan off the CPU: this
+# says whether a GPU should split too; rollout/layer_weights.py).
+#   run(command="PHASES=layerw bash benchmarks/device_check.sh", timeout_s=300)
+# CPU smoke (demo model, 4 rows; ~20 s):
+#   DEVICE_CHECK_CPU_SMOKE=1 PHASES=layerw bash benchmarks/device_check.sh
+if want layerw; then
+  if [ "$SMOKE" = 1 ]; then LW=(--model demo --rows 4 --context 32 --drafts 0 --rounds 1 --calls 1)
+  else LW=(--rows 64 --context 128 --drafts 0,3 --rounds 6 --calls 8); fi
+  phase layerw "${T_LAYERW:-240}" "$PY" -m benchmarks.layer_weights "${LW[@]}" --out "$OUT/layerw"
+fi
+
 {
   echo "=== summary [$(date +%T)]"
   printf '%s\n' "${STATUS[@]}"
