@@ -175,10 +175,10 @@ def _fold_pages(q_seq, q_pos, kv_lens, k_pages, v_pages, page_indices, ends, *, 
 
 def _gather(pages, page, layer):
     """Pages ``page i32[C, span]`` of one layer's pool ``[KVH, P, ps, hd]`` or, with ``layer``, of
-    the stacked pool ``[L, KVH, P, ps, hd]`` read in place: ``[C, KVH, span x ps, hd]``."""
+    the stacked pool ``[L, KVH, P, ps, hd]`` read in place (``reference._take_pages``):
+    ``[C, KVH, span x ps, hd]``."""
     c, span = page.shape
-    g = pages[:, page] if layer is None else pages[layer, :, page]  # [KVH, C, span, ps, hd] / [C, span, KVH, ps, hd]
-    g = g.transpose(1, 0, 2, 3, 4) if layer is None else g.transpose(0, 2, 1, 3, 4)
+    g = reference._take_pages(pages, page, layer).transpose(1, 0, 2, 3, 4)  # [C, KVH, span, ps, hd]
     return g.reshape(c, g.shape[1], span * g.shape[3], g.shape[4])
 
 
