@@ -11,7 +11,7 @@ whose blocks read ``L`` separate weight arrays has no such copies: on a 2-core A
 =false`` gave, without that process-wide flag, which slows the update (docs/results.md).
 
 ``split_layers`` makes the rollout layout once per ``generate`` (one jitted copy of the block
-weights, fused with the engine's dtype cast when there is one); ``merge_split`` gives the
+weights, after the engine's dtype cast when there is one; 60-165 ms for SmolLM2 in float32); ``merge_split`` gives the
 ``Decoder`` whose embedding, final norm and head the paged forward uses and the per-layer
 states its layer loop reads (``rollout.forward.paged_forward``). ``use_split`` picks the layout:
 ``"auto"`` splits on CPU only, blocks of at least ``SPLIT_MIN_LAYER_BYTES`` (on a GPU a dynamic
@@ -22,9 +22,8 @@ on 2 cores); the persistent compile cache (``rhyme_jax.compile_cache``) keeps th
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
