@@ -69,3 +69,53 @@ def test_bf16_engine_splits_the_cast_weights():
     assert {x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(jnp.bfloat16)}
     per_block = len(jax.tree.leaves(state["layers"]))
     assert len(leaves) == len(jax.tree.leaves(state)) - per_block + CFG.num_layers * per_block
+
+
+def test_rollout_weights_are_made_once_per_weight_version():
+    """Two ``generate`` calls on the same weights split them once and sample the same tokens; a new
+    weight version is split again, and the old copy is dropped once its weights are freed."""
+    import gc
+    from rhyme_jax.rollout.run_weights import ROLLOUT_WEIGHTS
+    state, prompts = _model()[1], _prompts(1)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    eng = _engine(layer_weights="split")
+    ROLLOUT_WEIGHTS.clear()
+    made = ROLLOUT_WEIGHTS.made
+    first, again = (eng.generate(state, prompts, sp, jax.random.key(3)) for _ in range(2))
+    assert ROLLOUT_WEIGHTS.made == made + 1 and len(ROLLOUT_WEIGHTS) == 1
+    for a, b in zip(first.tokens, again.tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
+    newer = jax.tree.map(lambda x: x + 0, state)
+    eng.generate(newer, prompts, sp, jax.random.key(3))
+    assert ROLLOUT_WEIGHTS.made == made + 2 and len(ROLLOUT_WEIGHTS) == 2
+    del newer
+    gc.collect()
+    assert len(ROLLOUT_WEIGHTS) == 1
+    ROLLOUT_WEIGHTS.clear()
+
+
+def test_weight_cache_misses_deleted_sources_and_keeps_no_uncopied_state():
+    """A donated (deleted) source is never served from the cache; a preparation that copies nothing
+    is not kept (it would hold the source alive); the oldest copy leaves first past capacity."""
+    from rhyme_jax.rollout.run_weights import WeightCache, rollout_weights
+    cache = WeightCache(capacity=2)
+    src = {"w": jnp.arange(4.0)}
+    copy = lambda s: ({"w": s["w"] * 2}, True)  # noqa: E731
+    a = cache.get(src, "t", copy)
+    assert cache.get(src, "t", copy) is a and cache.made == 1
+    assert cache.get(src, "other", copy) is not a and cache.made == 2
+    others = [{"w": jnp.ones(2)} for _ in range(2)]
+    for o in others:
+        cache.get(o, "t", copy)
+    assert len(cache) == 2 and cache.get(src, "t", copy) is not a  # evicted: made again
+    src["w"].delete()
+    made = cache.made
+    with pytest.raises(RuntimeError):  # made again (the deleted array is read), never served stale
+        cache.get(src, "t", copy)
+    assert cache.made == made
+    state = _model()[1]
+    same = rollout_weights(state, None, "stacked", cache)
+    assert all(x is y for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(state), strict=True))
+    assert not any(k[0] == (None, "stacked") for k in cache._entries)
+    with pytest.raises(ValueError):
+        WeightCache(capacity=0)

@@ -43,7 +43,7 @@ from rhyme_jax.rollout.pass_cost import PassCost
 from rhyme_jax.rollout.batching import PassInputs
 from rhyme_jax.rollout.engine_config import EngineConfig  # noqa: F401 (re-exported with the engine)
 from rhyme_jax.rollout.kv_cache import KVCache
-from rhyme_jax.rollout.layer_weights import split_layers, use_split
+from rhyme_jax.rollout.run_weights import rollout_weights
 from rhyme_jax.rollout.page_allocator import PageAllocator
 from rhyme_jax.rollout.slots import SlotTable
 from rhyme_jax.rollout.passes import StaticModel, prefill_pass, verify_pass
@@ -152,10 +152,9 @@ class RolloutEngine:
 
     def _flat_state(self, state):
         """The leaves the pass programs take (``state`` cast to ``self.dtype``, per-layer when
-        ``config.layer_weights`` splits) and the ``StaticModel`` of their structure."""
-        run_state = self._cast(state)
-        if use_split(self.config.layer_weights, run_state):
-            run_state = split_layers(run_state)
+        ``config.layer_weights`` splits; made once per weight version: ``run_weights``) and the
+        ``StaticModel`` of their structure."""
+        run_state = rollout_weights(state, self.dtype, self.config.layer_weights)
         leaves, treedef = jax.tree.flatten(run_state)
         if self._static is None or self._static.value[1] != treedef:
             self._static = StaticModel(self._graph(state), treedef)

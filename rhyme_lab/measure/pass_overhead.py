@@ -13,7 +13,10 @@ compile round. From each ``generate``'s ``RolloutResult.stats``:
   with no host time: the device-only bound), ``of_bound`` their ratio;
 * ``drafting_share``: ``drafting_seconds / seconds``.
 
-Figures are medians over the rounds. ``same_tokens`` says whether every engine emitted the
+Figures are medians over the rounds. The rollout weights (the engine's dtype cast and per-layer
+split, ``rollout/run_weights.py``) are made once per weight version, so after the compile round
+the calls reuse them; ``weights_ms`` is what making them costs (paid once per RL step, for every
+``generate`` of that step), timed apart on a fresh copy of the weights. ``same_tokens`` says whether every engine emitted the
 per-pass engine's tokens. With HistoSpec (``histospec_drafter``) every engine also drafts: the
 per-pass engine on the host before each pass, the chunked ones on the device inside each chunk
 (``rollout/chunk_spec.py``); ``accepted_per_pass`` and ``drafted_tokens`` then say how much the
@@ -123,12 +126,31 @@ def measure(engs: dict, state, batch: list[list[int]], sampling, rounds: int, lo
                 log(f"round {r} N={n}: host {f['host_ms_per_pass']:.3f} ms/pass, device "
                     f"{f['device_ms_per_pass']:.3f} ms/pass, {f['tokens_per_s']:.0f} tok/s ({f['of_bound']:.1%} of bound)")
     med = {n: {k: float(statistics.median(f[k] for f in fs)) for k in FIELDS} for n, fs in runs.items()}
-    return {"engines": med, "same_tokens": bool(same)}
+    return {"engines": med, "same_tokens": bool(same), "weights_ms": weights_ms(engs[1], state)}
+
+
+def weights_ms(engine, state, reps: int = 3) -> float:
+    """Median ms to make ``engine``'s rollout weights from a new weight version of ``state``
+    (``run_weights.rollout_weights`` into an empty cache; 0 where nothing is copied)."""
+    import time
+
+    import jax
+
+    from rhyme_jax.rollout.run_weights import WeightCache, rollout_weights
+
+    times = []
+    for _ in range(reps):
+        fresh = jax.block_until_ready(jax.tree.map(lambda x: x + 0, state))
+        t0 = time.perf_counter()
+        jax.block_until_ready(rollout_weights(fresh, engine.dtype, engine.config.layer_weights, WeightCache()))
+        times.append(1e3 * (time.perf_counter() - t0))
+    return float(statistics.median(times))
 
 
 def table(meta: dict, result: dict) -> str:
     """Markdown table of ``measure``'s result, one row per engine, ``meta`` on the first line."""
     lines = [f"{meta}", "", f"same tokens as the per-pass engine: {result['same_tokens']}", "",
+             f"rollout weights (cast/split) made once per weight version: {result.get('weights_ms', 0.0):.1f} ms", "",
              "| passes/dispatch | host ms/pass | device ms/pass | tokens/s | device-only bound | of bound | "
              "drafting share | passes | dispatches | drafted | accepted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, f in sorted(result["engines"].items()):
