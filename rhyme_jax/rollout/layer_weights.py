@@ -10,8 +10,9 @@ whose blocks read ``L`` separate weight arrays has no such copies: on a 2-core A
 (Python loop over per-layer arrays), the gain ``--xla_cpu_enable_concurrency_optimized_scheduler
 =false`` gave, without that process-wide flag, which slows the update (docs/results.md).
 
-``split_layers`` makes the rollout layout once per ``generate`` (one jitted copy of the block
-weights, after the engine's dtype cast when there is one; 60-165 ms for SmolLM2 in float32); ``merge_split`` gives the
+``split_layers`` makes the rollout layout (one jitted copy of the block weights, after the
+engine's dtype cast when there is one; 60-165 ms for SmolLM2 in float32), once per weight version
+(``run_weights.rollout_weights``); ``merge_split`` gives the
 ``Decoder`` whose embedding, final norm and head the paged forward uses and the per-layer
 states its layer loop reads (``rollout.forward.paged_forward``). ``use_split`` picks the layout:
 ``"auto"`` splits on CPU only, blocks of at least ``SPLIT_MIN_LAYER_BYTES`` (on a GPU a dynamic
