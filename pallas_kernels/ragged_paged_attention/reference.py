@@ -123,11 +123,18 @@ def _one_layer(k_pages, v_pages, layer):
 
 def _take_pages(pages, index, layer):
     """Pages ``index i32[...]`` of one layer's pool ``[KVH, P, ps, hd]`` (or, with ``layer``, of
-    the stacked pool ``[L, KVH, P, ps, hd]``, read in place): ``[KVH, *index.shape, ps, hd]``."""
+    the stacked pool ``[L, KVH, P, ps, hd]``, read in place): ``[KVH, *index.shape, ps, hd]``.
+
+    16-bit float pages are gathered as ``uint16`` (the same bytes): XLA's CPU backend otherwise
+    converts the whole bfloat16 pool to float32 before the gather."""
+    dtype = pages.dtype
+    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+        pages = jax.lax.bitcast_convert_type(pages, jnp.uint16)
     if layer is None:
-        return pages[:, index]
-    g = pages[layer, :, index]  # the scalar and the index array broadcast first: [*index.shape, KVH, ps, hd]
-    return jnp.moveaxis(g, index.ndim, 0)
+        g = pages[:, index]
+    else:
+        g = jnp.moveaxis(pages[layer, :, index], index.ndim, 0)  # the scalar and the index broadcast first
+    return g if g.dtype == dtype else jax.lax.bitcast_convert_type(g, dtype)
 
 
 def _attend_by_sequence(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, max_q_len,

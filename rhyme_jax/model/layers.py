@@ -17,9 +17,23 @@ INIT_STD = 0.02
 _init = nnx.initializers.normal(INIT_STD)
 
 
+def dot_f32_accumulate(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+    """``lax.dot_general`` accumulated in float32 and returned in the operands' dtype.
+
+    What GPUs and TPUs do for bfloat16 operands anyway; XLA's CPU backend otherwise computes a
+    bfloat16-output product by converting both operands to float32 first (a 32 x 576 x 1536
+    product took 922 us that way against 442 us accumulated in float32, 2-core AMD EPYC with
+    AVX512-BF16). float32 operands are unchanged."""
+    out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                              preferred_element_type=jnp.float32 if preferred_element_type is None
+                              else preferred_element_type, **kw)
+    return out if preferred_element_type is not None else out.astype(jnp.result_type(lhs, rhs))
+
+
 def linear(din: int, dout: int, *, bias: bool, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """``nnx.Linear`` with kernel ``[din, dout]`` ~ N(0, 0.02^2) and zero bias."""
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+    """``nnx.Linear`` with kernel ``[din, dout]`` ~ N(0, 0.02^2) and zero bias; its product
+    accumulates in float32 (``dot_f32_accumulate``)."""
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, dot_general=dot_f32_accumulate,
                       kernel_init=_init, bias_init=nnx.initializers.zeros_init(), rngs=rngs)
 
 
