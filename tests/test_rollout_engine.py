@@ -544,19 +544,24 @@ def test_decode_programs_update_the_kv_pool_in_place():
     assert 1 in seen and max(seen) > 1  # the 1-token decode program and verify programs
 
 
-def test_bf16_programs_never_widen_the_kv_pool():
-    """bfloat16 rollouts on CPU (``live_pages`` attention, the CPU default): no decode or verify
-    program holds the KV pool in float32. XLA's CPU backend converted the whole pool to float32
-    around the KV write and the page gather (a SmolLM2 decode pass at 3.5x the float32 one)
-    until both read it as uint16 (``forward._write_layer``, ``reference._take_pages``)."""
+def test_bf16_programs_never_widen_or_copy_the_kv_pool():
+    """bfloat16 rollouts on CPU (``live_pages`` attention, the CPU default): the pool is stored as
+    its uint16 bits and no decode or verify program holds it in float32 or bfloat16, or needs a
+    pool's worth of temporaries. XLA's CPU backend converted the whole pool to float32 around the
+    KV write and the page gather (a SmolLM2 decode pass at 3.5x the float32 one) until both read
+    it as uint16; a bfloat16 pool bitcast to uint16 inside the pass was then still copied twice a
+    layer (``kv_cache.storage_dtype``)."""
     _, state = _model()
     eng = _engine(max_slots=2, num_pages=4096, dtype="bfloat16", attention_impl="live_pages")
     runner = eng.runner(state, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW))
-    pool = "f32[" + ",".join(str(d) for d in eng.kv.k.shape) + "]"
-    assert eng.kv.k.dtype == jnp.bfloat16
+    dims = ",".join(str(d) for d in eng.kv.k.shape)
+    assert eng.kv.dtype == jnp.bfloat16 and eng.kv.k.dtype == jnp.uint16
     kinds = set()
     for shape in eng.programs(spec=True):
         if shape.kind != "prefill":
-            assert pool not in runner.lower(runner.inputs(shape)).compile().as_text(), shape
+            compiled = runner.lower(runner.inputs(shape)).compile()
+            text = compiled.as_text()
+            assert f"f32[{dims}]" not in text and f"bf16[{dims}]" not in text, shape
+            assert compiled.memory_analysis().temp_size_in_bytes < eng.kv.k.nbytes, shape
             kinds.add(shape.kind)
     assert kinds == {"decode", "verify"}

@@ -126,9 +126,11 @@ def _take_pages(pages, index, layer):
     the stacked pool ``[L, KVH, P, ps, hd]``, read in place): ``[KVH, *index.shape, ps, hd]``.
 
     16-bit float pages are gathered as ``uint16`` (the same bytes): XLA's CPU backend otherwise
-    converts the whole bfloat16 pool to float32 before the gather."""
-    dtype = pages.dtype
-    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+    converts the whole bfloat16 pool to float32 before the gather. A ``uint16`` pool holds
+    bfloat16 bits (the CPU rollout's view of its pool, ``rhyme_jax.rollout.forward.pool_bits``):
+    its pages come back as bfloat16."""
+    dtype = jnp.dtype(jnp.bfloat16) if pages.dtype == jnp.uint16 else pages.dtype
+    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and pages.dtype != jnp.uint16:
         pages = jax.lax.bitcast_convert_type(pages, jnp.uint16)
     if layer is None:
         g = pages[:, index]

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 from rhyme_jax.model.transformer import scan_layers
-from rhyme_jax.rollout.kv_cache import KVCache
+from rhyme_jax.rollout.kv_cache import BITS, KVCache
 from rhyme_jax.rollout.layer_weights import LayerSplit, merge_split
 
 
@@ -50,9 +50,10 @@ class RaggedMeta:
     slot_mapping: Int[Array, "T"]
 
 
-def _write_layer(pool: jax.Array, layer, new: jax.Array, slots: jax.Array) -> jax.Array:
+def _write_layer(pool: jax.Array, layer, new: jax.Array, slots: jax.Array, dtype) -> jax.Array:
     """Scatter ``new [T, KVH, hd]`` into ``pool [L, KVH, P, ps, hd]`` at layer ``layer`` (an int
-    or an int32 scalar: the scan's layer index) at flat slots ``page * page_size + offset``.
+    or an int32 scalar: the scan's layer index) at flat slots ``page * page_size + offset``, cast
+    to the pool's compute ``dtype`` (written as ``uint16`` bits into a pool stored so).
 
     Indexed by (page, offset) on the pool's own shape, never through a flat reshape: a 1-token
     write becomes a dynamic-update-slice, and with a reshape around it XLA fused it into two
@@ -60,16 +61,9 @@ def _write_layer(pool: jax.Array, layer, new: jax.Array, slots: jax.Array) -> ja
     1-row decode of SmolLM2 took 5 s a pass on CPU instead of 0.08 s;
     ``tests/test_rollout_engine.py::test_decode_programs_update_the_kv_pool_in_place``)."""
     ps = pool.shape[3]
-    new = new.astype(pool.dtype)
-    if (pool.dtype.itemsize == 2 and jnp.issubdtype(pool.dtype, jnp.floating)
-            and attention_api.current_backend() == "cpu"):
-        # XLA's CPU backend scatters 16-bit floats by converting the whole pool to float32 and
-        # back (pool-sized converts every layer: a bf16 SmolLM2 decode pass at 3.5x the float32
-        # one); the same bytes as uint16 scatter in place. A pure overwrite, so it is exact.
-        # (GPU and TPU kernels take the donated pool itself: tests/test_pool_operands.py.)
-        bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
-        bits = bits.at[layer, :, slots // ps, slots % ps].set(jax.lax.bitcast_convert_type(new, jnp.uint16))
-        return jax.lax.bitcast_convert_type(bits, pool.dtype)
+    new = new.astype(dtype)
+    if pool.dtype == BITS:  # a bfloat16 pool stored as its bits (kv_cache.storage_dtype): exact overwrite
+        new = jax.lax.bitcast_convert_type(new, BITS)
     # advanced index dims lead: [T, KVH, hd]
     return pool.at[layer, :, slots // ps, slots % ps].set(new)
 
@@ -108,6 +102,9 @@ def paged_forward(
         model, per_layer = merge_split(graphdef, state)
     else:
         model, per_layer = nnx.merge(graphdef, state), None
+    if kv.as_bits and attention_api.current_backend() != "cpu":
+        raise ValueError(f"rhyme_jax/rollout/forward.py: a KV pool stored as uint16 bits (made on the CPU "
+                         f"backend, kv_cache.storage_dtype) cannot run on {attention_api.current_backend()!r}")
     head_dim = model.cfg.head_dim
     h = model.embed_tokens(tokens)  # [T, D]
     kw = dict(sm_scale=head_dim ** -0.5, max_q_len=max_q_len, implementation=attention_impl)
@@ -116,8 +113,8 @@ def paged_forward(
         k_pool, v_pool = pools
         x = layer.input_norm(h)
         q, k, v = layer.attn.project_qkv(x, positions)  # [T,H,hd], [T,KVH,hd], [T,KVH,hd]
-        k_pool = _write_layer(k_pool, li, k, meta.slot_mapping)
-        v_pool = _write_layer(v_pool, li, v, meta.slot_mapping)
+        k_pool = _write_layer(k_pool, li, k, meta.slot_mapping, kv.dtype)
+        v_pool = _write_layer(v_pool, li, v, meta.slot_mapping, kv.dtype)
         # the whole stacked pool and the layer index, never k_pool[li]: a kernel operand sliced
         # from the loop-carried pool is a copy per layer (api.ragged_paged_attention, layer=)
         args = (q, k_pool, v_pool, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
