@@ -51,6 +51,7 @@ def test_tiny_longtail_suite(tmp_path, compile_cache):
     assert (tmp_path / "gantt_longtail_recur.png").is_file()
     composed = r6["whole_system"]  # epochs whose steps the replay covers (prompts with history)
     assert composed and all(x["system"] > 0 and x["histopipe"] > 0 for x in composed.values())
+    assert r6["flops"] and all(x["rollout_gflops"] > 0 and x["gap"] > 0 for x in r6["flops"])  # regime_flops
     # L7: L6 with run seed 1, and both seeds' held-out gain pooled per problem
     run_unit("longtail_recur_seed1_paired", tmp_path, "tiny")
     _, results = runner.run_suite("longtail_recur_seed1", scale="tiny", out=tmp_path, only="L7", progress=False)

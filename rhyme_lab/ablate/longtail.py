@@ -31,6 +31,7 @@ from rhyme_lab.ablate.compose import cell as compose_cell
 from rhyme_lab.ablate.compose import system_figures, whole_system
 from rhyme_lab.ablate.learning import by_epoch, paired_epochs
 from rhyme_lab.ablate.measures import Inputs, MissingInput, figure, ratio_of_sums
+from rhyme_lab.ablate.regime_flops import table_lines as flop_lines
 
 PAIRED_UNIT = "longtail_goodput_paired"
 SEED_UNITS = ("longtail_plain_seed0", "longtail_plain_seed1")  # the held-out gain of two seeds
@@ -393,23 +394,52 @@ def regime(inp: Inputs, paired_unit: str, seed_units: tuple[str, ...], gantt: st
     cells += [f"{n}: held-out {gain_cell(g)}" + (f"; sampled mean@k {gain_cell(g['sampled'])}" if "sampled" in g else "")
               for n, g in gains.items()]
     details = "\n".join(table_lines(rows))
-    try:
-        bound = histospec_bound(inp.unit(BOUND_UNIT))
-    except MissingInput:
-        bound = None
-    if bound:
-        cells.append(f"HistoSpec bound (always-right drafts, same engine, {bound['steps']} steps): {bound['bound']:.2f}x "
-                     f"rollout; the run's drafter {bound['own']:.2f}x there ({bound['of_bound']:.0%} of the bound)")
-        figs.append(figure("HistoSpec bound: always-right oracle rollout speed-up", "epoch 1", bound["bound"],
-                           bound["bound_se"], bound["steps"]))
+    flops = _flop_rates(r)
+    cells += [flops["cell"]] if flops else []
+    details += flops["details"] if flops else ""
+    bound = _bound(inp, cells, figs)
     real = _real_model(inp)
     if real:
         cells.append(real["cell"])
         details += f"\n\n{REAL_UNIT}:\n" + "\n".join(table_lines(real["epochs"]))
     return {"ours": "; ".join(cells), "figures": figs, "details": details, "epochs": rows,
             "held_out": gains, "histopipe": sched, "whole_system": system, "real_model": real, "histospec_bound": bound,
+            "flops": flops["rows"] if flops else None,
             "notes": f"{r['rows_per_step']} rows per step, 1 rollout worker; HistoPipe replayed on {WORKERS} simulated "
                      f"workers under the cost model fitted to the run's plain rollouts (a, b, c and the fit in 'histopipe')"}
+
+
+def _bound(inp: Inputs, cells: list, figs: list) -> dict | None:
+    """``histospec_bound`` of the bound unit where it ran, its cell and figure appended."""
+    try:
+        bound = histospec_bound(inp.unit(BOUND_UNIT))
+    except MissingInput:
+        return None
+    if bound:
+        cells.append(f"HistoSpec bound (always-right drafts, same engine, {bound['steps']} steps): {bound['bound']:.2f}x "
+                     f"rollout; the run's drafter {bound['own']:.2f}x there ({bound['of_bound']:.0%} of the bound)")
+        figs.append(figure("HistoSpec bound: always-right oracle rollout speed-up", "epoch 1", bound["bound"],
+                           bound["bound_se"], bound["steps"]))
+    return bound
+
+
+def _flop_rates(r: dict) -> dict | None:
+    """``regime_flops.epoch_rates`` of the paired unit ``r``: ``{"rows", "cell", "details"}`` (the
+    last epoch's rates in words, the table), None where its run's files are gone."""
+    from rhyme_lab.ablate.regime_flops import epoch_rates, step_flops
+
+    try:
+        rows = epoch_rates(r, step_flops(r["run_dir"]))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not rows:
+        return None
+    last = rows[-1]
+    cell = (f"FLOPs (epoch {last['epoch']}): rollout {last['rollout_gflops']:.2f} GFLOP/s, update "
+            f"{last['update_gflops']:.2f}: the update {last['gap']:.1f}x the rollout's rate, a rollout share of "
+            f"{last['share_of_gap']:.0%} from that gap alone (70% needs 7x; regime_flops)")
+    return {"rows": rows, "cell": cell,
+            "details": "\n\nFLOPs against seconds (rhyme_lab/ablate/regime_flops.py):\n" + "\n".join(flop_lines(rows))}
 
 
 def _x(v) -> str:
