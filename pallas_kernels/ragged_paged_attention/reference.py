@@ -127,7 +127,7 @@ def _take_pages(pages, index, layer):
 
     16-bit float pages are gathered as ``uint16`` (the same bytes): XLA's CPU backend otherwise
     converts the whole bfloat16 pool to float32 before the gather. A ``uint16`` pool holds
-    bfloat16 bits (the CPU rollout's view of its pool, ``rhyme_jax.rollout.forward.pool_bits``):
+    bfloat16 bits (how the rollout stores a bfloat16 pool on CPU, ``rhyme_jax.rollout.kv_cache.storage_dtype``):
     its pages come back as bfloat16."""
     dtype = jnp.dtype(jnp.bfloat16) if pages.dtype == jnp.uint16 else pages.dtype
     if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and pages.dtype != jnp.uint16:

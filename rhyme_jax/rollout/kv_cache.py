@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Shaped
 
 from pallas_kernels.ragged_paged_attention import api as attention_api
 
@@ -47,8 +47,8 @@ class KVCache:
         scratch.
     """
 
-    k: Float[Array, "L KVH P ps hd"]
-    v: Float[Array, "L KVH P ps hd"]
+    k: Shaped[Array, "L KVH P ps hd"]
+    v: Shaped[Array, "L KVH P ps hd"]
 
     @classmethod
     def create(cls, *, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
