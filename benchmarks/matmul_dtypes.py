@@ -18,21 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
-import numpy as np
+from rhyme_lab.measure.timing import median_seconds
 
 SHAPES = {"q": (576, 576), "kv": (576, 192), "up": (576, 1536), "down": (1536, 576), "head": (576, 49152)}
 
 
 def _median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(times))
+    """Median microseconds of ``reps`` calls of ``fn`` after one untimed call."""
+    return 1e6 * median_seconds(fn, reps, warmup=1)
 
 
 def measure(rows: int, reps: int) -> dict[str, dict[str, float]]:
