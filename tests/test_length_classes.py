@@ -48,7 +48,8 @@ def test_pack_by_length_moves_every_token_and_weight():
     for c in calls:
         assert c["tokens"].shape[0] * c["tokens"].shape[1] <= 64 or c["tokens"].shape[0] == 1
     total = lambda k: sum(float(c[k].sum()) for c in calls)
-    assert total("attn_mask") == b["attn_mask"].sum() and total("loss_mask") == b["loss_mask"].sum()
+    carries = b["loss_mask"].sum(axis=1) > 0  # a row without loss tokens stays out
+    assert total("attn_mask") == b["attn_mask"][carries].sum() and total("loss_mask") == b["loss_mask"].sum()
     w = losses.loss_weights(b["loss_mask"][:, :-1], "seq_mean_token_mean")[0]
     assert total("loss_w") == pytest.approx(float(np.sum(w)), rel=1e-6)
     # the long row sits in a 64-buffer; nothing short is padded to 64 unless it shares that buffer
@@ -59,12 +60,19 @@ def test_pack_by_length_moves_every_token_and_weight():
 def test_accumulated_step_equals_the_padded_step():
     """One update over the class calls against ``make_grpo_step`` on the padded minibatch: with
     plain SGD at rate 1 the parameter change is the gradient, so the two changes compare as the
-    packed and padded gradients do (``tests/test_packing.py``)."""
+    packed and padded gradients do (``tests/test_packing.py``). Two rows of advantage 0 (a group
+    whose rewards are all equal) stay out of the calls (``grpo.skip_zero_advantage_rows``), and
+    the gradient is still the padded update's over every row."""
     loss_agg = "seq_mean_token_mean"
     graphdef, state = nnx.split(Decoder(CFG, rngs=nnx.Rngs(4)))
-    b = _long_tail_batch()
-    calls = pack_by_length(b, loss_agg, CLASSES[1:], call_tokens=64)  # two classes: fewer programs to compile
-    assert len({c["tokens"].shape for c in calls}) >= 2
+    b = _long_tail_batch(rows=16)
+    zero = np.flatnonzero(b["loss_mask"].sum(axis=1) > 0)[[1, 3]]
+    b["advantages"][zero] = 0.0
+    calls = pack_by_length(b, loss_agg, CLASSES[1:], call_tokens=64, skip_zero_advantage=True)
+    assert len({c["tokens"].shape for c in calls}) >= 2  # two classes: fewer programs to compile
+    kept = (b["loss_mask"].sum(axis=1) > 0) & (b["advantages"] != 0)
+    assert sum(int(c["attn_mask"].sum()) for c in calls) == b["attn_mask"][kept].sum() < b["attn_mask"].sum()
+    assert sum(float(c["token_w"].sum()) for c in calls) == pytest.approx(1.0, rel=1e-6)  # metrics: rows kept
     kw = dict(eps_low=0.2, eps_high=0.28, kl_coef=0.0, loss_agg=loss_agg, temperature=1.0)
     opt = optax.sgd(1.0)
     copy = lambda s: jax.tree.map(jnp.copy, s)
@@ -102,6 +110,9 @@ def test_pack_lengths_config_checks(tmp_path):
            "grpo.padding_free=true grpo.pack_lengths=[512,256]": "strictly increasing",
            "grpo.padding_free=true grpo.pack_lengths=[100]": "multiples of 16",
            "grpo.padding_free=true grpo.pack_lengths=[16]": "the largest must be >= rollout.max_prompt_len"}
+    bad["grpo.skip_zero_advantage_rows=true"] = "needs grpo.padding_free=true"
+    bad["grpo.padding_free=true grpo.skip_zero_advantage_rows=true grpo.kl_coef=0.01"] = "needs grpo.kl_coef=0"
+    bad["grpo.padding_free=true grpo.skip_zero_advantage_rows=true grpo.entropy_coef=0.01"] = "needs grpo.entropy_coef=0"
     for sets, msg in bad.items():
         with pytest.raises(ConfigError, match=msg):
             load_config("configs/default.yaml", sets.split())

@@ -63,10 +63,11 @@ def test_pack_moves_every_token_with_its_values():
     b["is_weights"] = np.random.default_rng(3).uniform(0.5, 2.0, b["old_logprobs"].shape).astype(np.float32)  # grpo.tis
     p = pack_minibatch(b, "token_mean")
     assert p["tokens"].shape[0] < b["tokens"].shape[0]  # fewer buffers than padded rows
-    assert p["attn_mask"].sum() == b["attn_mask"].sum()
+    carries = b["loss_mask"].sum(axis=1) > 0  # a row without loss tokens (empty response) stays out
+    assert 0 < b["attn_mask"][~carries].sum() and p["attn_mask"].sum() == b["attn_mask"][carries].sum()
     assert p["loss_mask"].sum() == b["loss_mask"].sum()
     # each segment is its padded row: tokens, positions from 0, its advantage on its targets
-    for r in range(b["tokens"].shape[0] - 1):
+    for r in np.flatnonzero(carries):
         n = int(b["attn_mask"][r].sum())
         hits = [(i, j) for i in range(p["tokens"].shape[0]) for j in range(p["tokens"].shape[1] - n + 1)
                 if p["positions"][i, j] == 0 and p["attn_mask"][i, j]

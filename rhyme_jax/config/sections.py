@@ -310,6 +310,19 @@ def _check_pack_lengths(g: Any) -> None:
         raise fail(g, "pack_lengths", "must be strictly increasing")
 
 
+def _check_skip_rows(g: Any) -> None:
+    """``grpo.skip_zero_advantage_rows``: only in a packed update, and only where such a row has no
+    gradient (no KL or entropy term)."""
+    if not g.skip_zero_advantage_rows:
+        return
+    if not g.padding_free:
+        raise fail(g, "skip_zero_advantage_rows", "needs grpo.padding_free=true (rows leave the packed buffers)")
+    for key in ("kl_coef", "entropy_coef"):
+        if getattr(g, key) > 0:
+            raise fail(g, "skip_zero_advantage_rows", f"needs grpo.{key}=0: with it a row of advantage 0 still "
+                       "carries gradient")
+
+
 @dataclass(frozen=True)
 class GRPOSection:
     """GRPO family objective (``train/losses.py``; the keys against TRL's GRPOConfig: docs/trl_mapping.md)."""
@@ -348,6 +361,11 @@ class GRPOSection:
     # smallest that holds it, so attention follows each row's length, not the longest row's; the gradient is
     # accumulated over calls of micro_batch_tokens (train/length_classes.py). Empty = one length, the longest row's
     pack_lengths: list[int] = field(default_factory=list, hash=False)
+    # padding_free: leave rows whose advantage is exactly 0 out of the update's buffers (their loss and gradient
+    # terms are 0; the loss weights stay the whole minibatch's). Needs kl_coef = entropy_coef = 0; clip_fraction,
+    # ratio_mean, approx_kl then average over the rows that carry gradient (train/packing.py). Rows without loss
+    # tokens are always left out
+    skip_zero_advantage_rows: bool = False
     learning_rate: float = 1e-3  # AdamW peak learning rate
     warmup_steps: int = 0  # GRPO steps of linear warmup from 0 (x num_iterations x minibatches optimizer steps)
     schedule: LRSchedule = "constant"  # after linear warmup; cosine ends when the run does (steps x num_iterations x minibatches)
@@ -375,6 +393,7 @@ class GRPOSection:
         above(self, 0.0, "learning_rate")
         at_least(self, 1.0, "tis_cap")
         _check_pack_lengths(self)
+        _check_skip_rows(self)
         _check_warmup(self)
         rows = self.prompts_per_step * self.samples_per_prompt
         batch = f"the rollout batch grpo.prompts_per_step * grpo.samples_per_prompt = {rows}"

@@ -58,7 +58,7 @@ def call_rows(buffers: int, full: int, multiple: int) -> list[int]:
 
 
 def pack_by_length(batch: dict[str, np.ndarray], loss_agg: str, classes: list[int], call_tokens: int,
-                   multiple: int = 1) -> list[dict[str, np.ndarray]]:
+                   multiple: int = 1, skip_zero_advantage: bool = False) -> list[dict[str, np.ndarray]]:
     """Pack a right-padded minibatch into calls of class-length buffers (module docstring).
 
     Args:
@@ -68,6 +68,8 @@ def pack_by_length(batch: dict[str, np.ndarray], loss_agg: str, classes: list[in
       call_tokens: tokens of one call per device (``grpo.micro_batch_tokens``; 0 = the largest
         class): a class of length ``L`` runs ``max(1, call_tokens // L) x multiple`` rows a call.
       multiple: the batch shards; every call's rows are a multiple of it.
+      skip_zero_advantage: also leave rows of advantage 0 out (``packing.target_grid``; rows
+        without loss tokens always stay out).
 
     Returns:
       the calls, shortest class first: each a packed minibatch (``pack_minibatch``'s fields,
@@ -77,7 +79,7 @@ def pack_by_length(batch: dict[str, np.ndarray], loss_agg: str, classes: list[in
       losses.LossInputError: unknown ``loss_agg`` or a normalised one without ``loss_norm``.
       ValueError: a row longer than the largest class.
     """
-    grid, lengths = target_grid(batch, loss_agg)
+    grid, lengths = target_grid(batch, loss_agg, skip_zero_advantage)
     budget = call_tokens or classes[-1]
     by_class: dict[int, list[list[int]]] = {}
     for size, rows in place_in_classes(lengths, classes):
@@ -97,8 +99,11 @@ def pack_by_length(batch: dict[str, np.ndarray], loss_agg: str, classes: list[in
 def update_calls(batch: dict[str, np.ndarray], grpo, multiple: int = 1) -> list[dict[str, np.ndarray]]:
     """The jitted calls of one optimizer step's right-padded minibatch as the ``grpo`` config section
     lays them out: ``pack_by_length`` calls with ``grpo.pack_lengths``, else one packed minibatch
-    (``packing.pack_minibatch``) with ``grpo.padding_free``, else the padded minibatch itself.
+    (``packing.pack_minibatch``) with ``grpo.padding_free``, else the padded minibatch itself. Packed,
+    rows that carry no gradient stay out (``grpo.skip_zero_advantage_rows``; ``packing.target_grid``).
     ``multiple``: the batch shards. Raises as ``pack_by_length`` and ``pack_minibatch``."""
+    skip = grpo.skip_zero_advantage_rows
     if grpo.pack_lengths:
-        return pack_by_length(batch, grpo.loss_agg, list(grpo.pack_lengths), grpo.micro_batch_tokens, multiple)
-    return [pack_minibatch(batch, grpo.loss_agg, multiple=multiple) if grpo.padding_free else batch]
+        return pack_by_length(batch, grpo.loss_agg, list(grpo.pack_lengths), grpo.micro_batch_tokens, multiple, skip)
+    return [pack_minibatch(batch, grpo.loss_agg, multiple=multiple, skip_zero_advantage=skip)
+            if grpo.padding_free else batch]

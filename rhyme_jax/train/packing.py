@@ -13,6 +13,14 @@ padded layout (``losses.loss_weights``, every aggregation) and moved with their 
 advantages become per-token values, and a segment's first target (its prompt's first token
 predicted from the previous segment's last) is never a response token, so it carries no loss.
 ``tests/test_packing.py`` checks loss and gradients against the padded update.
+
+Rows that carry no gradient stay out of the buffers (``target_grid``): rows without loss tokens
+(padding rows, skipped prompts, truncated rows under ``grpo.mask_truncated_completions``) always,
+and with ``grpo.skip_zero_advantage_rows`` rows whose advantage is exactly 0 (a group whose rewards
+are all equal). Their loss and gradient terms are exactly 0 (the surrogate is ``ratio x A``;
+the option refuses a KL or entropy term), and the weights were computed over the whole
+minibatch before, so the loss and gradient are the full update's. On the ledger task these rows
+held 86% of the response tokens of L6 (2,000 of its 3,072 rows are in all-equal groups).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 
 from rhyme_jax.train import losses
 
@@ -80,8 +88,8 @@ def packed_rows(bins: int, multiple: int, limit: int) -> int:
     return max(min(-(-bins // quantum) * quantum, limit), bins)
 
 
-def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int = 1
-                   ) -> dict[str, np.ndarray]:
+def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int = 1,
+                   skip_zero_advantage: bool = False) -> dict[str, np.ndarray]:
     """Pack a right-padded minibatch (the dict ``grpo_step.make_grpo_step`` takes).
 
     Args:
@@ -91,6 +99,7 @@ def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int
       loss_agg: the aggregation (``losses.LOSS_AGGS``): the loss weights are computed here, over
         the padded minibatch, so every aggregation's loss is the padded one.
       multiple: the packed row count is a multiple of it (the batch shards).
+      skip_zero_advantage: also leave rows of advantage 0 out (``target_grid``).
 
     Returns:
       the packed minibatch: ``tokens``, ``positions`` (per segment), ``segment_ids`` i32[B', T]
@@ -103,22 +112,49 @@ def pack_minibatch(batch: dict[str, np.ndarray], loss_agg: str, *, multiple: int
     """
     mask = np.asarray(batch["attn_mask"], bool)
     B, T = mask.shape
-    grid, lengths = target_grid(batch, loss_agg)
+    grid, lengths = target_grid(batch, loss_agg, skip_zero_advantage)
     bins = first_fit_decreasing(lengths, T)
     return fill_buffers(batch, grid, lengths, bins, packed_rows(len(bins), multiple, max(B, 1)), T)
 
 
-def target_grid(batch: dict[str, np.ndarray], loss_agg: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def target_grid(batch: dict[str, np.ndarray], loss_agg: str, skip_zero_advantage: bool = False
+                ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The padded minibatch's target-grid fields to move (loss weights over the whole minibatch,
-    per-token advantages) and each row's length."""
+    per-token advantages) and each row's length, 0 for a row left out (``inert_rows``).
+
+    With rows of advantage 0 left out, ``token_w`` (the metrics' weights) is renormalised over the
+    rows kept, so ``clip_fraction``, ``ratio_mean`` and ``approx_kl`` average over the rows that
+    carry gradient; ``loss_w`` is the whole minibatch's either way."""
     mask = np.asarray(batch["attn_mask"], bool)
     B, T = mask.shape
     norm = float(np.max(batch["loss_norm"])) if "loss_norm" in batch else None
     loss_w, token_w = (np.asarray(w) for w in losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg, norm))
+    lengths = mask.sum(axis=1)
+    out = inert_rows(batch, loss_w, skip_zero_advantage)
+    lengths = np.where(out, 0, lengths)
+    if np.any(token_w[out] != 0):  # rows of advantage 0 left out: the metrics average over the rest
+        kept = np.where(out[:, None], 0.0, token_w).astype(np.float32)
+        total = float(kept.sum())
+        token_w = kept / total if total > 0 else kept
     grid = {k: batch[k] for k in TARGET_FIELDS if k in batch}
     grid.update(loss_w=loss_w, token_w=token_w,
                 advantages=np.broadcast_to(np.asarray(batch["advantages"], np.float32)[:, None], (B, T - 1)))
-    return grid, mask.sum(axis=1)
+    return grid, lengths
+
+
+def inert_rows(batch: dict[str, np.ndarray], loss_w: Float[np.ndarray, "B T1"], skip_zero_advantage: bool
+               ) -> Bool[np.ndarray, "B"]:
+    """``bool[B]``: the rows to leave out of the buffers: no loss weight, or (``skip_zero_advantage``)
+    an advantage of exactly 0. One row with tokens stays if every row would go (the shortest), so
+    the optimizer step still runs: a zero gradient moves AdamW's moments and weights."""
+    lengths = np.asarray(batch["attn_mask"], bool).sum(axis=1)
+    out = ~np.any(np.asarray(loss_w) != 0, axis=1)
+    if skip_zero_advantage:
+        out |= np.asarray(batch["advantages"], np.float32) == 0
+    out &= lengths > 0
+    if out.any() and not np.any(~out & (lengths > 0)):
+        out[int(np.argmin(np.where(out, lengths, np.iinfo(np.int64).max)))] = False
+    return out
 
 
 def fill_buffers(batch: dict[str, np.ndarray], grid: dict[str, np.ndarray], lengths: np.ndarray,

@@ -6,8 +6,10 @@ step computes on (``train.trainer.Trainer._update``): the prompts' tokens, the r
 ``grpo.minibatches`` contiguous slices, each right-padded (``losses.sequence_batch``) and then
 packed as the config packs (``grpo.pack_lengths`` class calls, else ``grpo.padding_free``), and
 times the whole step's optimizer steps on the run's architecture and decoder options with random
-weights and random behaviour logprobs and advantages (time and memory do not depend on their
-values). Config overrides (``grpo.remat=false``, ``model.attention_block=256``) time the same rows
+weights and random behaviour logprobs (time and memory do not depend on their values). The
+advantages are the logged rewards' group advantages and truncated rows lose their loss under
+``grpo.mask_truncated_completions``, so the rows the trainer leaves out of the buffers (no loss
+tokens; advantage 0 under ``grpo.skip_zero_advantage_rows``) stay out here too. Config overrides (``grpo.remat=false``, ``model.attention_block=256``) time the same rows
 under other settings. ``python -m benchmarks.update_step --run-dir RUN --step N`` is the command
 line.
 """
@@ -25,8 +27,10 @@ from rhyme_jax.config import load_config
 from rhyme_jax.data import load_problems
 from rhyme_jax.io.rollout_log import load_rollouts
 from rhyme_jax.train.length_classes import update_calls
+from rhyme_jax.train.losses import group_advantages
 from rhyme_jax.train.memory_plan import model_config_of
 from rhyme_jax.train.optim import grpo_optimizer
+from rhyme_jax.train.overlong import mask_rows
 from rhyme_jax.train.policy import build_tokenizer, tiny_model_config
 from rhyme_jax.train.prompts import PromptTokens
 from rhyme_jax.train.trainer import update_order
@@ -46,8 +50,15 @@ def logged_calls(cfg, run_dir: Path, step: int) -> tuple[list[list[dict]], objec
     prompts = [prompt(i) for i in logged["prompt_ids"]]
     responses = [r.tolist() for r in logged["responses"]]
     g, rng, out = cfg.grpo, np.random.default_rng(0), []
+    groups = jnp.asarray(logged["rewards"], jnp.float32).reshape(-1, g.samples_per_prompt)
+    adv = np.asarray(group_advantages(groups, scale_rewards=g.scale_rewards)).reshape(-1)
+    truncated = np.asarray(logged["lengths"]) >= cfg.rollout.max_new_tokens
     for rows in update_order(len(prompts), g.minibatches, g.num_iterations):
-        out.append(update_calls(minibatch([prompts[i] for i in rows], [responses[i] for i in rows], rng), g))
+        b = minibatch([prompts[i] for i in rows], [responses[i] for i in rows], rng)
+        b["advantages"] = adv[rows].astype(np.float32)
+        if g.mask_truncated_completions:
+            b["loss_mask"] = mask_rows(b["loss_mask"], truncated[rows])
+        out.append(update_calls(b, g))
     return out, model_cfg, len(prompts)
 
 
