@@ -436,8 +436,9 @@ def _flop_rates(r: dict) -> dict | None:
         return None
     last = rows[-1]
     cell = (f"FLOPs (epoch {last['epoch']}): rollout {last['rollout_gflops']:.2f} GFLOP/s, update "
-            f"{last['update_gflops']:.2f}: the update {last['gap']:.1f}x the rollout's rate, a rollout share of "
-            f"{last['share_of_gap']:.0%} from that gap alone (70% needs 7x; regime_flops)")
+            f"{last['update_gflops']:.2f}: the update {last['gap']:.1f}x the rollout's rate over the rows it computes "
+            f"on ({last['updated']:.0%} of the rollout's FLOPs), a rollout share of {last['share_of_gap']:.0%} from "
+            f"these alone (all rows: 70% needs 7x; regime_flops)")
     return {"rows": rows, "cell": cell,
             "details": "\n\nFLOPs against seconds (rhyme_lab/ablate/regime_flops.py):\n" + "\n".join(flop_lines(rows))}
 

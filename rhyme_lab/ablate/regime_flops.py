@@ -17,7 +17,10 @@ needs the update to run ``3 s / (1 - s)`` times the rollout's FLOP rate (7x for 
 cache for a few tokens a pass and training runs its products at a large batch. This module
 counts the FLOPs of each saved step from the run's own lengths (prompt and response tokens of
 every row) and the model's shapes, and reports per epoch each phase's GFLOP/s, the gap
-``e_U / e_R`` and the share it implies.
+``e_U / e_R`` and the share it implies. Where the update leaves rows out (rows of advantage 0
+under ``grpo.skip_zero_advantage_rows`` or ``grpo.dynamic_sampling``: ``updated_rows``), its FLOPs
+are ``3 q F`` with ``q`` the share of the rollout's forward FLOPs in the rows it keeps, and
+``share = 1 / (1 + 3 q e_R / e_U + rest / R)``.
 """
 
 from __future__ import annotations
@@ -58,10 +61,29 @@ def run_model_config(cfg, run_dir: Path, train):
     return tiny_model_config(cfg, build_tokenizer(cfg, run_dir, train))
 
 
-def step_flops(run_dir) -> dict[int, float]:
-    """Forward FLOPs of every saved step's rows (prompt + response tokens) of the run in
-    ``run_dir`` (``rollouts/step_*.npz`` and ``config.yaml``): the plain rollout's FLOPs; the
-    update's are ``UPDATE_OVER_FORWARD`` times these.
+def updated_rows(cfg, rewards, lengths) -> np.ndarray:
+    """``bool[N]``: the rows of a step the update computes on. The packed update leaves out rows
+    without loss tokens (an empty response; a truncated one under
+    ``grpo.mask_truncated_completions``) and, under ``grpo.skip_zero_advantage_rows`` or
+    ``grpo.dynamic_sampling`` (which drops such groups), rows of advantage 0 (``train/packing.py``)."""
+    from rhyme_jax.train.losses import group_advantages
+
+    g, lengths = cfg.grpo, np.asarray(lengths)
+    keep = lengths > 0
+    if g.mask_truncated_completions:
+        keep &= lengths < cfg.rollout.max_new_tokens
+    if g.padding_free and (g.skip_zero_advantage_rows or g.dynamic_sampling):
+        groups = np.asarray(rewards, np.float32).reshape(-1, g.samples_per_prompt)
+        adv = np.asarray(group_advantages(groups, scale_rewards=g.scale_rewards)).reshape(-1)
+        keep &= np.nan_to_num(adv) != 0
+    return keep
+
+
+def step_flops(run_dir) -> dict[int, tuple[float, float]]:
+    """Forward FLOPs of every saved step of the run in ``run_dir`` (``rollouts/step_*.npz`` and
+    ``config.yaml``): ``(rollout, update)``, the first over every row (prompt + response tokens:
+    the plain rollout's FLOPs), the second over the rows the update computes on
+    (``updated_rows``); the update's FLOPs are ``UPDATE_OVER_FORWARD`` times it.
 
     Raises:
       FileNotFoundError: no ``config.yaml`` in ``run_dir``.
@@ -85,16 +107,18 @@ def step_flops(run_dir) -> dict[int, float]:
         ro = load_rollouts(run_dir, step)
         for p in np.unique(ro["prompt_ids"]):
             plen.setdefault(int(p), len(tokens(int(p))))
-        prompts = np.array([plen[int(p)] for p in ro["prompt_ids"]], np.float64)
-        out[step] = forward_flops(model, prompts + ro["lengths"])
+        rows = np.array([plen[int(p)] for p in ro["prompt_ids"]], np.float64) + ro["lengths"]
+        keep = updated_rows(cfg, ro["rewards"], ro["lengths"])
+        out[step] = (forward_flops(model, rows), forward_flops(model, rows[keep]))
     return out
 
 
-def epoch_rates(r: dict, flops: dict[int, float]) -> list[dict]:
+def epoch_rates(r: dict, flops: dict[int, tuple[float, float]]) -> list[dict]:
     """Per epoch of a paired unit ``r`` (its steps' ``plain`` rollout seconds and ``time/train_s``),
-    over the steps that compiled nothing: rollout and update GFLOP/s (``flops``: ``step_flops``),
-    the gap ``e_U / e_R``, the rollout share measured (plain rollout over plain rollout + the
-    step's rest) and the share the gap alone gives (``1 / (1 + 3 / gap)``)."""
+    over the steps that compiled nothing: rollout and update GFLOP/s (``flops``: ``step_flops``'s
+    rollout and update forward FLOPs), the gap ``e_U / e_R``, the update's share of the rollout's
+    FLOPs ``q`` (the rows it computes on), the rollout share measured (plain rollout over plain
+    rollout + the step's rest) and the share the gap gives (``1 / (1 + 3 q / gap)``)."""
     from rhyme_lab.ablate.learning import by_epoch
 
     rows = []
@@ -102,26 +126,29 @@ def epoch_rates(r: dict, flops: dict[int, float]) -> list[dict]:
         st = [s for s in st if s.get("compiles", 1) == 0 and s["step"] in flops and s.get("time/train_s")]
         if not st:
             continue
-        f = sum(flops[s["step"]] for s in st)
+        f = sum(flops[s["step"]][0] for s in st)
+        f_u = sum(flops[s["step"]][1] for s in st)
         roll = sum(s["plain"]["seconds"] for s in st)
         upd = sum(s["time/train_s"] for s in st)
         rest = sum(s["wall_s"] - s["plain"]["seconds"] - s["spec"]["seconds"] for s in st)
-        e_r, e_u = f / roll, UPDATE_OVER_FORWARD * f / upd
+        e_r, e_u = f / roll, UPDATE_OVER_FORWARD * f_u / upd
         rows.append({"epoch": ep, "steps": len(st), "rollout_gflop": f / 1e9, "rollout_gflops": e_r / 1e9,
-                     "update_gflops": e_u / 1e9, "gap": e_u / e_r, "share": roll / (roll + rest),
-                     "share_of_gap": 1.0 / (1.0 + UPDATE_OVER_FORWARD * e_r / e_u)})
+                     "update_gflops": e_u / 1e9, "gap": e_u / e_r, "updated": f_u / f, "share": roll / (roll + rest),
+                     "share_of_gap": 1.0 / (1.0 + UPDATE_OVER_FORWARD * (f_u / f) * e_r / e_u)})
     return rows
 
 
 def table_lines(rows: list[dict]) -> list[str]:
     """Markdown table of ``epoch_rates``."""
     out = ["| epoch | steps (no compile) | rollout GFLOP a step | rollout GFLOP/s | update GFLOP/s | gap e_U / e_R | "
-           "rollout share | share from the gap alone |", "|---|---|---|---|---|---|---|---|"]
+           "update FLOPs / rollout's (3x q) | rollout share | share from the gap and q |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         out.append(f"| {x['epoch']} | {x['steps']} | {x['rollout_gflop'] / x['steps']:.1f} | {x['rollout_gflops']:.2f} | "
-                   f"{x['update_gflops']:.2f} | {x['gap']:.2f} | {x['share']:.1%} | {x['share_of_gap']:.1%} |")
+                   f"{x['update_gflops']:.2f} | {x['gap']:.2f} | 3 x {x['updated']:.2f} | {x['share']:.1%} | "
+                   f"{x['share_of_gap']:.1%} |")
     return out
 
 
 __all__ = ["UPDATE_OVER_FORWARD", "epoch_rates", "forward_flops", "matmul_params", "run_model_config", "step_flops",
-           "table_lines"]
+           "table_lines", "updated_rows"]
