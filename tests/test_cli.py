@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rhyme_jax.cli import main
@@ -72,17 +73,28 @@ def test_eval_after_demo_reports_the_final_accuracy(demo_run, capsys):
     assert "(n=8)" in out
 
 
-def test_eval_initial_scores_the_warm_start_with_pass_at_k(demo_run, capsys):
+def test_eval_initial_scores_the_warm_start_with_pass_at_k(demo_run, capsys, tmp_path):
     """``--checkpoint initial`` scores what GRPO starts from (here the run's SFT params): the
-    demo's before-RL evaluation, plus pass@1 / pass@k at the rollout temperature."""
+    demo's before-RL evaluation, plus pass@1 / pass@k at the rollout temperature. ``--save`` keeps
+    its per-problem results, and ``--paired-with`` them the newest checkpoint's paired gain is the
+    run's own (the evaluations before and after GRPO)."""
     rc, run_dir = demo_run
     capsys.readouterr()
-    assert main(["eval", "--config", CONFIG, "--checkpoint", "initial", "--set", f"run.runs_dir={run_dir.parent}",
-                 "--set", "run.eval_samples=2"]) == 0
+    runs = f"run.runs_dir={run_dir.parent}"
+    saved = tmp_path / "initial.npz"
+    assert main(["eval", "--config", CONFIG, "--checkpoint", "initial", "--set", runs,
+                 "--set", "run.eval_samples=2", "--save", str(saved)]) == 0
     out = capsys.readouterr().out
     before = [r for r in read_metrics(run_dir) if r["phase"] == "eval"][0]
     assert f"initial model ({run_dir / 'sft' / 'params'}): held-out greedy accuracy {before['eval/accuracy']:.3f}" in out
     assert "pass@1 at T = 1 (mean of 2 samples)" in out and ", pass@2 " in out
+    np.testing.assert_array_equal(np.load(saved)["correct"], np.load(run_dir / "eval" / "step_000000.npz")["correct"])
+    assert main(["eval", "--config", CONFIG, "--set", runs, "--paired-with", str(saved)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"paired over {saved}: " in (out := capsys.readouterr().out)
+    assert f"gain {summary['gain_paired']:+.3f} ± {summary['gain_paired_stderr']:.3f}" in out
+    assert main(["eval", "--config", CONFIG, "--set", runs, "--paired-with", str(tmp_path / "none.npz")]) == 2
+    assert "none.npz: not a per-problem eval file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, needle", [

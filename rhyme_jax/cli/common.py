@@ -75,10 +75,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     from rhyme_jax.parallel.rules import ShardingRuleError
     from rhyme_jax.rollout.engine import EngineConfigError, PromptTooLongError
     from rhyme_jax.io.checkpoint import CheckpointError
+    from rhyme_jax.io.summary import PairedEvalError
     from rhyme_jax.train.policy import PolicyConfigError
     from rhyme_jax.train.trainer import NonFiniteLossError, RunExistsError
 
     return (DataError, ModelConfigError, CheckpointFormatError, TokenizerError, EngineConfigError,
             PromptTooLongError, CheckpointError, PolicyConfigError, NonFiniteLossError,
             RunExistsError, FileNotFoundError, MeshConfigError, ShardingRuleError,
-            DistributedConfigError, ModelImportError)
+            DistributedConfigError, ModelImportError, PairedEvalError)

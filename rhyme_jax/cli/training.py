@@ -33,10 +33,15 @@ def register(sub) -> None:
     ev = add_command(sub, "eval", "greedy held-out accuracy of a run's newest checkpoint", run,
                      examples=("rhyme-jax eval --config configs/arith_smollm2_135m.yaml",
                                "rhyme-jax eval --config configs/arith_smollm2_135m.yaml --checkpoint initial "
-                               "--set run.eval_samples=8"))
+                               "--set run.eval_samples=8",
+                               "rhyme-jax eval --config configs/arith_smollm2_135m.yaml --checkpoint initial --save before.npz",
+                               "rhyme-jax eval --config configs/arith_smollm2_135m.yaml --paired-with before.npz"))
     ev.add_argument("--checkpoint", default="", help="params directory (default: the run's newest); "
                     "'initial' scores the starting model (model.path, or run.init_from) before any "
                     "training, e.g. to check pass@k headroom with --set run.eval_samples=8")
+    ev.add_argument("--save", default="", help="write the per-problem results (.npz: correct, sampled) to this file")
+    ev.add_argument("--paired-with", default="", help="a file --save wrote for another checkpoint on the same "
+                    "problems: also print the paired gain over it (mean, standard error, z)")
     dm = add_command(sub, "demo", "warm start (SFT) + GRPO + summary: the CPU demo", run,
                      examples=("rhyme-jax demo", "rhyme-jax demo --resume",
                                "rhyme-jax demo --set run.seed=1 --set run.name=demo_seed1"))
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "sft":
             return cmd_sft(cfg)
         if args.command == "eval":
-            return cmd_eval(cfg, args.checkpoint)
+            return cmd_eval(cfg, args.checkpoint, args.save, args.paired_with)
         reward_fn = getattr(args, "reward_fn", None)
         return cmd_train(cfg, args.resume, warm_start=args.command == "demo", reward_fn=reward_fn)
     except user_errors() as exc:
@@ -175,9 +180,13 @@ def _compile_stats(cfg: RunConfig, trainer, counter) -> dict:
             "programs_run": len(run_), "programs_enumerated": len(programs_from_config(cfg))}
 
 
-def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
+def cmd_eval(cfg: RunConfig, checkpoint: str, save: str = "", paired_with: str = "") -> int:
     """``rhyme-jax eval``: greedy (and, with ``run.eval_samples``, sampled pass@k) held-out
-    accuracy of a checkpoint, the run's newest, or the starting model (``initial``)."""
+    accuracy of a checkpoint, the run's newest, or the starting model (``initial``); ``save``:
+    the per-problem results' file; ``paired_with``: such a file of another checkpoint, whose
+    paired gain is printed too. Raises ``io.summary.PairedEvalError`` (before any work) where that
+    file is missing or unreadable, and after the evaluation where it scores another number of problems."""
+    baseline = _load_eval(paired_with) if paired_with else None
     from rhyme_jax.parallel.mesh import train_mesh
     from rhyme_jax.io import checkpoint as ckpt
     from rhyme_jax.train.assembly import build_policy, run_dir_of, warm_start_dir
@@ -185,7 +194,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
     run_dir = run_dir_of(cfg)
     policy, state = build_policy(cfg, run_dir, train_mesh(1, 1, 1))  # one device
     if cfg.lora.rank > 0 and checkpoint != "initial":  # a LoRA run's checkpoints hold its adapters
-        return _eval_lora(cfg, run_dir, policy, state, checkpoint)
+        return _eval_lora(cfg, run_dir, policy, state, checkpoint, save, baseline)
     if checkpoint == "initial":  # what `rhyme-jax train` would start from
         start = warm_start_dir(cfg, run_dir)
         if start is not None:
@@ -203,10 +212,25 @@ def cmd_eval(cfg: RunConfig, checkpoint: str) -> int:
         optimizer_free_state, _, _ = c.restore(step, params_like=state, opt_state_like=None)
         c.close()
         state, source = optimizer_free_state, f"{run_dir / 'checkpoints'} step {step}"
-    return _report_eval(cfg, policy, state, source)
+    return _report_eval(cfg, policy, state, source, save, baseline)
 
 
-def _eval_lora(cfg: RunConfig, run_dir: Path, policy, base, checkpoint: str) -> int:
+def _load_eval(path: str) -> dict:
+    """``{"path", "correct"}`` of a file ``rhyme-jax eval --save`` wrote. Raises ``PairedEvalError`` naming it."""
+    import numpy as np
+
+    from rhyme_jax.io.summary import PairedEvalError
+
+    try:
+        with np.load(path) as f:
+            return {"path": path, "correct": np.asarray(f["correct"], np.float64)}
+    except (OSError, KeyError, ValueError) as exc:
+        raise PairedEvalError(f"--paired-with {path}: not a per-problem eval file of rhyme-jax eval --save "
+                              f"({exc})") from None
+
+
+def _eval_lora(cfg: RunConfig, run_dir: Path, policy, base, checkpoint: str, save: str = "",
+               baseline: dict | None = None) -> int:
     """``rhyme-jax eval`` of a LoRA run: the adapters of ``checkpoint`` (default: the newest
     checkpoint) merged into the base the run started from (``lora_export.merged_params``)."""
     from rhyme_jax.io import checkpoint as ckpt
@@ -221,11 +245,14 @@ def _eval_lora(cfg: RunConfig, run_dir: Path, policy, base, checkpoint: str) -> 
         path = run_dir / "checkpoints" / str(steps[-1])
     base = load_warm_start(cfg, run_dir, base)
     state = merged_params(cfg, base, load_adapters(cfg, policy.model_cfg, path))
-    return _report_eval(cfg, policy, state, f"{path} (LoRA adapters merged)")
+    return _report_eval(cfg, policy, state, f"{path} (LoRA adapters merged)", save, baseline)
 
 
-def _report_eval(cfg: RunConfig, policy, state, source: str) -> int:
-    """Evaluate ``state`` (float32 params) on the held-out problems and print the line of ``rhyme-jax eval``."""
+def _report_eval(cfg: RunConfig, policy, state, source: str, save: str = "", baseline: dict | None = None) -> int:
+    """Evaluate ``state`` (float32 params) on the held-out problems and print the line of ``rhyme-jax eval``
+    (with ``save``, write the per-problem file; with ``baseline``, print the paired gain over it)."""
+    import numpy as np
+
     from rhyme_jax.train.assembly import make_engine
     from rhyme_jax.train.evaluate import evaluate_run
     from rhyme_jax.train.policy import compute_params, rollout_dtype
@@ -239,4 +266,17 @@ def _report_eval(cfg: RunConfig, policy, state, source: str) -> int:
                if res.samples else "")
     print(f"{source}: held-out greedy accuracy {res.accuracy:.3f} ± {res.stderr:.3f} (n={res.n})"
           f"{sampled}, mean response length {res.mean_length:.1f} tokens")
+    if save:
+        res.save(Path(save))
+        print(f"per-problem results: {save}")
+    if baseline is not None:
+        from rhyme_jax.io.summary import PairedEvalError, paired_gain
+
+        if baseline["correct"].shape != res.correct.shape:
+            raise PairedEvalError(f"--paired-with {baseline['path']}: {baseline['correct'].size} problems, this "
+                             f"evaluation {res.n}: pair evaluations of the same held-out set")
+        gain, se = paired_gain(baseline["correct"], res.correct)
+        z = f", z {gain / se:.1f}" if se > 0 else ""
+        print(f"paired over {baseline['path']}: {np.mean(baseline['correct']):.3f} -> {res.accuracy:.3f}, "
+              f"gain {gain:+.3f} ± {se:.3f}{z} (n={res.n})")
     return 0

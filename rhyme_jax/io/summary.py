@@ -94,6 +94,11 @@ def eval_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "eval" / f"step_{step:06d}.npz"
 
 
+class PairedEvalError(ValueError):
+    """Two per-problem evaluations that cannot be paired (a missing or unreadable file, another
+    number of problems); ``rhyme-jax eval --paired-with`` reports it in one line."""
+
+
 def paired_gain(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
     """Mean and standard error of the per-problem difference ``after - before``.
 

@@ -56,6 +56,7 @@ def epoch_table(r: dict) -> list[dict]:
 
     saved, _ = load_steps(r["run_dir"])
     lengths = {st.step: st.lengths for st in saved}
+    scored = scored_rewards(r["run_dir"])
     paired = paired_epochs(r)
     rows = []
     for ep, st in sorted(by_epoch(r).items()):
@@ -67,7 +68,7 @@ def epoch_table(r: dict) -> list[dict]:
         drafted = sum(s.get("spec/drafted_tokens", 0.0) for s in st)
         lens = [lengths[s["step"]] for s in st if s["step"] in lengths]
         rows.append({"epoch": ep, "steps": len(st),
-                     "reward": float(np.mean([s.get("reward/mean", np.nan) for s in st])),
+                     "reward": float(np.mean([scored.get(s["step"], s.get("reward/mean")) for s in st])),
                      **length_stats(np.concatenate([x.ravel() for x in lens]) if lens else np.zeros(0)),
                      "rollout_share": share, "rollout_share_se": share_se,
                      "rollout_share_steady": steady_share, "steady_steps": int(steady.sum()),
@@ -75,6 +76,14 @@ def epoch_table(r: dict) -> list[dict]:
                      "acceptance": sum(s.get("spec/accepted_tokens", 0.0) for s in st) / drafted if drafted else None,
                      **{f"histospec_{k}": v for k, v in paired.get(ep, {}).items() if k != "steps"}})
     return rows
+
+
+def scored_rewards(run_dir: str | Path) -> dict[int, float]:
+    """Each saved step's mean reward over every row it rolled out (``rollouts/step_*.npz``): with
+    ``grpo.dynamic_sampling`` the step's ``reward/mean`` covers only the groups it trained."""
+    from rhyme_jax.io.rollout_log import list_rollout_steps, load_rollouts
+
+    return {s: float(np.mean(load_rollouts(run_dir, s)["rewards"])) for s in list_rollout_steps(Path(run_dir))}
 
 
 def held_out(run_dir: str | Path, steps: int) -> dict | None:
