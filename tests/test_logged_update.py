@@ -25,7 +25,7 @@ SETS = ["data.num_train=64", "data.num_eval=8", "rollout.max_prompt_len=192", "r
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A run directory: the ledger config (small), its tokenizer and step 3's 8 rows (4 per
-    minibatch), responses of 5 to 300 tokens."""
+    minibatch), responses of 5 to 300 tokens; step 5 the same rows with equal rewards."""
     run_dir = tmp_path_factory.mktemp("logged")
     cfg = load_config("configs/longtail.yaml", SETS)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -35,7 +35,8 @@ def run(tmp_path_factory):
     ids = np.arange(8, dtype=np.int64) * 3
     lengths = [5, 300, 40, 17, 120, 9, 250, 64]
     responses = [rng.integers(3, tok.vocab_size, n).astype(np.int32) for n in lengths]
-    save_rollouts(run_dir, 3, ids, responses, np.zeros(8, np.float32))
+    save_rollouts(run_dir, 3, ids, responses, np.tile(np.float32([1, 0]), 4))  # one group of 8, rewards differ
+    save_rollouts(run_dir, 5, ids, responses, np.zeros(8, np.float32))  # rewards all equal: advantage 0
     prompts = PromptTokens(tok, train, cfg.model.prompt_template)
     return run_dir, cfg, [len(prompts(i)) + n for i, n in zip(ids, lengths)]
 
@@ -53,6 +54,13 @@ def test_the_calls_hold_the_logged_rows_in_the_trainers_minibatches(run):
     assert model_cfg.num_layers == 4
     with pytest.raises(RolloutLogError):  # a step the run did not log
         logged_calls(cfg, run_dir, 4)
+    # the logged rewards' advantages reach the packing: with all rewards equal every row has
+    # advantage 0 and leaves the update (grpo.skip_zero_advantage_rows), but for each minibatch's
+    # shortest row, which keeps its optimizer step
+    assert cfg.grpo.skip_zero_advantage_rows
+    zero, _, _ = logged_calls(cfg, run_dir, 5)
+    for half, calls in zip((row_tokens[:4], row_tokens[4:]), zero):
+        assert sum(int(np.count_nonzero(c["attn_mask"])) for c in calls) == min(half)
 
 
 @pytest.mark.slow  # 20 s on 2 cores: compiles the update's programs
