@@ -129,9 +129,8 @@ def target_grid(batch: dict[str, np.ndarray], loss_agg: str, skip_zero_advantage
     B, T = mask.shape
     norm = float(np.max(batch["loss_norm"])) if "loss_norm" in batch else None
     loss_w, token_w = (np.asarray(w) for w in losses.loss_weights(batch["loss_mask"][:, :-1], loss_agg, norm))
-    lengths = mask.sum(axis=1)
-    out = inert_rows(batch, loss_w, skip_zero_advantage)
-    lengths = np.where(out, 0, lengths)
+    out = inert_rows(mask.sum(axis=1), loss_w, np.asarray(batch["advantages"], np.float32), skip_zero_advantage)
+    lengths = np.where(out, 0, mask.sum(axis=1))
     if np.any(token_w[out] != 0):  # rows of advantage 0 left out: the metrics average over the rest
         kept = np.where(out[:, None], 0.0, token_w).astype(np.float32)
         total = float(kept.sum())
@@ -142,15 +141,16 @@ def target_grid(batch: dict[str, np.ndarray], loss_agg: str, skip_zero_advantage
     return grid, lengths
 
 
-def inert_rows(batch: dict[str, np.ndarray], loss_w: Float[np.ndarray, "B T1"], skip_zero_advantage: bool
-               ) -> Bool[np.ndarray, "B"]:
-    """``bool[B]``: the rows to leave out of the buffers: no loss weight, or (``skip_zero_advantage``)
-    an advantage of exactly 0. One row with tokens stays if every row would go (the shortest), so
-    the optimizer step still runs: a zero gradient moves AdamW's moments and weights."""
-    lengths = np.asarray(batch["attn_mask"], bool).sum(axis=1)
+def inert_rows(lengths: Int[np.ndarray, "B"], loss_w: Float[np.ndarray, "B T1"], advantages: Float[np.ndarray, "B"],
+               skip_zero_advantage: bool) -> Bool[np.ndarray, "B"]:
+    """``bool[B]``: the rows to leave out of the buffers (``lengths``: each row's tokens): no loss
+    weight, or (``skip_zero_advantage``) an advantage of exactly 0. One row with tokens stays if
+    every row would go (the shortest), so the optimizer step still runs: a zero gradient moves
+    AdamW's moments and weights."""
+    lengths = np.asarray(lengths)
     out = ~np.any(np.asarray(loss_w) != 0, axis=1)
     if skip_zero_advantage:
-        out |= np.asarray(batch["advantages"], np.float32) == 0
+        out |= np.asarray(advantages) == 0
     out &= lengths > 0
     if out.any() and not np.any(~out & (lengths > 0)):
         out[int(np.argmin(np.where(out, lengths, np.iinfo(np.int64).max)))] = False

@@ -9,8 +9,8 @@ times the whole step's optimizer steps on the run's architecture and decoder opt
 weights and random behaviour logprobs (time and memory do not depend on their values). The
 advantages are the logged rewards' group advantages and truncated rows lose their loss under
 ``grpo.mask_truncated_completions``, so the rows the trainer leaves out of the buffers (no loss
-tokens; advantage 0 under ``grpo.skip_zero_advantage_rows``) stay out here too. Config overrides (``grpo.remat=false``, ``model.attention_block=256``) time the same rows
-under other settings. ``python -m benchmarks.update_step --run-dir RUN --step N`` is the command
+tokens; advantage 0 under ``grpo.skip_zero_advantage_rows``) stay out here too. Config overrides
+(``grpo.remat=false``, ``model.attention_block=256``) time the same rows under other settings. ``python -m benchmarks.update_step --run-dir RUN --step N`` is the command
 line.
 """
 

@@ -64,15 +64,18 @@ def run_model_config(cfg, run_dir: Path, train):
 def updated_rows(cfg, rewards, lengths) -> np.ndarray:
     """``bool[N]``: the rows of a step the update computes on. The packed update leaves out rows
     without loss tokens (an empty response; a truncated one under
-    ``grpo.mask_truncated_completions``) and, under ``grpo.skip_zero_advantage_rows`` or
-    ``grpo.dynamic_sampling`` (which drops such groups), rows of advantage 0 (``train/packing.py``)."""
+    ``grpo.mask_truncated_completions``) and, under ``grpo.skip_zero_advantage_rows``, rows of
+    advantage 0 (``train/packing.py``); ``grpo.dynamic_sampling`` drops such rows' groups before any
+    update, packed or padded."""
     from rhyme_jax.train.losses import group_advantages
 
     g, lengths = cfg.grpo, np.asarray(lengths)
-    keep = lengths > 0
-    if g.mask_truncated_completions:
-        keep &= lengths < cfg.rollout.max_new_tokens
-    if g.padding_free and (g.skip_zero_advantage_rows or g.dynamic_sampling):
+    keep = np.ones(lengths.shape, bool)
+    if g.padding_free:  # the padded update computes on every row
+        keep &= lengths > 0
+        if g.mask_truncated_completions:
+            keep &= lengths < cfg.rollout.max_new_tokens
+    if (g.padding_free and g.skip_zero_advantage_rows) or g.dynamic_sampling:  # DS drops the groups in any layout
         groups = np.asarray(rewards, np.float32).reshape(-1, g.samples_per_prompt)
         adv = np.asarray(group_advantages(groups, scale_rewards=g.scale_rewards)).reshape(-1)
         keep &= np.nan_to_num(adv) != 0
